@@ -1,0 +1,47 @@
+"""aioembed: move multimodal embeddings from encoder to language-model processes, asynchronously."""
+
+from aioembed.config import TransferConfig
+from aioembed.errors import (
+    AioembedError,
+    AllocationTimeout,
+    AllocatorError,
+    ConfigError,
+    IncompatiblePeer,
+    LayoutError,
+    PeerDead,
+    PlanError,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
+from aioembed.layout import Field, Layout
+from aioembed.memory import AllocatorStats, BlockAllocator, BlockPool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AioembedError",
+    "AllocationTimeout",
+    "AllocatorError",
+    "AllocatorStats",
+    "BlockAllocator",
+    "BlockPool",
+    "ConfigError",
+    "Field",
+    "IncompatiblePeer",
+    "Layout",
+    "LayoutError",
+    "PeerDead",
+    "PlanError",
+    "ProtocolError",
+    "TransferAborted",
+    "TransferConfig",
+    "TransferError",
+    "TransferFailed",
+    "TransferTimeout",
+    "TransportError",
+    "__version__",
+]

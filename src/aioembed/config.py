@@ -1,0 +1,206 @@
+"""Transfer settings: built from keyword arguments, environment variables or a TOML file.
+
+Every value is checked at construction, so a bad setting fails where it is written, with
+the setting's name and its allowed range, not minutes later inside a transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from aioembed.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "TransferConfig"]
+
+ENV_PREFIX = "AIOEMBED_"
+
+_MAX_INT = 1 << 40
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    """Settings shared by :class:`~aioembed.EmbeddingSender` and :class:`~aioembed.EmbeddingReceiver`.
+
+    Token counts are in tokens (rows); times are in seconds. ``transport_options`` is passed
+    to the transport plugin unchanged; the plugin validates it.
+    """
+
+    transport: str = "loopback"
+    """Name of the transport: ``loopback`` (built in) or a plugin from ``aioembed.transports``."""
+    transport_options: Mapping[str, Any] = field(default_factory=dict)
+    """Options for the transport plugin (e.g. ``{"protocol": "tcp"}`` for Mooncake)."""
+    block_size: int = 128
+    """Tokens per block of the receive pool."""
+    default_tokens: int = 8192
+    """Tokens reserved for a room whose length the receiver does not know yet."""
+    pool_tokens: int = 65536
+    """Size of the receiver's registered pool, in tokens."""
+    max_round_tokens: int | None = None
+    """Most tokens reserved for one resume round (default: the whole pool)."""
+    max_request_tokens: int = 1 << 22
+    """Largest request a receiver accepts, in tokens."""
+    max_metadata_bytes: int = 65536
+    """Largest per-request metadata record, msgpack-encoded."""
+    max_rooms_per_peer: int = 4096
+    """Most rooms one peer may have open at once on a sender."""
+    handshake_timeout: float = 10.0
+    """Seconds for the HELLO / WELCOME handshake."""
+    input_timeout: float = 60.0
+    """Seconds a receiver waits for the first data of a room, and a sender for the receivers' INIT."""
+    round_timeout: float = 30.0
+    """Seconds for one resume round (free blocks, RESUME, write, STATUS)."""
+    room_timeout: float = 600.0
+    """Hard deadline for a whole room, whatever happens."""
+    heartbeat_interval: float = 1.0
+    """Seconds between PINGs to each peer."""
+    heartbeat_misses: int = 3
+    """Intervals of silence after which a peer is declared dead."""
+    device: str = "cpu"
+    """Device of the receive pool: ``cpu`` or ``cuda[:N]``."""
+    copy_threads: int = 4
+    """Worker threads for large copies and blocking transport calls."""
+    curve_secret_key_file: str | None = None
+    """ZeroMQ CURVE: this side's secret key file (enables authentication)."""
+    curve_server_public_key_file: str | None = None
+    """ZeroMQ CURVE, receiver side: the sender's public key file."""
+    curve_allowed_clients_dir: str | None = None
+    """ZeroMQ CURVE, sender side: directory of allowed client public key files."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "transport_options", MappingProxyType(dict(self.transport_options)))
+        _check_str("transport", self.transport)
+        for name in ("block_size", "default_tokens", "pool_tokens", "max_request_tokens",
+                     "max_metadata_bytes", "max_rooms_per_peer", "heartbeat_misses", "copy_threads"):
+            _check_int(name, getattr(self, name), 1, _MAX_INT)
+        if self.max_round_tokens is not None:
+            _check_int("max_round_tokens", self.max_round_tokens, 1, _MAX_INT)
+        for name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeout",
+                     "heartbeat_interval"):
+            _check_seconds(name, getattr(self, name))
+        bs = self.block_size
+        for name in ("default_tokens", "pool_tokens", "max_round_tokens"):
+            value = getattr(self, name)
+            if value is not None and value % bs:
+                raise ConfigError(
+                    f"{name}={value} must be a multiple of block_size={bs} "
+                    f"(e.g. {math.ceil(value / bs) * bs})"
+                )
+        if self.default_tokens > self.pool_tokens:
+            raise ConfigError(
+                f"default_tokens={self.default_tokens} exceeds pool_tokens={self.pool_tokens}: "
+                "the pool must hold at least one default reservation"
+            )
+        if self.max_round_tokens is not None and self.max_round_tokens > self.pool_tokens:
+            raise ConfigError(
+                f"pool_tokens={self.pool_tokens} is smaller than one round "
+                f"(max_round_tokens={self.max_round_tokens}); allowed: max_round_tokens <= pool_tokens"
+            )
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"device={self.device!r} must be 'cpu', 'cuda' or 'cuda:N'")
+        curve = (self.curve_secret_key_file, self.curve_server_public_key_file,
+                 self.curve_allowed_clients_dir)
+        for name, value in zip(("curve_secret_key_file", "curve_server_public_key_file",
+                                "curve_allowed_clients_dir"), curve, strict=True):
+            if value is not None:
+                _check_str(name, value)
+
+    @property
+    def round_tokens(self) -> int:
+        """Tokens reserved per resume round."""
+        return self.max_round_tokens if self.max_round_tokens is not None else self.pool_tokens
+
+    @property
+    def pool_blocks(self) -> int:
+        """Number of blocks in the receive pool."""
+        return self.pool_tokens // self.block_size
+
+    def replace(self, **changes: Any) -> TransferConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> TransferConfig:
+        """Build from a mapping of setting names, refusing unknown names."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {unknown} in {source}; known settings: {sorted(known)}")
+        try:
+            return cls(**values)
+        except TypeError as exc:  # pragma: no cover - dataclass signature errors
+            raise ConfigError(f"bad settings in {source}: {exc}") from exc
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TransferConfig:
+        """Build from ``AIOEMBED_<SETTING>`` environment variables (e.g. ``AIOEMBED_DEFAULT_TOKENS``).
+
+        ``AIOEMBED_TRANSPORT_OPTIONS`` takes a TOML inline table, e.g. ``{protocol = "tcp"}``.
+        Keyword ``overrides`` win over the environment.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = ENV_PREFIX + f.name.upper()
+            if key in env:
+                values[f.name] = _parse_env(f.name, key, env[key])
+        values.update(overrides)
+        return cls.from_mapping(values, source="environment")
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> TransferConfig:
+        """Build from a TOML file: the ``[aioembed]`` table if present, else the top level."""
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read TOML config {p}: {exc}") from exc
+        table = data.get("aioembed", data)
+        if not isinstance(table, dict):
+            raise ConfigError(f"[aioembed] in {p} must be a table, got {type(table).__name__}")
+        values = dict(table)
+        values.update(overrides)
+        return cls.from_mapping(values, source=str(p))
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is out of range; allowed: {lo} <= {name} <= {hi}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+    if not (0 < value <= 86400) or math.isnan(value):
+        raise ConfigError(f"{name}={value} is out of range; allowed: 0 < {name} <= 86400 seconds")
+
+
+def _check_str(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _parse_env(name: str, key: str, raw: str) -> Any:
+    default = {f.name: f for f in dataclasses.fields(TransferConfig)}[name]
+    kind = str(default.type)
+    try:
+        if name == "transport_options":
+            return tomllib.loads(f"v = {raw}")["v"]
+        if kind.startswith("int"):
+            return None if raw.strip().lower() in ("", "none") else int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+        if "None" in kind and raw.strip().lower() in ("", "none"):
+            return None
+        return raw
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"environment variable {key}={raw!r} is not a valid {name}: {exc}") from exc

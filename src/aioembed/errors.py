@@ -1,0 +1,99 @@
+"""The one exception hierarchy of aioembed.
+
+Every error the library raises derives from :class:`AioembedError`, so a server can catch
+the library's failures in one place. Messages name what was expected, what came, and the
+room / peer / setting involved.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AioembedError",
+    "AllocationTimeout",
+    "AllocatorError",
+    "ConfigError",
+    "IncompatiblePeer",
+    "LayoutError",
+    "PeerDead",
+    "PlanError",
+    "ProtocolError",
+    "TransferAborted",
+    "TransferError",
+    "TransferFailed",
+    "TransferTimeout",
+    "TransportError",
+]
+
+RoomId = int | str
+
+
+class AioembedError(Exception):
+    """Root of every error raised by aioembed."""
+
+
+class ConfigError(AioembedError, ValueError):
+    """A configuration value is out of range or of the wrong type."""
+
+
+class LayoutError(AioembedError, ValueError):
+    """Tensors do not match the declared :class:`~aioembed.Layout`."""
+
+
+class AllocatorError(AioembedError):
+    """Misuse of a :class:`~aioembed.BlockAllocator` (double free, foreign ids, oversize)."""
+
+
+class PlanError(AioembedError, ValueError):
+    """A write plan's block lists cannot hold the token range asked for."""
+
+
+class AllocationTimeout(AllocatorError, TimeoutError):
+    """Free blocks did not become available before the deadline."""
+
+
+class ProtocolError(AioembedError):
+    """A control frame is malformed, or an event is illegal in the room's current state.
+
+    ``room`` is set when the offending frame or event could be tied to a room, so the
+    I/O layer can address the error to the right peer and room.
+    """
+
+    def __init__(self, message: str, *, room: RoomId | None = None) -> None:
+        super().__init__(message)
+        self.room = room
+
+
+class TransportError(AioembedError):
+    """A transport failed to register memory, connect, or write."""
+
+
+class TransferError(AioembedError):
+    """A transfer of a room did not complete."""
+
+    def __init__(self, message: str, *, room: RoomId | None = None) -> None:
+        super().__init__(message)
+        self.room = room
+
+
+class TransferFailed(TransferError):
+    """The transfer failed (peer error, transport error, invalid peer behaviour)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A phase of the transfer did not finish within its configured deadline."""
+
+    def __init__(self, message: str, *, room: RoomId | None = None, phase: str) -> None:
+        super().__init__(message, room=room)
+        self.phase = phase
+
+
+class TransferAborted(TransferError):
+    """The transfer was cancelled by this side or by the peer."""
+
+
+class IncompatiblePeer(TransferError):
+    """The peer's layout, block size, transport or protocol version differs from ours."""
+
+
+class PeerDead(TransferFailed):
+    """The peer stopped answering heartbeats or went away while the room was active."""

@@ -1,0 +1,106 @@
+"""The registered receive pool: one contiguous tensor per field, split into blocks.
+
+One tensor per field (not one interleaved buffer) keeps every field's rows contiguous, so a
+run of adjacent blocks is one write op and one copy per field, and the pool can be
+registered with a transport once, as ``len(layout)`` regions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from aioembed.errors import LayoutError, PlanError
+from aioembed.layout import Layout
+from aioembed.memory.plan import RowRun, plan_row_runs
+from aioembed.transports.base import MemoryRegion
+
+__all__ = ["BlockPool"]
+
+
+class BlockPool:
+    """``num_blocks * block_size`` rows of every field of ``layout``, on ``device``."""
+
+    def __init__(self, layout: Layout, *, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise PlanError(f"pool needs positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        rows = num_blocks * block_size
+        self.tensors: dict[str, torch.Tensor] = {
+            name: torch.zeros((rows, *f.shape), dtype=f.dtype, device=self.device)
+            for name, f in layout.items()
+        }
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows per field."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all field tensors together."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def regions(self) -> list[MemoryRegion]:
+        """One memory region per field, in layout order, for transport registration."""
+        dev = "cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}"
+        return [
+            MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), dev) for t in self.tensors.values()
+        ]
+
+    def runs(self, blocks: Sequence[int], num_tokens: int, *, start: int = 0) -> list[RowRun]:
+        """Row runs of tokens ``[start, start + num_tokens)`` of ``blocks``; ``src_row`` is the
+        token index relative to ``start`` and ``dst_row`` the pool row."""
+        self._check_ids(blocks)
+        return plan_row_runs(num_tokens=num_tokens, block_size=self.block_size, dst_blocks=blocks,
+                             dst_start=start)
+
+    def views(self, blocks: Sequence[int], num_tokens: int) -> dict[str, list[torch.Tensor]]:
+        """Zero-copy views of the first ``num_tokens`` tokens of ``blocks``: per field, one
+        view per run of adjacent blocks, in token order."""
+        runs = self.runs(blocks, num_tokens)
+        return {
+            name: [t[r.dst_row:r.dst_row + r.count] for r in runs] for name, t in self.tensors.items()
+        }
+
+    def copy_in(
+        self, blocks: Sequence[int], src: Mapping[str, torch.Tensor], *, src_start: int, num_tokens: int
+    ) -> None:
+        """Copy tokens ``[src_start, src_start + num_tokens)`` of ``src`` into ``blocks``."""
+        runs = self.runs(blocks, num_tokens)
+        for name, t in self.tensors.items():
+            s = self._field(src, name)
+            if src_start + num_tokens > s.shape[0]:
+                raise PlanError(f"field {name!r}: source has {s.shape[0]} tokens, "
+                                f"asked for [{src_start}, {src_start + num_tokens})")
+            for r in runs:
+                t[r.dst_row:r.dst_row + r.count].copy_(s[src_start + r.src_row:src_start + r.src_row + r.count])
+
+    def copy_out(
+        self, blocks: Sequence[int], num_tokens: int, out: Mapping[str, torch.Tensor], *, out_start: int
+    ) -> None:
+        """Copy the first ``num_tokens`` tokens of ``blocks`` into ``out[f][out_start:...]``."""
+        runs = self.runs(blocks, num_tokens)
+        for name, t in self.tensors.items():
+            o = self._field(out, name)
+            if out_start + num_tokens > o.shape[0]:
+                raise PlanError(f"field {name!r}: output has {o.shape[0]} tokens, "
+                                f"cannot hold [{out_start}, {out_start + num_tokens})")
+            for r in runs:
+                o[out_start + r.src_row:out_start + r.src_row + r.count].copy_(t[r.dst_row:r.dst_row + r.count])
+
+    def _field(self, tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise LayoutError(f"missing field {name!r}; the pool's layout has {list(self.layout)}") from None
+
+    def _check_ids(self, blocks: Sequence[int]) -> None:
+        n = self.num_blocks
+        for b in blocks:
+            if not 0 <= b < n:
+                raise PlanError(f"block id {b} is outside this pool (0..{n - 1})")

@@ -1,0 +1,268 @@
+"""Transport conformance suite: the tests every transport must pass.
+
+A plugin runs it by subclassing::
+
+    from aioembed.testing import TransportConformance
+
+    class TestMyTransport(TransportConformance):
+        transport_name = "mine"
+        transport_options = {"protocol": "tcp"}
+        backends = ("asyncio",)          # if the transport is asyncio-only
+
+The suite opens two endpoints of the transport in this process (``endpoints`` fixture; a
+plugin may override it), registers torch CPU buffers, and checks the byte-level contract
+described in :mod:`aioembed.transports.base` by comparing real bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import anyio
+import pytest
+import torch
+
+from aioembed.errors import TransportError
+from aioembed.transports.base import Link, MemoryRegion, Transport, WriteOp
+from aioembed.transports.registry import open_transport
+
+__all__ = ["TransportConformance", "region_of"]
+
+
+def region_of(t: torch.Tensor) -> MemoryRegion:
+    """The memory region covering a contiguous tensor."""
+    assert t.is_contiguous()
+    device = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"
+    return MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), device)
+
+
+def _random_bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+class TransportConformance:
+    """Subclass with ``transport_name`` (and options) to run the suite on a transport."""
+
+    transport_name: ClassVar[str]
+    transport_options: ClassVar[Mapping[str, Any]] = {}
+    backends: ClassVar[tuple[str, ...]] = ("asyncio", "trio")
+    large_bytes: ClassVar[int] = 64 << 20
+    """Size of the large-write test; lower it for slow transports."""
+    peer_gone_timeout: ClassVar[float] = 30.0
+    """Seconds within which a write to a closed peer must fail."""
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "anyio_backend" in metafunc.fixturenames:
+            metafunc.parametrize("anyio_backend", self.backends)
+
+    @pytest.fixture
+    async def endpoints(self) -> AsyncIterator[tuple[Transport, Transport]]:
+        """Two open endpoints of the transport under test: (writer, owner)."""
+        a = await open_transport(self.transport_name, self.transport_options)
+        try:
+            b = await open_transport(self.transport_name, self.transport_options)
+            try:
+                yield a, b
+            finally:
+                await b.aclose()
+        finally:
+            await a.aclose()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    async def _setup(
+        endpoints: tuple[Transport, Transport], src_bytes: int, dst_bytes: int, seed: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, Link]:
+        a, b = endpoints
+        src = _random_bytes(src_bytes, seed)
+        dst = torch.zeros(dst_bytes, dtype=torch.uint8)
+        await a.register([region_of(src)])
+        await b.register([region_of(dst)])
+        link = await a.connect(b.descriptor())
+        return src, dst, link
+
+    @staticmethod
+    def _ops(src: torch.Tensor, dst: torch.Tensor, spans: Sequence[tuple[int, int, int]]) -> list[WriteOp]:
+        return [WriteOp(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in spans]
+
+    @staticmethod
+    def _expected(src: torch.Tensor, dst_len: int, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        out = torch.zeros(dst_len, dtype=torch.uint8)
+        for s, d, n in spans:
+            out[d:d + n] = src[s:s + n]
+        return out
+
+    # -- tests ---------------------------------------------------------------------------
+
+    @pytest.mark.anyio
+    async def test_descriptor_is_bytes(self, endpoints: tuple[Transport, Transport]) -> None:
+        a, _ = endpoints
+        desc = a.descriptor()
+        assert isinstance(desc, bytes) and len(desc) > 0
+
+    @pytest.mark.anyio
+    async def test_single_write_is_visible(self, endpoints: tuple[Transport, Transport]) -> None:
+        src, dst, link = await self._setup(endpoints, 4096, 4096)
+        await link.write(self._ops(src, dst, [(0, 0, 4096)]))
+        assert torch.equal(dst, src)
+        await link.aclose()
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("shape", ["reversed", "interleaved", "random", "adjacent"])
+    async def test_many_op_shapes(self, endpoints: tuple[Transport, Transport], shape: str) -> None:
+        chunk, n = 1536, 48
+        src, dst, link = await self._setup(endpoints, chunk * n, chunk * n, seed=7)
+        order = list(range(n))
+        if shape == "reversed":
+            order.reverse()
+        elif shape == "interleaved":
+            order = order[0::2] + order[1::2]
+        elif shape == "random":
+            random.Random(3).shuffle(order)
+        # source chunk i goes to destination chunk order[i], each with a different length
+        spans = [(i * chunk, order[i] * chunk, chunk - (i % 7) * 13) for i in range(n)]
+        await link.write(self._ops(src, dst, spans))
+        assert torch.equal(dst, self._expected(src, chunk * n, spans))
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_large_write(self, endpoints: tuple[Transport, Transport]) -> None:
+        n = self.large_bytes
+        src, dst, link = await self._setup(endpoints, n, n, seed=11)
+        half = n // 2
+        await link.write(self._ops(src, dst, [(0, half, n - half), (n - half, 0, half)]))
+        assert torch.equal(dst[half:], src[: n - half])
+        assert torch.equal(dst[:half], src[n - half:])
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_tiny_writes(self, endpoints: tuple[Transport, Transport]) -> None:
+        n = 1000
+        src, dst, link = await self._setup(endpoints, n, n, seed=13)
+        spans = [(i, n - 1 - i, 1) for i in range(n)]
+        await link.write(self._ops(src, dst, spans))
+        assert torch.equal(dst, torch.flip(src, [0]))
+        for i in range(0, 20):  # one op per call as well
+            await link.write(self._ops(src, dst, [(i, i, 1)]))
+        assert torch.equal(dst[:20], src[:20])
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_empty_op_list_is_a_no_op(self, endpoints: tuple[Transport, Transport]) -> None:
+        src, dst, link = await self._setup(endpoints, 64, 64)
+        await link.write([])
+        assert int(dst.sum()) == 0
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_concurrent_writes(self, endpoints: tuple[Transport, Transport]) -> None:
+        tasks, chunk = 32, 64 * 1024
+        src, dst, link = await self._setup(endpoints, tasks * chunk, tasks * chunk, seed=17)
+
+        async def one(i: int) -> None:
+            # each task writes its chunk as 4 reversed pieces
+            q = chunk // 4
+            spans = [(i * chunk + k * q, i * chunk + k * q, q) for k in reversed(range(4))]
+            await link.write(self._ops(src, dst, spans))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(tasks):
+                tg.start_soon(one, i)
+        assert torch.equal(dst, src)
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_several_regions_on_both_sides(self, endpoints: tuple[Transport, Transport]) -> None:
+        a, b = endpoints
+        srcs = [_random_bytes(1000 + 100 * i, 20 + i) for i in range(3)]
+        dsts = [torch.zeros(1000 + 100 * i, dtype=torch.uint8) for i in range(3)]
+        await a.register([region_of(t) for t in srcs])
+        await b.register([region_of(t) for t in dsts])
+        link = await a.connect(b.descriptor())
+        ops = [WriteOp(s.data_ptr(), d.data_ptr(), s.numel()) for s, d in zip(srcs, reversed(dsts), strict=True)
+               if s.numel() == d.numel()]
+        ops += [WriteOp(srcs[0].data_ptr(), dsts[2].data_ptr() + 5, 1000)]
+        await link.write(ops)
+        assert torch.equal(dsts[1], srcs[1])
+        assert torch.equal(dsts[2][5:1005], srcs[0])
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_bad_descriptors_are_refused(self, endpoints: tuple[Transport, Transport]) -> None:
+        a, _ = endpoints
+        rng = random.Random(5)
+        for blob in [b"", b"\x00", b"not a descriptor", bytes(rng.randrange(256) for _ in range(300)),
+                     b"\x81\xa9transport\xa7unknown"]:
+            with pytest.raises(TransportError):
+                await a.connect(blob)
+
+    @pytest.mark.anyio
+    async def test_write_outside_peer_regions_is_refused(self, endpoints: tuple[Transport, Transport]) -> None:
+        src, dst, link = await self._setup(endpoints, 4096, 4096)
+        with pytest.raises(TransportError):
+            await link.write(self._ops(src, dst, [(0, 4096 - 100, 200)]))  # runs past the end
+        with pytest.raises(TransportError):
+            await link.write([WriteOp(src.data_ptr(), dst.data_ptr() + (1 << 40), 16)])
+        assert int(dst.sum()) == 0
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_write_from_unregistered_source_is_refused(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        _, dst, link = await self._setup(endpoints, 64, 4096)
+        stray = _random_bytes(4096, 99)
+        with pytest.raises(TransportError):
+            await link.write([WriteOp(stray.data_ptr(), dst.data_ptr(), 4096)])
+        assert int(dst.sum()) == 0
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_overlapping_registrations(self, endpoints: tuple[Transport, Transport]) -> None:
+        a, b = endpoints
+        src = _random_bytes(8192, 31)
+        dst = torch.zeros(8192, dtype=torch.uint8)
+        whole, head = region_of(src), region_of(src[:4096])
+        await a.register([whole])
+        await a.register([whole, head])  # repeated and overlapping
+        await b.register([region_of(dst)])
+        link = await a.connect(b.descriptor())
+        await a.unregister([whole])
+        await a.unregister([head])
+        await link.write(self._ops(src, dst, [(0, 0, 8192)]))  # still registered once
+        assert torch.equal(dst, src)
+        await a.unregister([whole])
+        with pytest.raises(TransportError):
+            await a.unregister([whole])
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_write_after_link_close_fails(self, endpoints: tuple[Transport, Transport]) -> None:
+        src, dst, link = await self._setup(endpoints, 64, 64)
+        await link.aclose()
+        with pytest.raises(TransportError):
+            await link.write(self._ops(src, dst, [(0, 0, 64)]))
+
+    @pytest.mark.anyio
+    async def test_write_after_transport_close_fails(self, endpoints: tuple[Transport, Transport]) -> None:
+        a, _ = endpoints
+        src, dst, link = await self._setup(endpoints, 64, 64)
+        await a.aclose()
+        with pytest.raises(TransportError):
+            await link.write(self._ops(src, dst, [(0, 0, 64)]))
+        await a.aclose()  # idempotent
+
+    @pytest.mark.anyio
+    async def test_write_to_closed_peer_fails(self, endpoints: tuple[Transport, Transport]) -> None:
+        _, b = endpoints
+        src, dst, link = await self._setup(endpoints, 4096, 4096)
+        await link.write(self._ops(src, dst, [(0, 0, 64)]))
+        await b.aclose()
+        with anyio.fail_after(self.peer_gone_timeout):
+            with pytest.raises(TransportError):
+                await link.write(self._ops(src, dst, [(0, 0, 4096)]))
+        await link.aclose()

@@ -1,0 +1,230 @@
+"""The transport interface: register memory, exchange a descriptor, write bytes to a peer.
+
+A transport is deliberately small (compare httpcore's ``AsyncBaseTransport``): the session
+layer plans *what* to write; a transport only moves bytes between registered regions.
+
+Contract every implementation keeps (checked by :mod:`aioembed.testing`):
+
+* ``register`` may be called with regions that overlap or repeat ones already registered;
+  each registration is undone by one matching ``unregister`` of the same region.
+* ``descriptor()`` is an opaque ``bytes`` blob; it lists the regions registered at the time
+  of the call, and a peer may only write inside those.
+* ``Link.write(ops)`` returns only once every byte is visible in the destination's memory;
+  a failure raises :class:`~aioembed.errors.TransportError` and never reports success.
+* A write whose destination is outside the peer's announced regions, or whose source is
+  outside this side's registered regions, raises ``TransportError`` before moving anything.
+* After ``aclose()`` (of the link or the transport) writes raise ``TransportError``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar, Self
+
+from aioembed.errors import TransportError
+
+__all__ = [
+    "Link",
+    "MemoryRegion",
+    "RegionSet",
+    "Transport",
+    "TransportCapabilities",
+    "WriteOp",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRegion:
+    """A span of memory: start address, length in bytes, and device (``cpu`` or ``cuda:N``)."""
+
+    address: int
+    length: int
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.address <= 0 or self.length <= 0:
+            raise TransportError(f"memory region needs a positive address and length, got {self}")
+
+    @property
+    def end(self) -> int:
+        """One past the last byte."""
+        return self.address + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOp:
+    """Copy ``length`` bytes from local address ``src`` to the peer's address ``dst``."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransportCapabilities:
+    """What a transport can do, so the session can refuse a bad combination up front."""
+
+    cuda: bool = False
+    """Can register and write CUDA device memory."""
+    asyncio_only: bool = False
+    """Works only under asyncio (not trio)."""
+    cross_process: bool = True
+    """Peers may live in other processes (false for the in-process loopback)."""
+
+
+class RegionSet:
+    """Registered regions with reference counts, and O(log n) containment checks.
+
+    Overlapping and repeated registrations are allowed; the covered address ranges are
+    kept merged so that a span crossing two abutting registrations still counts as covered.
+    """
+
+    __slots__ = ("_counts", "_ends", "_starts")
+
+    def __init__(self, regions: Iterable[MemoryRegion] = ()) -> None:
+        self._counts: Counter[MemoryRegion] = Counter()
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.add(regions)
+
+    def __len__(self) -> int:
+        return sum(self._counts.values())
+
+    def __iter__(self) -> Any:
+        return iter(sorted(self._counts, key=lambda r: (r.address, r.length)))
+
+    def add(self, regions: Iterable[MemoryRegion]) -> list[MemoryRegion]:
+        """Add regions; returns those that were not registered before (count went 0 -> 1)."""
+        new = []
+        for r in regions:
+            if self._counts[r] == 0:
+                new.append(r)
+            self._counts[r] += 1
+        self._rebuild()
+        return new
+
+    def remove(self, regions: Iterable[MemoryRegion]) -> list[MemoryRegion]:
+        """Remove one registration of each region; returns those now fully gone.
+
+        Raises ``TransportError`` (removing nothing) for a region that is not registered.
+        """
+        regions = list(regions)
+        need: Counter[MemoryRegion] = Counter(regions)
+        for r, n in need.items():
+            if self._counts[r] < n:
+                raise TransportError(f"cannot unregister {r}: it is not registered")
+        gone = []
+        for r in regions:
+            self._counts[r] -= 1
+            if self._counts[r] == 0:
+                del self._counts[r]
+                gone.append(r)
+        self._rebuild()
+        return gone
+
+    def _rebuild(self) -> None:
+        spans = sorted((r.address, r.end) for r in self._counts)
+        starts: list[int] = []
+        ends: list[int] = []
+        for s, e in spans:
+            if ends and s <= ends[-1]:
+                ends[-1] = max(ends[-1], e)
+            else:
+                starts.append(s)
+                ends.append(e)
+        self._starts, self._ends = starts, ends
+
+    def covers(self, address: int, length: int) -> bool:
+        """True if ``[address, address + length)`` lies inside registered memory."""
+        if length <= 0:
+            return False
+        i = bisect.bisect_right(self._starts, address) - 1
+        return i >= 0 and address + length <= self._ends[i]
+
+    def check(self, address: int, length: int, what: str) -> None:
+        """Raise ``TransportError`` unless the span is covered."""
+        if not self.covers(address, length):
+            raise TransportError(
+                f"{what} [{address:#x}, +{length}) is outside every registered region "
+                f"({len(self._starts)} registered spans)"
+            )
+
+
+class Link(ABC):
+    """A connection to one peer's registered memory, for one-directional writes."""
+
+    @property
+    @abstractmethod
+    def peer(self) -> str:
+        """A human-readable name of the peer, for error messages and logs."""
+
+    @abstractmethod
+    async def write(self, ops: Sequence[WriteOp]) -> None:
+        """Write every op; return only when all bytes are visible at the destination."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release the link; later writes raise ``TransportError``."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class Transport(ABC):
+    """One endpoint of a transport: owns registered memory and opens links to peers.
+
+    Plugins subclass this and are found by name through the ``aioembed.transports``
+    entry-point group; the entry point names the subclass.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities()
+
+    @classmethod
+    @abstractmethod
+    async def open(cls, options: Mapping[str, Any]) -> Self:
+        """Create and start an endpoint; ``options`` come from ``TransferConfig.transport_options``.
+
+        Unknown or invalid options raise :class:`~aioembed.errors.ConfigError`.
+        """
+
+    @abstractmethod
+    async def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Make regions usable as write sources and (once in a descriptor) destinations."""
+
+    @abstractmethod
+    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        """Undo one ``register`` of each region."""
+
+    @abstractmethod
+    def descriptor(self) -> bytes:
+        """Opaque blob a peer passes to ``connect``; lists the regions registered now."""
+
+    @abstractmethod
+    async def connect(self, peer_descriptor: bytes) -> Link:
+        """Open a link that writes into the peer's announced regions.
+
+        A descriptor that is not one of this transport's raises ``TransportError``.
+        """
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close links, unregister everything, release native resources. Idempotent."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

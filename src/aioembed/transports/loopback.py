@@ -1,0 +1,173 @@
+"""In-process transport: real byte copies between regions registered in one process.
+
+It exists so that the whole stack (protocol, sessions, pools, resume) runs on a laptop with
+no GPU or NIC, with the same checks as a real transport: writes must stay inside registered
+memory on both sides, and a closed peer fails writes. CPU memory only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import uuid
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Self
+
+import anyio
+import msgpack
+
+from aioembed.errors import ConfigError, TransportError
+from aioembed.transports.base import (
+    Link,
+    MemoryRegion,
+    RegionSet,
+    Transport,
+    TransportCapabilities,
+    WriteOp,
+)
+
+__all__ = ["LoopbackLink", "LoopbackTransport"]
+
+_ENDPOINTS: weakref.WeakValueDictionary[str, LoopbackTransport] = weakref.WeakValueDictionary()
+
+_OPTIONS = {"inline_bytes", "threads"}
+
+
+def _copy_all(ops: Sequence[WriteOp]) -> None:
+    move = ctypes.memmove
+    for op in ops:
+        move(op.dst, op.src, op.length)
+
+
+class LoopbackTransport(Transport):
+    """Endpoint of the loopback transport.
+
+    Options: ``inline_bytes`` (writes smaller than this copy on the event loop thread;
+    larger ones in a worker thread, default 256 KiB) and ``threads`` (worker threads, default 4).
+    """
+
+    name: ClassVar[str] = "loopback"
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+        cuda=False, asyncio_only=False, cross_process=False
+    )
+
+    def __init__(self, *, inline_bytes: int = 256 * 1024, threads: int = 4) -> None:
+        self.id = uuid.uuid4().hex
+        self.regions = RegionSet()
+        self.closed = False
+        self._inline_bytes = inline_bytes
+        self._limiter = anyio.CapacityLimiter(threads)
+        self._links: set[LoopbackLink] = set()
+        _ENDPOINTS[self.id] = self
+
+    @classmethod
+    async def open(cls, options: Mapping[str, Any]) -> Self:
+        unknown = set(options) - _OPTIONS
+        if unknown:
+            raise ConfigError(f"unknown loopback transport option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        inline = options.get("inline_bytes", 256 * 1024)
+        threads = options.get("threads", 4)
+        if not isinstance(inline, int) or isinstance(inline, bool) or inline < 0:
+            raise ConfigError(f"transport_options.inline_bytes must be an int >= 0, got {inline!r}")
+        if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 256:
+            raise ConfigError(f"transport_options.threads must be an int in [1, 256], got {threads!r}")
+        await anyio.lowlevel.checkpoint()
+        return cls(inline_bytes=inline, threads=threads)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TransportError(f"loopback endpoint {self.id[:8]} is closed")
+
+    async def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self._check_open()
+        for r in regions:
+            if r.device != "cpu":
+                raise TransportError(f"loopback transport supports CPU memory only, got {r}")
+        self.regions.add(regions)
+        await anyio.lowlevel.checkpoint()
+
+    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self._check_open()
+        self.regions.remove(regions)
+        await anyio.lowlevel.checkpoint()
+
+    def descriptor(self) -> bytes:
+        self._check_open()
+        return msgpack.packb(
+            {
+                "transport": self.name,
+                "endpoint": self.id,
+                "pid": os.getpid(),
+                "regions": [[r.address, r.length] for r in self.regions],
+            }
+        )
+
+    async def connect(self, peer_descriptor: bytes) -> LoopbackLink:
+        self._check_open()
+        try:
+            desc = msgpack.unpackb(peer_descriptor, raw=False)
+            if not isinstance(desc, dict) or desc.get("transport") != self.name:
+                raise ValueError("not a loopback descriptor")
+            endpoint, pid, regions = desc["endpoint"], desc["pid"], desc["regions"]
+            announced = RegionSet(MemoryRegion(int(a), int(n)) for a, n in regions)
+        except Exception as exc:
+            raise TransportError(f"bad loopback descriptor ({len(peer_descriptor)} bytes): {exc}") from exc
+        if pid != os.getpid():
+            raise TransportError(
+                f"loopback peer lives in process {pid}, this is process {os.getpid()}: "
+                "the loopback transport only works inside one process; choose mooncake or ucx"
+            )
+        peer = _ENDPOINTS.get(endpoint)
+        if peer is None or peer.closed:
+            raise TransportError(f"loopback peer {str(endpoint)[:8]} is gone")
+        await anyio.lowlevel.checkpoint()
+        link = LoopbackLink(self, peer, announced)
+        self._links.add(link)
+        return link
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for link in list(self._links):
+            await link.aclose()
+        _ENDPOINTS.pop(self.id, None)
+
+
+class LoopbackLink(Link):
+    """A link to another loopback endpoint in this process."""
+
+    def __init__(self, local: LoopbackTransport, peer: LoopbackTransport, announced: RegionSet) -> None:
+        self._local = local
+        self._peer = peer
+        self._announced = announced
+        self._closed = False
+
+    @property
+    def peer(self) -> str:
+        return f"loopback:{self._peer.id[:8]}"
+
+    async def write(self, ops: Sequence[WriteOp]) -> None:
+        if self._closed or self._local.closed:
+            raise TransportError(f"write on a closed link to {self.peer}")
+        if self._peer.closed:
+            raise TransportError(f"peer {self.peer} has closed; {len(ops)} ops not written")
+        total = 0
+        for op in ops:
+            if op.length <= 0:
+                raise TransportError(f"write op with non-positive length: {op}")
+            self._local.regions.check(op.src, op.length, "write source")
+            self._announced.check(op.dst, op.length, f"write destination at {self.peer}")
+            self._peer.regions.check(op.dst, op.length, f"write destination at {self.peer}")
+            total += op.length
+        if total <= self._local._inline_bytes:
+            _copy_all(ops)
+            await anyio.lowlevel.checkpoint()
+        else:
+            await anyio.to_thread.run_sync(_copy_all, list(ops), limiter=self._local._limiter)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._local._links.discard(self)
+        await anyio.lowlevel.checkpoint()

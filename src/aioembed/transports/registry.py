@@ -1,0 +1,55 @@
+"""Resolve a transport name to its implementation: built-ins first, then entry points."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from typing import Any
+
+from aioembed.errors import ConfigError, TransportError
+from aioembed.transports.base import Transport
+
+__all__ = ["ENTRY_POINT_GROUP", "available_transports", "open_transport", "resolve_transport"]
+
+ENTRY_POINT_GROUP = "aioembed.transports"
+
+
+def _builtin() -> dict[str, type[Transport]]:
+    from aioembed.transports.loopback import LoopbackTransport
+
+    return {LoopbackTransport.name: LoopbackTransport}
+
+
+def available_transports() -> list[str]:
+    """Names of the built-in transports and of every installed plugin."""
+    names = set(_builtin())
+    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def resolve_transport(name: str) -> type[Transport]:
+    """The ``Transport`` subclass registered under ``name``."""
+    builtin = _builtin()
+    if name in builtin:
+        return builtin[name]
+    matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not matches:
+        raise ConfigError(
+            f"unknown transport {name!r}; installed transports: {available_transports()} "
+            f"(plugins register in the entry-point group {ENTRY_POINT_GROUP!r}, "
+            f"e.g. `pip install aioembed-{name}`)"
+        )
+    try:
+        cls = matches[0].load()
+    except Exception as exc:
+        raise TransportError(f"transport plugin {name!r} failed to load: {exc!r}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TransportError(
+            f"entry point {matches[0].value!r} for transport {name!r} is not a Transport subclass"
+        )
+    return cls
+
+
+async def open_transport(name: str, options: Mapping[str, Any] | None = None) -> Transport:
+    """Open an endpoint of the transport named ``name``."""
+    return await resolve_transport(name).open(options or {})
