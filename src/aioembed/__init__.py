@@ -7,6 +7,7 @@ from aioembed.errors import (
     AllocatorError,
     ConfigError,
     IncompatiblePeer,
+    InvalidRequest,
     LayoutError,
     PeerDead,
     PlanError,
@@ -19,10 +20,18 @@ from aioembed.errors import (
 )
 from aioembed.layout import Field, Layout
 from aioembed.memory import AllocatorStats, BlockAllocator, BlockPool
+from aioembed.protocol.room import TransferStatus
+from aioembed.session import EmbeddingReceiver, EmbeddingSender, Received, ReceiveHandle, TransferStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "TransferStatus",
+    "TransferStats",
+    "Received",
+    "ReceiveHandle",
+    "EmbeddingSender",
+    "EmbeddingReceiver",
     "AioembedError",
     "AllocationTimeout",
     "AllocatorError",
@@ -32,6 +41,7 @@ __all__ = [
     "ConfigError",
     "Field",
     "IncompatiblePeer",
+    "InvalidRequest",
     "Layout",
     "LayoutError",
     "PeerDead",

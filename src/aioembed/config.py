@@ -103,7 +103,7 @@ class TransferConfig:
                 f"pool_tokens={self.pool_tokens} is smaller than one round "
                 f"(max_round_tokens={self.max_round_tokens}); allowed: max_round_tokens <= pool_tokens"
             )
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+        if not (self.device in {"cpu", "cuda"} or self.device.startswith("cuda:")):
             raise ConfigError(f"device={self.device!r} must be 'cpu', 'cuda' or 'cuda:N'")
         curve = (self.curve_secret_key_file, self.curve_server_public_key_file,
                  self.curve_allowed_clients_dir)

@@ -13,6 +13,7 @@ __all__ = [
     "AllocatorError",
     "ConfigError",
     "IncompatiblePeer",
+    "InvalidRequest",
     "LayoutError",
     "PeerDead",
     "PlanError",
@@ -39,6 +40,10 @@ class LayoutError(AioembedError, ValueError):
     """Tensors do not match the declared :class:`~aioembed.Layout`."""
 
 
+class InvalidRequest(AioembedError, ValueError):
+    """Arguments of a send or receive are out of range (too many tokens, metadata too large, ...)."""
+
+
 class AllocatorError(AioembedError):
     """Misuse of a :class:`~aioembed.BlockAllocator` (double free, foreign ids, oversize)."""
 
@@ -61,6 +66,8 @@ class ProtocolError(AioembedError):
     def __init__(self, message: str, *, room: RoomId | None = None) -> None:
         super().__init__(message)
         self.room = room
+        self.peer_version: int | None = None
+        """Set when the frame was well formed but spoke another protocol version."""
 
 
 class TransportError(AioembedError):

@@ -109,8 +109,7 @@ class BlockAllocator:
         for b in taken:
             state[b] = _USED
         used = self.num_blocks - len(free)
-        if used > self._high_water:
-            self._high_water = used
+        self._high_water = max(self._high_water, used)
         return taken
 
     def try_alloc(self, num_tokens: int) -> list[int] | None:

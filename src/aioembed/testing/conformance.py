@@ -153,7 +153,7 @@ class TransportConformance:
 
     @pytest.mark.anyio
     async def test_empty_op_list_is_a_no_op(self, endpoints: tuple[Transport, Transport]) -> None:
-        src, dst, link = await self._setup(endpoints, 64, 64)
+        _src, dst, link = await self._setup(endpoints, 64, 64)
         await link.write([])
         assert int(dst.sum()) == 0
         await link.aclose()

@@ -1,0 +1,51 @@
+"""The sans-IO protocol: message codec and per-room state machines."""
+
+from aioembed.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    Hello,
+    Init,
+    Message,
+    Ping,
+    Pong,
+    Reject,
+    Resume,
+    RoomId,
+    Status,
+    Welcome,
+    decode,
+    encode,
+)
+from aioembed.protocol.room import (
+    Arrived,
+    RankPhase,
+    ReceiverRoom,
+    SenderRoom,
+    TransferStatus,
+    WriteTask,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "AbortAck",
+    "Arrived",
+    "Hello",
+    "Init",
+    "Message",
+    "Ping",
+    "Pong",
+    "RankPhase",
+    "ReceiverRoom",
+    "Reject",
+    "Resume",
+    "RoomId",
+    "SenderRoom",
+    "Status",
+    "TransferStatus",
+    "Welcome",
+    "WriteTask",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,407 @@
+"""Control-plane messages and their msgpack codec. Sans-IO: bytes in, objects out.
+
+Every frame is a msgpack map with an explicit ``type`` tag and the protocol version ``v``.
+:func:`decode` validates every field's type and range, so *any* byte string yields either a
+message or a :class:`~aioembed.errors.ProtocolError` (never another exception). Semantic
+checks that need context (block ids against the pool size, rounds against the room state)
+belong to the room state machines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeAlias
+
+import msgpack
+
+from aioembed.errors import ProtocolError
+
+__all__ = [
+    "MAX_BLOCKS_PER_MESSAGE",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "AbortAck",
+    "Hello",
+    "Init",
+    "Message",
+    "Ping",
+    "Pong",
+    "Reject",
+    "Resume",
+    "RoomId",
+    "Status",
+    "Welcome",
+    "decode",
+    "encode",
+    "validate_room",
+]
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20
+"""Upper bound of any control frame (sockets refuse larger ones before decoding)."""
+MAX_BLOCKS_PER_MESSAGE = 1 << 20
+MAX_TOKENS = 1 << 40
+MAX_ROOM_STR = 256
+MAX_TEXT = 4096
+MAX_DESCRIPTOR = 1 << 20
+MAX_METADATA_DEPTH = 16
+
+RoomId: TypeAlias = int | str
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+STATES = ("BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS", "FAILED", "ABORTED")
+
+
+# -- field validators -----------------------------------------------------------------------
+
+Validator: TypeAlias = Callable[[str, Any], Any]
+
+
+def _int(lo: int, hi: int) -> Validator:
+    def check(name: str, v: Any) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ProtocolError(f"field {name!r}: expected int, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise ProtocolError(f"field {name!r}: {v} out of range [{lo}, {hi}]")
+        return v
+
+    return check
+
+
+def _str(max_len: int, *, choices: tuple[str, ...] | None = None) -> Validator:
+    def check(name: str, v: Any) -> str:
+        if not isinstance(v, str):
+            raise ProtocolError(f"field {name!r}: expected str, got {type(v).__name__}")
+        if len(v) > max_len:
+            raise ProtocolError(f"field {name!r}: {len(v)} characters, at most {max_len} allowed")
+        if choices is not None and v not in choices:
+            raise ProtocolError(f"field {name!r}: {v!r} is not one of {choices}")
+        return v
+
+    return check
+
+
+def _bytes(max_len: int) -> Validator:
+    def check(name: str, v: Any) -> bytes:
+        if not isinstance(v, bytes):
+            raise ProtocolError(f"field {name!r}: expected bytes, got {type(v).__name__}")
+        if len(v) > max_len:
+            raise ProtocolError(f"field {name!r}: {len(v)} bytes, at most {max_len} allowed")
+        return v
+
+    return check
+
+
+def _optional(inner: Validator) -> Validator:
+    def check(name: str, v: Any) -> Any:
+        return None if v is None else inner(name, v)
+
+    return check
+
+
+def _block_list(name: str, v: Any) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise ProtocolError(f"field {name!r}: expected a list of block ids, got {type(v).__name__}")
+    if len(v) > MAX_BLOCKS_PER_MESSAGE:
+        raise ProtocolError(f"field {name!r}: {len(v)} block ids, at most {MAX_BLOCKS_PER_MESSAGE}")
+    for b in v:
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < (1 << 32):
+            raise ProtocolError(f"field {name!r}: block id {b!r} is not an int in [0, 2**32)")
+    if len(set(v)) != len(v):
+        raise ProtocolError(f"field {name!r}: duplicate block ids")
+    return tuple(v)
+
+
+def validate_room(name: str, v: Any) -> RoomId:
+    """A room id is a 64-bit signed int or a non-empty str of at most 256 characters."""
+    if isinstance(v, bool):
+        raise ProtocolError(f"field {name!r}: room id must be int or str, got bool")
+    if isinstance(v, int):
+        if not _INT64_MIN <= v <= _INT64_MAX:
+            raise ProtocolError(f"field {name!r}: room id {v} does not fit in 64 bits")
+        return v
+    if isinstance(v, str):
+        if not 0 < len(v) <= MAX_ROOM_STR:
+            raise ProtocolError(f"field {name!r}: room id must have 1..{MAX_ROOM_STR} characters")
+        return v
+    raise ProtocolError(f"field {name!r}: room id must be int or str, got {type(v).__name__}")
+
+
+def _check_plain(v: Any, depth: int) -> None:
+    if depth > MAX_METADATA_DEPTH:
+        raise ProtocolError(f"metadata nested deeper than {MAX_METADATA_DEPTH}")
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return
+    if isinstance(v, (list, tuple)):
+        for x in v:
+            _check_plain(x, depth + 1)
+        return
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise ProtocolError(f"metadata keys must be str, got {type(k).__name__}")
+            _check_plain(x, depth + 1)
+        return
+    raise ProtocolError(f"metadata holds a {type(v).__name__}, which msgpack cannot carry plainly")
+
+
+def _metadata(name: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ProtocolError(f"field {name!r}: metadata must be a map, got {type(v).__name__}")
+    _check_plain(v, 0)
+    return v
+
+
+_ROOM = validate_room
+_TOKENS = _int(0, MAX_TOKENS)
+_ROUND = _int(0, 1 << 31)
+_RANK = _int(0, 1 << 16)
+_WORLD = _int(1, 1 << 16)
+
+
+# -- messages -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Base:
+    TYPE: ClassVar[str]
+    SCHEMA: ClassVar[dict[str, Validator]]
+
+    def to_wire(self) -> bytes:
+        """msgpack bytes of this message, with ``type`` and ``v`` tags."""
+        return encode(self)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> Message:
+        """Decode ``data``; raises ``ProtocolError`` unless it is a valid message of this type."""
+        msg = decode(data)
+        if not isinstance(msg, cls):
+            raise ProtocolError(f"expected a {cls.TYPE} message, got {msg.TYPE}", room=getattr(msg, "room", None))
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(_Base):
+    """Receiver -> sender: who I am, what I hold, and where to write."""
+
+    TYPE: ClassVar[str] = "HELLO"
+    peer_id: str
+    fingerprint: str
+    transport: str
+    descriptor: bytes
+    block_size: int
+    num_blocks: int
+    rank: int
+    world: int
+    regions: tuple[tuple[int, int], ...]
+    """Per layout field: (base address, length) of the pool tensor in the receiver."""
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(_Base):
+    """Sender -> receiver: handshake accepted."""
+
+    TYPE: ClassVar[str] = "WELCOME"
+    peer_id: str
+    heartbeat_interval: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reject(_Base):
+    """Either way: a frame or a peer is refused; ``room`` set when one room is concerned."""
+
+    TYPE: ClassVar[str] = "REJECT"
+    reason: str
+    room: RoomId | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Init(_Base):
+    """Receiver -> sender: a room's first reservation."""
+
+    TYPE: ClassVar[str] = "INIT"
+    room: RoomId
+    blocks: tuple[int, ...]
+    allocated_tokens: int
+    expected_ranks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resume(_Base):
+    """Receiver -> sender: round ``round`` of a room, with fresh blocks for the rest."""
+
+    TYPE: ClassVar[str] = "RESUME"
+    room: RoomId
+    round: int
+    sent_tokens: int
+    blocks: tuple[int, ...]
+    allocated_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Status(_Base):
+    """Sender -> receiver: the data of a round is in place (or the room failed)."""
+
+    TYPE: ClassVar[str] = "STATUS"
+    room: RoomId
+    state: str
+    total_tokens: int
+    sent_tokens: int
+    round: int
+    metadata: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(_Base):
+    """Either way: end the room; the receiver of it answers ``ABORT_ACK`` once no write is in flight."""
+
+    TYPE: ClassVar[str] = "ABORT"
+    room: RoomId
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAck(_Base):
+    """Answer to ``ABORT``: no write into the room's blocks is, or will be, in flight."""
+
+    TYPE: ClassVar[str] = "ABORT_ACK"
+    room: RoomId
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(_Base):
+    """Heartbeat."""
+
+    TYPE: ClassVar[str] = "PING"
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(_Base):
+    """Heartbeat answer; ``peer_id`` tells a restarted peer from the old one."""
+
+    TYPE: ClassVar[str] = "PONG"
+    nonce: int
+    peer_id: str
+
+
+def _regions(name: str, v: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(v, (list, tuple)) or not 1 <= len(v) <= 256:
+        raise ProtocolError(f"field {name!r}: expected a list of 1..256 [address, length] pairs")
+    out = []
+    for item in v:
+        if (not isinstance(item, (list, tuple)) or len(item) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < (1 << 64) for x in item)):
+            raise ProtocolError(f"field {name!r}: bad region {item!r}, expected [address, length]")
+        out.append((int(item[0]), int(item[1])))
+    return tuple(out)
+
+
+def _seconds(name: str, v: Any) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 86400:
+        raise ProtocolError(f"field {name!r}: expected seconds in (0, 86400], got {v!r}")
+    return float(v)
+
+
+Hello.SCHEMA = {
+    "peer_id": _str(64), "fingerprint": _str(128), "transport": _str(64),
+    "descriptor": _bytes(MAX_DESCRIPTOR), "block_size": _int(1, 1 << 20),
+    "num_blocks": _int(1, 1 << 32), "rank": _RANK, "world": _WORLD, "regions": _regions,
+}
+Welcome.SCHEMA = {"peer_id": _str(64), "heartbeat_interval": _seconds}
+Reject.SCHEMA = {"reason": _str(MAX_TEXT), "room": _optional(_ROOM)}
+Init.SCHEMA = {"room": _ROOM, "blocks": _block_list, "allocated_tokens": _TOKENS, "expected_ranks": _WORLD}
+Resume.SCHEMA = {
+    "room": _ROOM, "round": _ROUND, "sent_tokens": _TOKENS, "blocks": _block_list, "allocated_tokens": _TOKENS,
+}
+Status.SCHEMA = {
+    "room": _ROOM, "state": _str(32, choices=STATES), "total_tokens": _TOKENS, "sent_tokens": _TOKENS,
+    "round": _ROUND, "metadata": _optional(_metadata), "error": _optional(_str(MAX_TEXT)),
+}
+Abort.SCHEMA = {"room": _ROOM, "reason": _str(MAX_TEXT)}
+AbortAck.SCHEMA = {"room": _ROOM}
+Ping.SCHEMA = {"nonce": _int(0, _INT64_MAX)}
+Pong.SCHEMA = {"nonce": _int(0, _INT64_MAX), "peer_id": _str(64)}
+
+Message: TypeAlias = Hello | Welcome | Reject | Init | Resume | Status | Abort | AbortAck | Ping | Pong
+
+_TYPES: dict[str, type[_Base]] = {
+    cls.TYPE: cls for cls in (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, Ping, Pong)
+}
+
+
+def encode(msg: Message | _Base) -> bytes:
+    """msgpack bytes of ``msg``. Validates the fields first, so a bad value fails here, not at the peer."""
+    cls = type(msg)
+    body: dict[str, Any] = {"type": cls.TYPE, "v": PROTOCOL_VERSION}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        cls.SCHEMA[f.name](f.name, value)
+        body[f.name] = value
+    try:
+        data: bytes = msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode {cls.TYPE}: {exc}") from exc
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{cls.TYPE} frame is {len(data)} bytes, at most {MAX_FRAME_BYTES} allowed")
+    return data
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed in control frames")
+
+
+def decode(data: bytes) -> Message:
+    """Parse and validate one frame. Raises only :class:`ProtocolError`."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        body = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types on garbage; all mean "bad frame"
+        raise ProtocolError(f"frame is not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"frame must be a msgpack map, got {type(body).__name__}")
+    room: RoomId | None = None
+    try:
+        room = validate_room("room", body["room"]) if "room" in body else None
+    except ProtocolError:
+        room = None
+    mtype = body.get("type")
+    cls = _TYPES.get(mtype) if isinstance(mtype, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {mtype!r}; known: {sorted(_TYPES)}", room=room)
+    version = body.get("v")
+    if version != PROTOCOL_VERSION:
+        err = ProtocolError(
+            f"{cls.TYPE}: protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",
+            room=room,
+        )
+        err.peer_version = version if isinstance(version, int) and not isinstance(version, bool) else -1
+        raise err
+    kwargs: dict[str, Any] = {}
+    expected = {f.name for f in dataclasses.fields(cls)}
+    extra = set(body) - expected - {"type", "v"}
+    if extra:
+        raise ProtocolError(f"{cls.TYPE}: unexpected fields {sorted(map(str, extra))}", room=room)
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is not dataclasses.MISSING:
+                kwargs[f.name] = f.default
+                continue
+            raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}", room=room)
+        try:
+            kwargs[f.name] = cls.SCHEMA[f.name](f.name, body[f.name])
+        except ProtocolError as exc:
+            raise ProtocolError(f"{cls.TYPE}: {exc}", room=room) from None
+    return cls(**kwargs)  # type: ignore[return-value]

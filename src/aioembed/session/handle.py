@@ -1,0 +1,98 @@
+"""What a receiver hands back: a handle on a room in flight, and the received request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from aioembed.errors import TransferError
+from aioembed.protocol.messages import RoomId
+from aioembed.protocol.room import TransferStatus
+
+__all__ = ["ReceiveHandle", "Received", "TransferStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """Per-transfer numbers, for metrics and logs."""
+
+    bytes: int
+    """Payload bytes received (all fields)."""
+    rounds: int
+    """Rounds used (1 when the first reservation was enough)."""
+    seconds: float
+    """From ``start`` to the result."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds spent per phase: ``handshake``, ``allocate``, ``wait`` (for data), ``copy``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A complete request: one tensor per layout field, ``num_tokens`` rows each."""
+
+    room: RoomId
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+    num_tokens: int
+    rounds: int
+    stats: TransferStats
+
+
+class ReceiveHandle:
+    """A room being received. Non-blocking ``status`` for schedulers that poll; awaitables otherwise."""
+
+    def __init__(self, room: RoomId) -> None:
+        self.room = room
+        self._status = TransferStatus.BOOTSTRAPPING
+        self._done = anyio.Event()
+        self._result: Received | None = None
+        self._error: TransferError | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._cancel_reason: str | None = None
+
+    @property
+    def status(self) -> TransferStatus:
+        """Current state; never blocks."""
+        return self._status
+
+    @property
+    def done(self) -> bool:
+        """True once the room reached a terminal state."""
+        return self._done.is_set()
+
+    async def wait(self) -> TransferStatus:
+        """Wait until the room ends; returns its terminal status (does not raise)."""
+        await self._done.wait()
+        return self._status
+
+    async def result(self) -> Received:
+        """Wait for the room and return the request, or raise its :class:`TransferError`."""
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def cancel(self, reason: str = "cancelled by the receiver") -> None:
+        """Abort the room on both sides. Returns at once; ``wait()`` tells when it is over."""
+        if self._done.is_set():
+            return
+        self._cancel_reason = reason
+        if self._scope is not None:
+            self._scope.cancel()
+
+    # -- used by the receiver ------------------------------------------------------------
+
+    def _set_status(self, status: TransferStatus) -> None:
+        if not self._done.is_set():
+            self._status = status
+
+    def _finish(self, *, result: Received | None = None, error: TransferError | None = None,
+                status: TransferStatus) -> None:
+        if self._done.is_set():
+            return
+        self._result, self._error, self._status = result, error, status
+        self._done.set()

@@ -1,0 +1,578 @@
+"""The language side: reserves blocks, asks for rooms, copies rows out, resumes until done.
+
+One task group per receiver owns the control socket's I/O task, the connection task
+(handshake and heartbeats) and one task per room. A room's blocks go back to the allocator
+only when no write into them can still be in flight: after the sender's final STATUS, after
+its ABORT_ACK, or once the sender is declared dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import anyio.abc
+import torch
+import zmq
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from aioembed.config import TransferConfig
+from aioembed.control.channel import ControlSocket
+from aioembed.control.sockets import make_dealer
+from aioembed.errors import (
+    AioembedError,
+    AllocationTimeout,
+    IncompatiblePeer,
+    InvalidRequest,
+    PeerDead,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+)
+from aioembed.layout import Layout
+from aioembed.memory.allocator import BlockAllocator
+from aioembed.memory.pool import BlockPool
+from aioembed.protocol.messages import (
+    Abort,
+    AbortAck,
+    Hello,
+    Init,
+    Message,
+    Ping,
+    Pong,
+    Reject,
+    Resume,
+    RoomId,
+    Status,
+    Welcome,
+    decode,
+    encode,
+    validate_room,
+)
+from aioembed.protocol.room import ReceiverRoom, TransferStatus
+from aioembed.session.backend import check_backend
+from aioembed.session.handle import Received, ReceiveHandle, TransferStats
+from aioembed.transports.base import Transport
+from aioembed.transports.registry import open_transport
+
+__all__ = ["EmbeddingReceiver"]
+
+log = logging.getLogger(__name__)
+
+_INBOX = 16
+_COPY_INLINE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerGone:
+    reason: str
+
+
+_Event = Status | Abort | AbortAck | Reject | _PeerGone
+
+
+class _Room:
+    """Receiver-side bookkeeping of one room (the machine plus its I/O state)."""
+
+    def __init__(self, handle: ReceiveHandle, machine: ReceiverRoom, expected_tokens: int | None) -> None:
+        self.handle = handle
+        self.machine = machine
+        self.expected_tokens = expected_tokens
+        send, recv = anyio.create_memory_object_stream[_Event](_INBOX)
+        self.inbox_send: MemoryObjectSendStream[_Event] = send
+        self.inbox: MemoryObjectReceiveStream[_Event] = recv
+        self.blocks: list[int] = []
+        self.sender_id: str | None = None
+        self.announced = False  # INIT sent: the sender may write into our blocks
+        self.sender_ended = False  # the sender told us the room is over (or is gone)
+
+
+class EmbeddingReceiver:
+    """Receives rooms from one :class:`~aioembed.EmbeddingSender`, as rank ``rank`` of ``world``.
+
+    Use as an async context manager; ``receive(room)`` returns the complete request.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        config: TransferConfig | None = None,
+        *,
+        connect: str,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        self.layout = layout
+        self.config = config or TransferConfig()
+        if not isinstance(world, int) or not 1 <= world <= 1 << 16:
+            raise InvalidRequest(f"world={world!r} must be an int in [1, 65536]")
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise InvalidRequest(f"rank={rank!r} must be an int in [0, world={world})")
+        self.connect_to = connect
+        self.rank = rank
+        self.world = world
+        self.peer_id = uuid.uuid4().hex
+        self.pool = BlockPool(layout, num_blocks=self.config.pool_blocks, block_size=self.config.block_size,
+                              device=self.config.device)
+        self.allocator = BlockAllocator(num_blocks=self.config.pool_blocks, block_size=self.config.block_size)
+        self._rooms: dict[RoomId, _Room] = {}
+        self._orphans: dict[RoomId, list[int]] = {}
+        self._transport: Transport | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._chan: ControlSocket | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._sender_id: str | None = None
+        self._connected = anyio.Event()
+        self._rejected: IncompatiblePeer | None = None
+        self._welcome_or_reject = anyio.Event()
+        self._last_heard = 0.0
+        self._copy_limiter = anyio.CapacityLimiter(self.config.copy_threads)
+        self._closed = False
+        self._closing_hard = False
+        self._reconnect = anyio.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        cfg = self.config
+        self._transport = await open_transport(cfg.transport, cfg.transport_options)
+        try:
+            check_backend(self._transport, self.pool.device)
+            await self._transport.register(self.pool.regions())
+            self._ctx = zmq.Context()
+            sock = make_dealer(self._ctx, self.connect_to, cfg)
+            self._chan = ControlSocket(sock, self._on_frames, name=f"receiver[{self.rank}]->{self.connect_to}")
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+        except BaseException:
+            await self._teardown()
+            raise
+        self._tg.start_soon(self._chan.run)
+        self._tg.start_soon(self._connection_loop)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Abort rooms in flight (bounded wait for the sender's ABORT_ACK), then close everything."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for r in list(self._rooms.values()):
+                r.handle.cancel("receiver closing")
+            with anyio.move_on_after(self.config.handshake_timeout):
+                for r in list(self._rooms.values()):
+                    await r.handle.wait()
+        self._closing_hard = True
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
+            await self._teardown()
+
+    async def _teardown(self) -> None:
+        if self._chan is not None:
+            self._chan.close()
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._transport is not None:
+            await self._transport.aclose()
+
+    @property
+    def connected(self) -> bool:
+        """True while a handshake with the sender holds."""
+        return self._connected.is_set()
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Wait for the handshake (default deadline: ``handshake_timeout``)."""
+        t = self.config.handshake_timeout if timeout is None else timeout
+        try:
+            with anyio.fail_after(t):
+                await self._connected.wait()
+        except TimeoutError:
+            raise TransferTimeout(f"no handshake with sender {self.connect_to} within {t} s",
+                                  phase="handshake") from None
+        if self._rejected is not None:
+            raise self._rejected
+
+    # -- public API ----------------------------------------------------------------------
+
+    def start(self, room: RoomId, *, expected_tokens: int | None = None) -> ReceiveHandle:
+        """Begin receiving ``room``; returns at once with a handle."""
+        if self._tg is None or self._closed:
+            raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")
+        try:
+            validate_room("room", room)
+        except ProtocolError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if room in self._rooms or room in self._orphans:
+            raise InvalidRequest(f"room {room!r} is already being received")
+        if expected_tokens is not None and (
+            not isinstance(expected_tokens, int) or not 1 <= expected_tokens <= self.config.max_request_tokens
+        ):
+            raise InvalidRequest(f"expected_tokens={expected_tokens!r} must be in "
+                                 f"[1, max_request_tokens={self.config.max_request_tokens}]")
+        handle = ReceiveHandle(room)
+        machine = ReceiverRoom(room, block_size=self.config.block_size, max_tokens=self.config.max_request_tokens)
+        r = _Room(handle, machine, expected_tokens)
+        self._rooms[room] = r
+        handle._scope = anyio.CancelScope()
+        self._tg.start_soon(self._run_room, r)
+        return handle
+
+    async def receive(self, room: RoomId, *, expected_tokens: int | None = None) -> Received:
+        """Receive ``room`` completely. Cancelling this call aborts the room on both sides."""
+        handle = self.start(room, expected_tokens=expected_tokens)
+        try:
+            return await handle.result()
+        except anyio.get_cancelled_exc_class():
+            handle.cancel("receive() was cancelled")
+            raise
+
+    # -- control messages ----------------------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        assert self._chan is not None
+        self._chan.send([encode(msg)])
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            log.warning("receiver[%d]: dropped a %d-frame message from the sender", self.rank, len(frames))
+            return
+        try:
+            msg = decode(frames[0])
+        except ProtocolError as exc:
+            # Never answer an undecodable frame: two confused peers would bounce errors forever.
+            log.warning("receiver[%d]: bad frame from sender (room=%s): %s", self.rank, exc.room, exc)
+            if exc.peer_version is not None and not self._connected.is_set():
+                self._rejected = IncompatiblePeer(
+                    f"sender {self.connect_to} speaks protocol version {exc.peer_version}: {exc}")
+                self._welcome_or_reject.set()
+            return
+        self._last_heard = anyio.current_time()
+        if isinstance(msg, Welcome):
+            if self._sender_id is None:
+                self._sender_id = msg.peer_id
+                self._welcome_or_reject.set()
+        elif isinstance(msg, Reject) and msg.room is None:
+            if not self._connected.is_set():
+                self._rejected = IncompatiblePeer(f"sender {self.connect_to} refused the handshake: {msg.reason}")
+                self._welcome_or_reject.set()
+            else:
+                log.warning("receiver[%d]: sender rejected a frame: %s", self.rank, msg.reason)
+        elif isinstance(msg, (Status, Abort, AbortAck, Reject)):
+            room = msg.room
+            assert room is not None
+            r = self._rooms.get(room)
+            if r is None:
+                if isinstance(msg, Abort):
+                    self._send(AbortAck(room=room))
+                elif room in self._orphans and isinstance(msg, (AbortAck, Status)):
+                    self._release_orphan(room, f"late {msg.TYPE}")
+                else:
+                    log.debug("receiver[%d]: room=%r: %s for a room not in flight, ignored", self.rank, room, msg.TYPE)
+                return
+            self._deliver(r, msg)
+        elif isinstance(msg, Pong):
+            if self._sender_id is not None and msg.peer_id != self._sender_id:
+                self._sender_lost(f"sender {self.connect_to} restarted (new peer id)")
+        elif isinstance(msg, Ping):
+            self._send(Pong(nonce=msg.nonce, peer_id=self.peer_id))
+        else:
+            log.warning("receiver[%d]: unexpected %s from the sender, ignored", self.rank, msg.TYPE)
+
+    def _deliver(self, r: _Room, event: _Event) -> None:
+        try:
+            r.inbox_send.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            log.debug("receiver[%d]: room=%r: %s after the room ended, ignored", self.rank, r.handle.room, event)
+        except anyio.WouldBlock:
+            log.error("receiver[%d]: room=%r: sender flooded the room with messages; failing it",
+                      self.rank, r.handle.room)
+            r.handle.cancel("sender sent more messages than the protocol allows")
+
+    def _release_orphan(self, room: RoomId, why: str) -> None:
+        blocks = self._orphans.pop(room, None)
+        if blocks:
+            log.info("receiver[%d]: room=%r: releasing %d fenced blocks (%s)", self.rank, room, len(blocks), why)
+            self.allocator.free(blocks)
+
+    def _sender_lost(self, reason: str) -> None:
+        """The sender died or restarted: nothing more will be written; end every room."""
+        if self._sender_id is None and not self._connected.is_set():
+            return
+        log.warning("receiver[%d]: %s; failing %d rooms", self.rank, reason, len(self._rooms))
+        self._sender_id = None
+        self._connected = anyio.Event()
+        self._welcome_or_reject = anyio.Event()
+        for r in list(self._rooms.values()):
+            if r.announced:
+                self._deliver(r, _PeerGone(reason))
+        for room in list(self._orphans):
+            self._release_orphan(room, reason)
+        self._reconnect.set()
+
+    async def _connection_loop(self) -> None:
+        cfg = self.config
+        while True:
+            self._reconnect = anyio.Event()
+            # Handshake: HELLO until WELCOME or REJECT (the sender may not be up yet).
+            self.peer_id = uuid.uuid4().hex  # a new session id tells the sender to drop the old one
+            hello = Hello(
+                peer_id=self.peer_id, fingerprint=self.layout.fingerprint, transport=cfg.transport,
+                descriptor=self._transport_descriptor(), block_size=cfg.block_size,
+                num_blocks=cfg.pool_blocks, rank=self.rank, world=self.world,
+                regions=tuple((reg.address, reg.length) for reg in self.pool.regions()),
+            )
+            while not self._welcome_or_reject.is_set():
+                self._send(hello)
+                with anyio.move_on_after(cfg.handshake_timeout):
+                    await self._welcome_or_reject.wait()
+                if not self._welcome_or_reject.is_set():
+                    log.info("receiver[%d]: no answer from sender %s yet; saying HELLO again",
+                             self.rank, self.connect_to)
+            if self._rejected is not None:
+                log.error("receiver[%d]: %s", self.rank, self._rejected)
+                self._connected.set()  # wakes waiters, who then see the rejection
+                return
+            log.info("receiver[%d]: connected to sender %s", self.rank, self.connect_to)
+            self._last_heard = anyio.current_time()
+            self._connected.set()
+            # Heartbeats: the only timer in the library.
+            nonce = 0
+            limit = cfg.heartbeat_interval * cfg.heartbeat_misses
+            while not self._reconnect.is_set():
+                nonce += 1
+                self._send(Ping(nonce=nonce))
+                with anyio.move_on_after(cfg.heartbeat_interval):
+                    await self._reconnect.wait()
+                if anyio.current_time() - self._last_heard > limit:
+                    self._sender_lost(f"sender {self.connect_to} silent for more than {limit:.1f} s")
+
+    def _transport_descriptor(self) -> bytes:
+        assert self._transport is not None
+        return self._transport.descriptor()
+
+    # -- one room ------------------------------------------------------------------------
+
+    def _reserve_tokens(self, r: _Room, remaining: int | None) -> int:
+        cfg = self.config
+        if remaining is None:
+            want = r.expected_tokens if r.expected_tokens is not None else cfg.default_tokens
+        else:
+            want = remaining
+        want = min(want, cfg.round_tokens)
+        return want
+
+    async def _phase_wait(self, r: _Room, phase: str, timeout: float) -> _Event:
+        try:
+            with anyio.fail_after(timeout):
+                return await r.inbox.receive()
+        except TimeoutError:
+            raise TransferTimeout(
+                f"room {r.handle.room!r}: timed out after {timeout} s in phase {phase!r} "
+                f"(receiver rank {self.rank}, sender {self.connect_to})", room=r.handle.room, phase=phase,
+            ) from None
+
+    async def _alloc(self, r: _Room, tokens: int, phases: dict[str, float]) -> list[int]:
+        t0 = time.perf_counter()
+        try:
+            blocks = await self.allocator.alloc(tokens, timeout=self.config.round_timeout)
+        except AllocationTimeout as exc:
+            raise TransferTimeout(f"room {r.handle.room!r}: {exc}", room=r.handle.room, phase="allocate") from None
+        phases["allocate"] = phases.get("allocate", 0.0) + time.perf_counter() - t0
+        return blocks
+
+    async def _copy_out(self, r: _Room, out: dict[str, torch.Tensor], start: int, count: int) -> None:
+        nbytes = count * self.layout.bytes_per_token
+        if nbytes <= _COPY_INLINE_BYTES or self.pool.device.type != "cpu":
+            self.pool.copy_out(r.blocks, count, out, out_start=start)
+            if self.pool.device.type != "cpu":
+                await anyio.to_thread.run_sync(torch.cuda.synchronize, self.pool.device,
+                                               limiter=self._copy_limiter)
+        else:
+            await anyio.to_thread.run_sync(
+                lambda: self.pool.copy_out(r.blocks, count, out, out_start=start), limiter=self._copy_limiter
+            )
+
+    async def _run_room(self, r: _Room) -> None:
+        h, m, cfg = r.handle, r.machine, self.config
+        room = h.room
+        t_start = time.perf_counter()
+        phases: dict[str, float] = {}
+        out: dict[str, torch.Tensor] | None = None
+        metadata: dict[str, Any] = {}
+        error: TransferError | None = None
+        result: Received | None = None
+        assert h._scope is not None
+        try:
+            with h._scope:
+                try:
+                    with anyio.fail_after(cfg.room_timeout):
+                        # handshake
+                        t0 = time.perf_counter()
+                        await self.wait_connected()
+                        phases["handshake"] = time.perf_counter() - t0
+                        r.sender_id = self._sender_id
+                        # first reservation
+                        tokens = self._reserve_tokens(r, None)
+                        r.blocks = await self._alloc(r, tokens, phases)
+                        self._send(Init(room=room, blocks=tuple(r.blocks), allocated_tokens=tokens,
+                                        expected_ranks=self.world))
+                        r.announced = True
+                        m.init_sent(blocks=len(r.blocks), allocated_tokens=tokens)
+                        h._set_status(TransferStatus.WAITING_FOR_INPUT)
+                        log.debug("receiver[%d]: room=%r: INIT %d tokens in %d blocks",
+                                  self.rank, room, tokens, len(r.blocks))
+                        phase, timeout = "input", cfg.input_timeout
+                        while True:
+                            t0 = time.perf_counter()
+                            event = await self._phase_wait(r, phase, timeout)
+                            phases["wait"] = phases.get("wait", 0.0) + time.perf_counter() - t0
+                            if isinstance(event, (_PeerGone, Abort, Reject)) or (
+                                isinstance(event, Status) and event.state in ("FAILED", "ABORTED")
+                            ):
+                                r.sender_ended = True
+                            if isinstance(event, _PeerGone):
+                                self._free(r)
+                                raise PeerDead(f"room {room!r}: {event.reason}", room=room)
+                            if isinstance(event, Abort):
+                                m.abort(event.reason)
+                                self._free(r)  # the sender sends ABORT only once its writes are over
+                                self._send(AbortAck(room=room))
+                                raise TransferAborted(f"room {room!r}: aborted by the sender: {event.reason}",
+                                                      room=room)
+                            if isinstance(event, Reject):
+                                m.fail(event.reason)
+                                self._free(r)  # a rejected reservation is never written
+                                raise TransferFailed(f"room {room!r}: sender rejected it: {event.reason}",
+                                                     room=room)
+                            if isinstance(event, AbortAck):
+                                raise ProtocolError(f"room {room!r}: ABORT_ACK without an ABORT", room=room)
+                            arrived = m.on_status(event)
+                            if arrived is None:
+                                self._free(r)  # a final FAILED/ABORTED STATUS: no write is in flight
+                                cls = TransferAborted if m.state is TransferStatus.ABORTED else TransferFailed
+                                raise cls(f"room {room!r}: sender reported {m.state.name}: {m.error}", room=room)
+                            h._set_status(TransferStatus.TRANSFERRING)
+                            if out is None:
+                                out = self.layout.empty(arrived.total, device=self.pool.device)
+                            t0 = time.perf_counter()
+                            await self._copy_out(r, out, arrived.start, arrived.count)
+                            phases["copy"] = phases.get("copy", 0.0) + time.perf_counter() - t0
+                            self._free(r)
+                            if arrived.complete:
+                                r.sender_ended = True
+                                metadata = dict(arrived.metadata or {})
+                                break
+                            tokens = self._reserve_tokens(r, arrived.remaining)
+                            r.blocks = await self._alloc(r, tokens, phases)
+                            m.resume_sent(blocks=len(r.blocks), allocated_tokens=tokens)
+                            self._send(Resume(room=room, round=m.round, sent_tokens=m.received,
+                                              blocks=tuple(r.blocks), allocated_tokens=tokens))
+                            log.debug("receiver[%d]: room=%r: RESUME round %d, %d/%d tokens in, %d reserved",
+                                      self.rank, room, m.round, m.received, arrived.total, tokens)
+                            phase, timeout = "round", cfg.round_timeout
+                    assert out is not None and m.total is not None
+                    result = Received(
+                        room=room, tensors=out, metadata=metadata, num_tokens=m.total, rounds=m.round + 1,
+                        stats=TransferStats(bytes=m.total * self.layout.bytes_per_token, rounds=m.round + 1,
+                                            seconds=time.perf_counter() - t_start, phases=phases),
+                    )
+                except TimeoutError as exc:
+                    if isinstance(exc, TransferError):
+                        raise
+                    raise TransferTimeout(f"room {room!r}: exceeded room_timeout={cfg.room_timeout} s",
+                                          room=room, phase="room") from None
+        except TransferError as exc:
+            error = exc
+        except ProtocolError as exc:
+            error = TransferFailed(f"room {room!r}: protocol violation by the sender: {exc}", room=room)
+        except Exception as exc:  # a bug: fail the room loudly, keep the receiver alive
+            log.exception("receiver[%d]: room=%r: internal error", self.rank, room)
+            error = TransferFailed(f"room {room!r}: internal error: {exc!r}", room=room)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if result is None and error is None:
+                    reason = h._cancel_reason or "cancelled"
+                    error = TransferAborted(f"room {room!r}: {reason}", room=room)
+                if error is not None:
+                    await self._end_failed(r, error)
+                self._rooms.pop(room, None)
+                r.inbox_send.close()
+                r.inbox.close()
+                if result is not None:
+                    h._finish(result=result, status=TransferStatus.SUCCESS)
+                    log.debug("receiver[%d]: room=%r: done, %d tokens in %d rounds",
+                              self.rank, room, result.num_tokens, result.rounds)
+                else:
+                    assert error is not None
+                    status = TransferStatus.ABORTED if isinstance(error, TransferAborted) else TransferStatus.FAILED
+                    h._finish(error=error, status=status)
+                    log.info("receiver[%d]: room=%r: %s: %s", self.rank, room, status.name, error)
+
+    def _free(self, r: _Room) -> None:
+        if r.blocks:
+            blocks, r.blocks = r.blocks, []
+            self.allocator.free(blocks)
+
+    async def _end_failed(self, r: _Room, error: TransferError) -> None:
+        """Tell the sender (if it knows the room) and release the blocks once no write can land."""
+        room = r.handle.room
+        r.machine.fail(str(error))
+        if not r.announced or r.sender_ended or r.sender_id != self._sender_id:
+            self._free(r)  # never announced, already ended by the sender, or that sender is gone
+            return
+        self._send(Abort(room=room, reason=str(error)[:4000]))
+        if not r.blocks:
+            return  # between rounds: nothing of ours can be written
+        self.allocator.fence(r.blocks)
+        wait = 0.0 if self._closing_hard else self.config.round_timeout
+        with anyio.move_on_after(wait):
+            while True:
+                try:
+                    event = await r.inbox.receive()
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                if isinstance(event, (AbortAck, _PeerGone, Abort)) or (
+                    isinstance(event, Status) and event.state in ("SUCCESS", "FAILED", "ABORTED")
+                ):
+                    if isinstance(event, Abort):
+                        self._send(AbortAck(room=room))
+                    self._free(r)
+                    return
+        # No acknowledgement: the sender may still write. Keep the blocks fenced until it answers
+        # late or is declared dead; never hand them to another room before that.
+        log.error("receiver[%d]: room=%r: no ABORT_ACK from sender within %s s; %d blocks stay fenced",
+                  self.rank, room, self.config.round_timeout, len(r.blocks))
+        self._orphans[room] = r.blocks
+        r.blocks = []
+
+    # -- introspection -------------------------------------------------------------------
+
+    @property
+    def rooms_in_flight(self) -> int:
+        """Rooms started and not yet ended."""
+        return len(self._rooms)
+
+    def debug_state(self) -> Mapping[str, Any]:
+        """Counters for tests and metrics."""
+        return {
+            "rooms": len(self._rooms),
+            "orphaned_rooms": len(self._orphans),
+            "allocator": self.allocator.stats,
+            "connected": self.connected,
+        }
+
