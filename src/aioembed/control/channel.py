@@ -59,6 +59,8 @@ class ControlSocket:
         self._wake_scope: anyio.CancelScope | None = None
         self._poked = False
         self._closed = False
+        self._drained = anyio.Event()
+        self._drained.set()
         self.sent = 0
         self.received = 0
 
@@ -72,6 +74,8 @@ class ControlSocket:
                 f"(peer not reading?); refusing more"
             )
         self._outbox.append(frames)
+        if self._drained.is_set():
+            self._drained = anyio.Event()
         self._poke()
 
     def _poke(self) -> None:
@@ -103,6 +107,7 @@ class ControlSocket:
                 continue
             outbox.popleft()
             self.sent += 1
+        self._drained.set()
 
     def _drain(self) -> bool:
         """Receive up to one batch; True if the batch was full (more may be waiting)."""
@@ -139,11 +144,15 @@ class ControlSocket:
         finally:
             self._wake_scope = None
 
-    def close(self) -> None:
-        """Close the socket at once (pending frames are dropped)."""
+    async def drain(self) -> None:
+        """Wait until every queued message was handed to ZeroMQ (bound it with a timeout)."""
+        await self._drained.wait()
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket; ZeroMQ keeps trying to deliver handed-over frames for ``linger_ms``."""
         if not self._closed:
             self._closed = True
             if self._outbox:
-                log.debug("%s: closing with %d unsent messages", self.name, len(self._outbox))
+                log.warning("%s: closing with %d unsent messages", self.name, len(self._outbox))
             self._outbox.clear()
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger_ms)

@@ -38,6 +38,8 @@ class AllocatorStats:
     """Coroutines waiting for blocks."""
     high_water: int
     """Most blocks ever in use at once."""
+    waited: int = 0
+    """Allocations so far that had to wait for frees."""
 
 
 class _Waiter:
@@ -70,6 +72,7 @@ class BlockAllocator:
         self._fenced = 0
         self._waiters: deque[_Waiter] = deque()
         self._high_water = 0
+        self._waited = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -86,6 +89,7 @@ class BlockAllocator:
             fenced=self._fenced,
             waiters=len(self._waiters),
             high_water=self._high_water,
+            waited=self._waited,
         )
 
     def _check_request(self, num_tokens: int) -> int:
@@ -134,6 +138,7 @@ class BlockAllocator:
             return got
         waiter = _Waiter(self.blocks_for(num_tokens))
         self._waiters.append(waiter)
+        self._waited += 1
         try:
             with anyio.fail_after(timeout):
                 await waiter.event.wait()

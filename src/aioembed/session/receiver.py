@@ -79,6 +79,12 @@ class _PeerGone:
 _Event = Status | Abort | AbortAck | Reject | _PeerGone
 
 
+def _ends_room(event: _Event) -> bool:
+    return isinstance(event, (Abort, Reject, _PeerGone)) or (
+        isinstance(event, Status) and event.state in ("FAILED", "ABORTED")
+    )
+
+
 class _Room:
     """Receiver-side bookkeeping of one room (the machine plus its I/O state)."""
 
@@ -93,6 +99,7 @@ class _Room:
         self.sender_id: str | None = None
         self.announced = False  # INIT sent: the sender may write into our blocks
         self.sender_ended = False  # the sender told us the room is over (or is gone)
+        self.alloc_scope: anyio.CancelScope | None = None  # set while waiting for free blocks
 
 
 class EmbeddingReceiver:
@@ -296,6 +303,8 @@ class EmbeddingReceiver:
     def _deliver(self, r: _Room, event: _Event) -> None:
         try:
             r.inbox_send.send_nowait(event)
+            if r.alloc_scope is not None and _ends_room(event):
+                r.alloc_scope.cancel()  # stop waiting for memory: the room is over
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             log.debug("receiver[%d]: room=%r: %s after the room ended, ignored", self.rank, r.handle.room, event)
         except anyio.WouldBlock:
@@ -388,12 +397,17 @@ class EmbeddingReceiver:
 
     async def _alloc(self, r: _Room, tokens: int, phases: dict[str, float]) -> list[int]:
         t0 = time.perf_counter()
+        blocks: list[int] = []
         try:
-            blocks = await self.allocator.alloc(tokens, timeout=self.config.round_timeout)
+            with anyio.CancelScope() as scope:
+                r.alloc_scope = scope
+                blocks = await self.allocator.alloc(tokens, timeout=self.config.round_timeout)
         except AllocationTimeout as exc:
             raise TransferTimeout(f"room {r.handle.room!r}: {exc}", room=r.handle.room, phase="allocate") from None
+        finally:
+            r.alloc_scope = None
         phases["allocate"] = phases.get("allocate", 0.0) + time.perf_counter() - t0
-        return blocks
+        return blocks  # empty if the wait was interrupted by the end of the room (now in the inbox)
 
     async def _copy_out(self, r: _Room, out: dict[str, torch.Tensor], start: int, count: int) -> None:
         nbytes = count * self.layout.bytes_per_token
@@ -429,6 +443,8 @@ class EmbeddingReceiver:
                         # first reservation
                         tokens = self._reserve_tokens(r, None)
                         r.blocks = await self._alloc(r, tokens, phases)
+                        if not r.blocks:
+                            raise TransferFailed(f"room {room!r}: reservation interrupted", room=room)
                         self._send(Init(room=room, blocks=tuple(r.blocks), allocated_tokens=tokens,
                                         expected_ranks=self.world))
                         r.announced = True
@@ -441,9 +457,7 @@ class EmbeddingReceiver:
                             t0 = time.perf_counter()
                             event = await self._phase_wait(r, phase, timeout)
                             phases["wait"] = phases.get("wait", 0.0) + time.perf_counter() - t0
-                            if isinstance(event, (_PeerGone, Abort, Reject)) or (
-                                isinstance(event, Status) and event.state in ("FAILED", "ABORTED")
-                            ):
+                            if _ends_room(event):
                                 r.sender_ended = True
                             if isinstance(event, _PeerGone):
                                 self._free(r)
@@ -479,6 +493,9 @@ class EmbeddingReceiver:
                                 break
                             tokens = self._reserve_tokens(r, arrived.remaining)
                             r.blocks = await self._alloc(r, tokens, phases)
+                            if not r.blocks:
+                                phase, timeout = "round", cfg.round_timeout
+                                continue  # the room ended while we waited for memory: read why
                             m.resume_sent(blocks=len(r.blocks), allocated_tokens=tokens)
                             self._send(Resume(room=room, round=m.round, sent_tokens=m.received,
                                               blocks=tuple(r.blocks), allocated_tokens=tokens))

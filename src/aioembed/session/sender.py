@@ -177,6 +177,8 @@ class EmbeddingSender:
             # let active send() calls notify their ranks; their callers see TransferAborted
             with anyio.move_on_after(self.config.handshake_timeout):
                 await self._idle.wait()
+                if self._chan is not None:
+                    await self._chan.drain()  # the final STATUS / ABORT_ACK frames must leave
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
@@ -188,7 +190,7 @@ class EmbeddingSender:
             await p.link.aclose()
         self._peers.clear()
         if self._chan is not None:
-            self._chan.close()
+            self._chan.close(linger_ms=200)
         if self._auth is not None:
             self._auth.stop()
         if self._ctx is not None:

@@ -1,0 +1,72 @@
+"""Shared fixtures for end-to-end tests: a layout, request generators, sender/receiver pairs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import torch
+
+from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
+
+LAYOUT = Layout(
+    embeddings=Field((64,), torch.bfloat16),
+    token_ids=Field((), torch.int32),
+    mrope_positions=Field((3,), torch.int64),
+)
+
+
+def make_request(num_tokens: int, seed: int, layout: Layout = LAYOUT) -> dict[str, torch.Tensor]:
+    """Deterministic random rows for every field (every bit pattern matters for comparison)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, f in layout.items():
+        nbytes = num_tokens * f.row_bytes
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        out[name] = raw.view(f.dtype).reshape(num_tokens, *f.shape).clone()
+    return out
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Bit-for-bit equality of every field."""
+    assert got.keys() == want.keys()
+    for name in want:
+        a, b = got[name], want[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
+def assert_pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver) -> None:
+    """Every receive block is free and the sender holds no registration."""
+    for r in receivers:
+        st = r.allocator.stats
+        assert st.free == st.total and st.fenced == 0 and st.waiters == 0, st
+        assert r.rooms_in_flight == 0
+    assert sender.rooms_in_flight == 0
+    regions = getattr(sender._transport, "regions", None)
+    if regions is not None:
+        assert len(regions) == 0
+
+
+@asynccontextmanager
+async def running(
+    config: TransferConfig, *, world: int = 1, layout: Layout = LAYOUT
+) -> AsyncIterator[tuple[EmbeddingSender, list[EmbeddingReceiver]]]:
+    """A sender and ``world`` receivers (ranks 0..world-1), connected."""
+    async with AsyncExitStack() as stack:
+        sender = await stack.enter_async_context(EmbeddingSender(layout, config))
+        receivers = [
+            await stack.enter_async_context(
+                EmbeddingReceiver(layout, config, connect=sender.address, rank=rank, world=world)
+            )
+            for rank in range(world)
+        ]
+        for r in receivers:
+            await r.wait_connected()
+        yield sender, receivers
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

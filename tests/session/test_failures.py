@@ -1,0 +1,238 @@
+"""Failure paths: cancellation on either side, timeouts per phase, incompatible peers, bad input.
+
+After each, both sides must have released everything (no block, registration or room left).
+"""
+
+from __future__ import annotations
+
+import anyio
+import anyio.abc
+import pytest
+import torch
+
+from aioembed import (
+    EmbeddingReceiver,
+    EmbeddingSender,
+    Field,
+    IncompatiblePeer,
+    InvalidRequest,
+    Layout,
+    LayoutError,
+    TransferAborted,
+    TransferConfig,
+    TransferError,
+    TransferStatus,
+    TransferTimeout,
+)
+
+from .conftest import LAYOUT, assert_pools_free, make_request, running
+
+pytestmark = pytest.mark.anyio
+
+FAST = TransferConfig(default_tokens=1024, pool_tokens=4096, input_timeout=0.5, round_timeout=0.5,
+                      handshake_timeout=2.0)
+
+
+async def _until(pred: object, timeout: float = 5.0) -> None:
+    assert callable(pred)
+    with anyio.fail_after(timeout):
+        while not pred():
+            await anyio.sleep(0.005)
+
+
+async def test_receiver_cancel_before_send_fails_the_later_send_fast() -> None:
+    async with running(FAST) as (sender, [receiver]):
+        handle = receiver.start("gone")
+        await _until(lambda: sender.rooms_in_flight == 1)
+        handle.cancel("user gave up")
+        assert await handle.wait() is TransferStatus.ABORTED
+        with pytest.raises(TransferAborted, match="user gave up"):
+            await handle.result()
+        await _until(lambda: sender.rooms_in_flight == 0)
+        with anyio.fail_after(1.0), pytest.raises(TransferAborted, match="ended by the receiver"):
+            await sender.send("gone", make_request(10, 1))
+        assert_pools_free(sender, receiver)
+
+
+async def test_receiver_cancel_mid_room_aborts_the_sender() -> None:
+    """The room stalls between rounds (pool full); the receiver cancels; send() ends aborted."""
+    async with running(FAST.replace(input_timeout=30.0, round_timeout=30.0)) as (sender, [receiver]):
+        hog = await _stalled_between_rounds(sender, receiver, "r")
+        handle = receiver.start("r")
+        outcome: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("r", make_request(3000, 2))
+            except TransferError as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            await _until(lambda: handle.status is TransferStatus.TRANSFERRING)
+            handle.cancel("scheduler preempted the request")
+        assert isinstance(outcome[0], TransferAborted)
+        assert "preempted" in str(outcome[0])
+        assert await handle.wait() is TransferStatus.ABORTED
+        hog.cancel()  # type: ignore[attr-defined]
+        await _until(lambda: receiver.rooms_in_flight == 0 and sender.rooms_in_flight == 0)
+        assert_pools_free(sender, receiver)
+
+
+async def _stalled_between_rounds(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str) -> object:
+    """Fill the pool with a hog room so that ``room`` stalls waiting for blocks after round 0."""
+    hog = receiver.start("hog", expected_tokens=3072)  # 3072 of the 4096-token pool
+    await _until(lambda: hog.status is TransferStatus.WAITING_FOR_INPUT)
+    return hog
+
+
+async def test_cancelling_receive_call_aborts_both_sides() -> None:
+    async with running(FAST.replace(input_timeout=30.0, round_timeout=30.0)) as (sender, [receiver]):
+        hog = await _stalled_between_rounds(sender, receiver, "c")
+        src = make_request(3000, 3)
+        outcome: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("c", src)
+            except TransferError as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with anyio.move_on_after(0.3):
+                await receiver.receive("c")  # round 0 arrives, then it waits for blocks
+        assert outcome and isinstance(outcome[0], TransferAborted), outcome
+        assert "receive() was cancelled" in str(outcome[0])
+        hog.cancel()  # type: ignore[attr-defined]
+        await _until(lambda: receiver.rooms_in_flight == 0 and sender.rooms_in_flight == 0)
+        assert_pools_free(sender, receiver)
+
+
+async def test_cancelling_send_aborts_the_receiver_even_while_it_waits_for_memory() -> None:
+    async with running(FAST.replace(input_timeout=30.0, round_timeout=30.0)) as (sender, [receiver]):
+        hog = await _stalled_between_rounds(sender, receiver, "s")
+        handle = receiver.start("s")
+        with anyio.move_on_after(0.3):
+            await sender.send("s", make_request(3000, 4))
+        with anyio.fail_after(2):  # not after round_timeout: the abort interrupts the wait
+            assert await handle.wait() is TransferStatus.ABORTED
+        with pytest.raises(TransferAborted, match="cancelled"):
+            await handle.result()
+        hog.cancel()  # type: ignore[attr-defined]
+        await _until(lambda: receiver.rooms_in_flight == 0 and sender.rooms_in_flight == 0)
+        assert_pools_free(sender, receiver)
+
+
+async def test_receiver_input_timeout_names_the_phase() -> None:
+    async with running(FAST) as (sender, [receiver]):
+        with pytest.raises(TransferTimeout) as info:
+            await receiver.receive("nobody-sends")
+        assert info.value.phase == "input"
+        assert "input" in str(info.value)
+        await _until(lambda: sender.rooms_in_flight == 0)  # the sender dropped the reservation
+        assert_pools_free(sender, receiver)
+
+
+async def test_sender_init_timeout_names_the_phase() -> None:
+    async with running(FAST) as (sender, [receiver]):
+        with pytest.raises(TransferTimeout) as info:
+            await sender.send("nobody-receives", make_request(100, 5))
+        assert info.value.phase == "init"
+        assert_pools_free(sender, receiver)
+
+
+async def test_allocation_timeout_when_pool_stays_full() -> None:
+    cfg = FAST.replace(pool_tokens=1024, input_timeout=30.0)
+    async with running(cfg) as (sender, [receiver]):
+        hog = receiver.start("hog")  # takes the whole pool and waits for data
+        await _until(lambda: hog.status is TransferStatus.WAITING_FOR_INPUT)
+        with pytest.raises(TransferTimeout) as info:
+            await receiver.receive("starved")
+        assert info.value.phase == "allocate"
+        hog.cancel()
+        await hog.wait()
+        await _until(lambda: sender.rooms_in_flight == 0)
+        assert_pools_free(sender, receiver)
+
+
+async def test_incompatible_layout_is_refused_with_the_difference() -> None:
+    other = Layout(embeddings=Field((32,), torch.bfloat16), token_ids=Field((), torch.int32),
+                   mrope_positions=Field((3,), torch.int64))
+    async with EmbeddingSender(LAYOUT, FAST) as sender, \
+            EmbeddingReceiver(other, FAST, connect=sender.address) as receiver:
+        with pytest.raises(IncompatiblePeer, match="layout fingerprint"):
+            await receiver.receive("x")
+        assert receiver.allocator.stats.free == receiver.allocator.stats.total
+
+
+async def test_incompatible_block_size_is_refused() -> None:
+    async with EmbeddingSender(LAYOUT, FAST) as sender, \
+            EmbeddingReceiver(LAYOUT, FAST.replace(block_size=64), connect=sender.address) as receiver:
+        with pytest.raises(IncompatiblePeer, match="block_size 64"):
+            await receiver.wait_connected()
+
+
+async def test_bad_send_arguments() -> None:
+    async with running(FAST) as (sender, [receiver]):
+        good = make_request(10, 6)
+        bad_dtype = dict(good, token_ids=good["token_ids"].to(torch.int64))
+        with pytest.raises(LayoutError, match="token_ids"):
+            await sender.send("a", bad_dtype)
+        uneven = dict(good, token_ids=good["token_ids"][:5])
+        with pytest.raises(LayoutError, match="tokens"):
+            await sender.send("a", uneven)
+        with pytest.raises(InvalidRequest, match="max_metadata_bytes"):
+            await sender.send("a", good, {"blob": b"x" * (FAST.max_metadata_bytes + 1)})
+        with pytest.raises(InvalidRequest, match="msgpack"):
+            await sender.send("a", good, {"obj": object()})
+        with pytest.raises(InvalidRequest):
+            await sender.send(1.5, good)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest):
+            await sender.send("", good)
+        with pytest.raises(InvalidRequest, match="tokens"):
+            await sender.send("a", make_request(0, 1) if False else {k: v[:0] for k, v in good.items()})
+        assert_pools_free(sender, receiver)
+
+
+async def test_bad_receive_arguments() -> None:
+    async with running(FAST) as (sender, [receiver]):
+        with pytest.raises(InvalidRequest):
+            receiver.start(True)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="expected_tokens"):
+            receiver.start("x", expected_tokens=0)
+        h = receiver.start("dup")
+        with pytest.raises(InvalidRequest, match="already"):
+            receiver.start("dup")
+        h.cancel()
+        await h.wait()
+        assert_pools_free(sender, receiver)
+
+
+async def test_sender_closing_ends_pending_receiver_rooms() -> None:
+    cfg = FAST.replace(input_timeout=30.0)
+    stop = anyio.Event()
+
+    async def serve(*, task_status: anyio.abc.TaskStatus[EmbeddingSender]) -> None:
+        async with EmbeddingSender(LAYOUT, cfg) as s:
+            task_status.started(s)
+            await stop.wait()
+
+    async with anyio.create_task_group() as tg:
+        sender = await tg.start(serve)
+        async with EmbeddingReceiver(LAYOUT, cfg, connect=sender.address) as receiver:
+            handle = receiver.start("pending")
+            await _until(lambda: sender.rooms_in_flight == 1)
+            stop.set()  # the sender closes while the room waits for input
+            assert await handle.wait() is TransferStatus.ABORTED
+            with pytest.raises(TransferAborted, match="sender closing"):
+                await handle.result()
+            st = receiver.allocator.stats
+            assert st.free == st.total and st.fenced == 0
+
+
+async def test_receiver_world_and_rank_validation() -> None:
+    with pytest.raises(InvalidRequest):
+        EmbeddingReceiver(LAYOUT, FAST, connect="tcp://127.0.0.1:1", rank=2, world=2)
+    with pytest.raises(InvalidRequest):
+        EmbeddingReceiver(LAYOUT, FAST, connect="tcp://127.0.0.1:1", rank=0, world=0)
