@@ -21,11 +21,12 @@ from aioembed.errors import (
 from aioembed.layout import Field, Layout
 from aioembed.memory import AllocatorStats, BlockAllocator, BlockPool
 from aioembed.protocol.room import TransferStatus
-from aioembed.session import EmbeddingReceiver, EmbeddingSender, Received, ReceiveHandle, TransferStats
+from aioembed.session import EmbeddingReceiver, EmbeddingSender, Lease, Received, ReceiveHandle, TransferStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Lease",
     "TransferStatus",
     "TransferStats",
     "Received",

@@ -1,7 +1,7 @@
 """Sessions: the sender and receiver that drive rooms over the control channel and a transport."""
 
-from aioembed.session.handle import Received, ReceiveHandle, TransferStats
+from aioembed.session.handle import Lease, Received, ReceiveHandle, TransferStats
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 
-__all__ = ["EmbeddingReceiver", "EmbeddingSender", "ReceiveHandle", "Received", "TransferStats"]
+__all__ = ["EmbeddingReceiver", "EmbeddingSender", "Lease", "ReceiveHandle", "Received", "TransferStats"]

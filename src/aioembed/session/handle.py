@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,7 @@ from aioembed.errors import TransferError
 from aioembed.protocol.messages import RoomId
 from aioembed.protocol.room import TransferStatus
 
-__all__ = ["ReceiveHandle", "Received", "TransferStats"]
+__all__ = ["Lease", "ReceiveHandle", "Received", "TransferStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,54 @@ class Received:
     stats: TransferStats
 
 
+class Lease:
+    """A request received zero-copy: per field, views of pool blocks in token order.
+
+    The views stay valid until :meth:`release`; after it the blocks go to other rooms and the
+    views must not be read. Use ``async with lease:`` (or ``with lease:``) to release on exit.
+    """
+
+    def __init__(self, *, room: RoomId, views: dict[str, list[torch.Tensor]], metadata: dict[str, Any],
+                 num_tokens: int, rounds: int, stats: TransferStats, release: Callable[[], None]) -> None:
+        self.room = room
+        self.views = views
+        self.metadata = metadata
+        self.num_tokens = num_tokens
+        self.rounds = rounds
+        self.stats = stats
+        self._release: Callable[[], None] | None = release
+
+    @property
+    def released(self) -> bool:
+        """True once the blocks went back to the pool."""
+        return self._release is None
+
+    def release(self) -> None:
+        """Give the blocks back to the pool (idempotent)."""
+        if self._release is not None:
+            release, self._release = self._release, None
+            self.views = {name: [] for name in self.views}
+            release()
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Contiguous copies of every field (what ``receive()`` would have returned)."""
+        if self._release is None:
+            raise TransferError(f"room {self.room!r}: lease already released", room=self.room)
+        return {name: torch.cat(vs) if len(vs) != 1 else vs[0].clone() for name, vs in self.views.items()}
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 class ReceiveHandle:
     """A room being received. Non-blocking ``status`` for schedulers that poll; awaitables otherwise."""
 
@@ -48,7 +97,7 @@ class ReceiveHandle:
         self.room = room
         self._status = TransferStatus.BOOTSTRAPPING
         self._done = anyio.Event()
-        self._result: Received | None = None
+        self._result: Received | Lease | None = None
         self._error: TransferError | None = None
         self._scope: anyio.CancelScope | None = None
         self._cancel_reason: str | None = None
@@ -73,7 +122,17 @@ class ReceiveHandle:
         await self._done.wait()
         if self._error is not None:
             raise self._error
-        assert self._result is not None
+        if not isinstance(self._result, Received):
+            raise TransferError(f"room {self.room!r} was received zero-copy: use lease()", room=self.room)
+        return self._result
+
+    async def lease(self) -> Lease:
+        """For a room started with ``zero_copy=True``: wait and return its :class:`Lease`."""
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if not isinstance(self._result, Lease):
+            raise TransferError(f"room {self.room!r} was not received zero-copy: use result()", room=self.room)
         return self._result
 
     def cancel(self, reason: str = "cancelled by the receiver") -> None:
@@ -90,7 +149,7 @@ class ReceiveHandle:
         if not self._done.is_set():
             self._status = status
 
-    def _finish(self, *, result: Received | None = None, error: TransferError | None = None,
+    def _finish(self, *, result: Received | Lease | None = None, error: TransferError | None = None,
                 status: TransferStatus) -> None:
         if self._done.is_set():
             return

@@ -59,7 +59,7 @@ from aioembed.protocol.messages import (
 )
 from aioembed.protocol.room import ReceiverRoom, TransferStatus
 from aioembed.session.backend import check_backend
-from aioembed.session.handle import Received, ReceiveHandle, TransferStats
+from aioembed.session.handle import Lease, Received, ReceiveHandle, TransferStats
 from aioembed.transports.base import Transport
 from aioembed.transports.registry import open_transport
 
@@ -100,6 +100,8 @@ class _Room:
         self.announced = False  # INIT sent: the sender may write into our blocks
         self.sender_ended = False  # the sender told us the room is over (or is gone)
         self.alloc_scope: anyio.CancelScope | None = None  # set while waiting for free blocks
+        self.zero_copy = False
+        self.kept: list[tuple[list[int], int]] = []  # zero-copy: finished rounds' blocks and token counts
 
 
 class EmbeddingReceiver:
@@ -216,8 +218,12 @@ class EmbeddingReceiver:
 
     # -- public API ----------------------------------------------------------------------
 
-    def start(self, room: RoomId, *, expected_tokens: int | None = None) -> ReceiveHandle:
-        """Begin receiving ``room``; returns at once with a handle."""
+    def start(self, room: RoomId, *, expected_tokens: int | None = None, zero_copy: bool = False) -> ReceiveHandle:
+        """Begin receiving ``room``; returns at once with a handle.
+
+        With ``zero_copy`` the result is a :class:`Lease` on pool blocks (``handle.lease()``)
+        instead of freshly allocated tensors (``handle.result()``).
+        """
         if self._tg is None or self._closed:
             raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")
         try:
@@ -234,6 +240,7 @@ class EmbeddingReceiver:
         handle = ReceiveHandle(room)
         machine = ReceiverRoom(room, block_size=self.config.block_size, max_tokens=self.config.max_request_tokens)
         r = _Room(handle, machine, expected_tokens)
+        r.zero_copy = zero_copy
         self._rooms[room] = r
         handle._scope = anyio.CancelScope()
         self._tg.start_soon(self._run_room, r)
@@ -246,6 +253,20 @@ class EmbeddingReceiver:
             return await handle.result()
         except anyio.get_cancelled_exc_class():
             handle.cancel("receive() was cancelled")
+            raise
+
+    async def receive_leased(self, room: RoomId, *, expected_tokens: int | None = None) -> Lease:
+        """Receive ``room`` without copying it out of the pool: the rows stay in pool blocks,
+        exposed as views under a :class:`Lease`. Release the lease promptly (``lease.release()``
+        or ``async with lease:``): its blocks are unavailable to other rooms until then.
+
+        The whole request must fit the pool at once; a larger one fails with ``TransferFailed``.
+        """
+        handle = self.start(room, expected_tokens=expected_tokens, zero_copy=True)
+        try:
+            return await handle.lease()
+        except anyio.get_cancelled_exc_class():
+            handle.cancel("receive_leased() was cancelled")
             raise
 
     # -- control messages ----------------------------------------------------------------
@@ -409,16 +430,31 @@ class EmbeddingReceiver:
         phases["allocate"] = phases.get("allocate", 0.0) + time.perf_counter() - t0
         return blocks  # empty if the wait was interrupted by the end of the room (now in the inbox)
 
-    async def _copy_out(self, r: _Room, out: dict[str, torch.Tensor], start: int, count: int) -> None:
+    def _send_resume(self, r: _Room, tokens: int) -> None:
+        m = r.machine
+        m.resume_sent(blocks=len(r.blocks), allocated_tokens=tokens)
+        self._send(Resume(room=m.room, round=m.round, sent_tokens=m.received, blocks=tuple(r.blocks),
+                          allocated_tokens=tokens))
+        log.debug("receiver[%d]: room=%r: RESUME round %d, %d/%s tokens in, %d reserved",
+                  self.rank, m.room, m.round, m.received, m.total, tokens)
+
+    def _lease_views(self, kept: list[tuple[list[int], int]]) -> dict[str, list[torch.Tensor]]:
+        views: dict[str, list[torch.Tensor]] = {name: [] for name in self.layout}
+        for blocks, count in kept:
+            for name, vs in self.pool.views(blocks, count).items():
+                views[name].extend(vs)
+        return views
+
+    async def _copy_out(self, blocks: list[int], out: dict[str, torch.Tensor], start: int, count: int) -> None:
         nbytes = count * self.layout.bytes_per_token
         if nbytes <= _COPY_INLINE_BYTES or self.pool.device.type != "cpu":
-            self.pool.copy_out(r.blocks, count, out, out_start=start)
+            self.pool.copy_out(blocks, count, out, out_start=start)
             if self.pool.device.type != "cpu":
                 await anyio.to_thread.run_sync(torch.cuda.synchronize, self.pool.device,
                                                limiter=self._copy_limiter)
         else:
             await anyio.to_thread.run_sync(
-                lambda: self.pool.copy_out(r.blocks, count, out, out_start=start), limiter=self._copy_limiter
+                lambda: self.pool.copy_out(blocks, count, out, out_start=start), limiter=self._copy_limiter
             )
 
     async def _run_room(self, r: _Room) -> None:
@@ -429,7 +465,7 @@ class EmbeddingReceiver:
         out: dict[str, torch.Tensor] | None = None
         metadata: dict[str, Any] = {}
         error: TransferError | None = None
-        result: Received | None = None
+        result: Received | Lease | None = None
         assert h._scope is not None
         try:
             with h._scope:
@@ -481,33 +517,55 @@ class EmbeddingReceiver:
                                 cls = TransferAborted if m.state is TransferStatus.ABORTED else TransferFailed
                                 raise cls(f"room {room!r}: sender reported {m.state.name}: {m.error}", room=room)
                             h._set_status(TransferStatus.TRANSFERRING)
-                            if out is None:
-                                out = self.layout.empty(arrived.total, device=self.pool.device)
-                            t0 = time.perf_counter()
-                            await self._copy_out(r, out, arrived.start, arrived.count)
-                            phases["copy"] = phases.get("copy", 0.0) + time.perf_counter() - t0
-                            self._free(r)
+                            done_blocks, r.blocks = r.blocks, []  # written and announced: safe to read
                             if arrived.complete:
                                 r.sender_ended = True
                                 metadata = dict(arrived.metadata or {})
+                            else:
+                                # Reserve the next round first, so the sender writes it while we copy
+                                # this one out; wait for memory only if the pool is short.
+                                tokens = self._reserve_tokens(r, arrived.remaining)
+                                if r.zero_copy and arrived.total > self.pool.num_tokens:
+                                    r.kept.append((done_blocks, arrived.count))
+                                    raise TransferFailed(
+                                        f"room {room!r}: {arrived.total} tokens cannot be received zero-copy "
+                                        f"into a pool of {self.pool.num_tokens} tokens; use receive()", room=room)
+                                early = self.allocator.try_alloc(tokens)
+                                if early is not None:
+                                    r.blocks = early
+                                    self._send_resume(r, tokens)
+                            if r.zero_copy:
+                                r.kept.append((done_blocks, arrived.count))
+                            else:
+                                if out is None:
+                                    out = self.layout.empty(arrived.total, device=self.pool.device)
+                                t0 = time.perf_counter()
+                                try:
+                                    await self._copy_out(done_blocks, out, arrived.start, arrived.count)
+                                finally:
+                                    self.allocator.free(done_blocks)
+                                phases["copy"] = phases.get("copy", 0.0) + time.perf_counter() - t0
+                            if arrived.complete:
                                 break
-                            tokens = self._reserve_tokens(r, arrived.remaining)
-                            r.blocks = await self._alloc(r, tokens, phases)
                             if not r.blocks:
-                                phase, timeout = "round", cfg.round_timeout
-                                continue  # the room ended while we waited for memory: read why
-                            m.resume_sent(blocks=len(r.blocks), allocated_tokens=tokens)
-                            self._send(Resume(room=room, round=m.round, sent_tokens=m.received,
-                                              blocks=tuple(r.blocks), allocated_tokens=tokens))
-                            log.debug("receiver[%d]: room=%r: RESUME round %d, %d/%d tokens in, %d reserved",
-                                      self.rank, room, m.round, m.received, arrived.total, tokens)
+                                r.blocks = await self._alloc(r, tokens, phases)
+                                if not r.blocks:
+                                    phase, timeout = "round", cfg.round_timeout
+                                    continue  # the room ended while we waited for memory: read why
+                                self._send_resume(r, tokens)
                             phase, timeout = "round", cfg.round_timeout
-                    assert out is not None and m.total is not None
-                    result = Received(
-                        room=room, tensors=out, metadata=metadata, num_tokens=m.total, rounds=m.round + 1,
-                        stats=TransferStats(bytes=m.total * self.layout.bytes_per_token, rounds=m.round + 1,
-                                            seconds=time.perf_counter() - t_start, phases=phases),
-                    )
+                    assert m.total is not None
+                    stats = TransferStats(bytes=m.total * self.layout.bytes_per_token, rounds=m.round + 1,
+                                          seconds=time.perf_counter() - t_start, phases=phases)
+                    if r.zero_copy:
+                        kept, r.kept = r.kept, []
+                        result = Lease(room=room, views=self._lease_views(kept), metadata=metadata,
+                                       num_tokens=m.total, rounds=m.round + 1, stats=stats,
+                                       release=lambda: self.allocator.free([b for bl, _ in kept for b in bl]))
+                    else:
+                        assert out is not None
+                        result = Received(room=room, tensors=out, metadata=metadata, num_tokens=m.total,
+                                          rounds=m.round + 1, stats=stats)
                 except TimeoutError as exc:
                     if isinstance(exc, TransferError):
                         raise
@@ -527,6 +585,9 @@ class EmbeddingReceiver:
                     error = TransferAborted(f"room {room!r}: {reason}", room=room)
                 if error is not None:
                     await self._end_failed(r, error)
+                if r.kept:  # zero-copy rounds of a failed room: fully written, nothing in flight
+                    self.allocator.free([b for blocks, _ in r.kept for b in blocks])
+                    r.kept = []
                 self._rooms.pop(room, None)
                 r.inbox_send.close()
                 r.inbox.close()

@@ -1,0 +1,74 @@
+# aioembed: the two commands a newcomer runs are `make demo` and `make test` (see README.md).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Transport plugins and the pip extra each is installed with on a CPU-only machine.
+PLUGINS := mooncake:non-cuda ucx:cu12
+PYTEST_ARGS ?=
+
+.PHONY: demo test install install-plugins system-deps check lint typecheck test-core test-plugins soak bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# The CPU wheel of torch is pinned first: an unpinned torch pulls a multi-GB CUDA build.
+install: $(VENV)/.core-installed
+$(VENV)/.core-installed: pyproject.toml | $(PY)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	touch $@
+
+# Mooncake's engine links libibverbs (even for TCP), libnuma and libcurl.
+system-deps:
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'libnuma.so.1 '; then \
+	  echo "installing system libraries for the Mooncake transport (libibverbs1 libnuma1 libcurl4)"; \
+	  $(SUDO) apt-get update -qq; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq libibverbs1 libnuma1 libcurl4 >/dev/null; \
+	fi
+
+install-plugins: install system-deps
+	@for spec in $(PLUGINS); do \
+	  name=$${spec%%:*}; extra=$${spec#*:}; \
+	  if [ -f transports/$$name/pyproject.toml ]; then \
+	    echo "installing transport plugin aioembed-$$name[$$extra]"; \
+	    $(PIP) install --quiet -e "transports/$$name[$$extra]"; \
+	  fi; \
+	done
+
+# Main job: an end-to-end transfer on the embedded default transport (loopback).
+demo: install
+	$(VENV)/bin/aioembed demo
+
+lint: install
+	$(VENV)/bin/ruff check src tests transports
+
+typecheck: install
+	$(VENV)/bin/mypy src
+	@for d in transports/*/src; do [ -d "$$d" ] && $(VENV)/bin/mypy --strict "$$d" || true; done
+
+test-core: install
+	$(PY) tools/run_pytest.py tests -m "not slow" $(PYTEST_ARGS)
+
+test-plugins: install-plugins
+	@for d in transports/*/tests; do \
+	  [ -d "$$d" ] || continue; \
+	  echo "== $$d"; \
+	  (cd "$$(dirname $$d)" && ../../$(PY) ../../tools/run_pytest.py tests -m "not slow" $(PYTEST_ARGS)); \
+	done
+
+# Everything: lint, types, core tests, every transport plugin's tests (slow soaks excluded).
+test: install-plugins lint typecheck test-core test-plugins
+
+# Full-length soak and chaos tests (CI runs bounded versions as part of `make test`).
+soak: install-plugins
+	$(PY) tools/run_pytest.py tests -m slow $(PYTEST_ARGS)
+
+bench: install-plugins
+	$(VENV)/bin/aioembed bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,89 @@
+"""The ``aioembed`` command: ``aioembed demo`` (an end-to-end transfer) and ``aioembed bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+import anyio
+
+from aioembed.config import TransferConfig
+from aioembed.errors import AioembedError
+
+__all__ = ["main"]
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from aioembed.session.receiver import EmbeddingReceiver
+    from aioembed.session.sender import EmbeddingSender
+    from aioembed.testing.processes import checksum, deterministic_request, standard_layout
+
+    config = TransferConfig.from_toml(args.config) if args.config else TransferConfig.from_env()
+    layout = standard_layout(args.hidden)
+    print(f"aioembed demo: transport={config.transport}, layout={layout!r}")
+    print(f"  default reservation {config.default_tokens} tokens, pool {config.pool_tokens} tokens, "
+          f"block {config.block_size}")
+    async with EmbeddingSender(layout, config, bind=args.bind) as sender, \
+            EmbeddingReceiver(layout, config, connect=sender.address) as receiver:
+        print(f"  sender listening on {sender.address}; receiver connected as rank 0 of 1")
+        for i, tokens in enumerate(args.tokens):
+            room = f"demo-{i}"
+            data = deterministic_request(layout, tokens, room)
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, room, data, {"request": i})
+                got = await receiver.receive(room)
+            dt = time.perf_counter() - t0
+            same = all(torch.equal(got.tensors[n].view(torch.uint8), data[n].view(torch.uint8)) for n in data)
+            mb = got.stats.bytes / 1e6
+            print(f"  room {room}: {got.num_tokens} tokens, {got.rounds} round(s), {mb:.1f} MB in {dt * 1e3:.1f} ms "
+                  f"= {mb / dt:.0f} MB/s, bit-for-bit {'equal' if same else 'DIFFERENT'} "
+                  f"(sha256 {checksum(got.tensors)[:12]})")
+            if not same:
+                return 1
+        st = receiver.allocator.stats
+        print(f"  receive pool after the run: {st.free}/{st.total} blocks free")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aioembed", description="Move multimodal embeddings between processes.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run an end-to-end transfer in this process and print what moved")
+    demo.add_argument("--config", help="TOML config file (default: AIOEMBED_* environment variables)")
+    demo.add_argument("--bind", default="tcp://127.0.0.1:0")
+    demo.add_argument("--hidden", type=int, default=3584, help="embedding width (bf16 values per token)")
+    demo.add_argument("--tokens", type=int, nargs="+", default=[500, 8192, 20000],
+                      help="request sizes in tokens (default: one small, one default-sized, one resumed)")
+    demo.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    bench = sub.add_parser("bench", help="benchmark aioembed against the raw transport")
+    from aioembed.bench.command import add_arguments
+
+    add_arguments(bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``aioembed`` console script."""
+    args = _parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "demo":
+            code = anyio.run(_demo, args, backend=args.backend)
+        else:
+            from aioembed.bench.command import run
+
+            code = run(args)
+    except AioembedError as exc:
+        print(f"aioembed: error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

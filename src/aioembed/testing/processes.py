@@ -1,0 +1,266 @@
+"""Run a sender or receiver in a separate process, for two-process tests of any transport.
+
+Both sides derive each room's rows deterministically from the room id, so the receiving
+process checks what arrived bit for bit without the data ever being shipped to the test.
+Each process prints one JSON object per line on stdout:
+
+* ``{"event": "ready", "address": ...}`` once listening (sender) or connected (receiver),
+* ``{"event": "room", "room": ..., "ok": true, "tokens": n, "rounds": r}`` per room, or
+  ``{"event": "room", "room": ..., "ok": false, "error": "...", "kind": "TransferTimeout"}``,
+* ``{"event": "done", "pool_free": bool, "stats": {...}}`` at the end.
+
+Run as ``python -m aioembed.testing.processes send|receive --spec JSON``; from a test, use
+:func:`spawn` and :class:`ProcessSide`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import torch
+
+from aioembed.config import TransferConfig
+from aioembed.errors import AioembedError
+from aioembed.layout import Field, Layout
+
+__all__ = [
+    "ProcessSide",
+    "RoomSpec",
+    "SideSpec",
+    "checksum",
+    "deterministic_request",
+    "spawn",
+    "standard_layout",
+]
+
+
+def standard_layout(hidden: int = 256) -> Layout:
+    """An embedding of ``hidden`` bf16 values, a token id and a 3-D mrope position per token."""
+    return Layout(
+        embeddings=Field((hidden,), torch.bfloat16),
+        token_ids=Field((), torch.int32),
+        mrope_positions=Field((3,), torch.int64),
+    )
+
+
+def deterministic_request(layout: Layout, num_tokens: int, room: int | str) -> dict[str, torch.Tensor]:
+    """Rows derived from ``room`` alone: the same in every process."""
+    seed = zlib.crc32(repr(room).encode()) ^ num_tokens
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, f in layout.items():
+        raw = torch.randint(0, 256, (num_tokens * f.row_bytes,), dtype=torch.uint8, generator=g)
+        out[name] = raw.view(f.dtype).reshape(num_tokens, *f.shape)
+    return out
+
+
+def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over every field's bytes, in key order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class RoomSpec:
+    """One room of a two-process run."""
+
+    room: int | str
+    tokens: int
+    expected_tokens: int | None = None
+
+
+@dataclass
+class SideSpec:
+    """Everything one process needs: its role, the config, the layout size and its rooms."""
+
+    role: str  # "send" or "receive"
+    config: dict[str, Any]
+    rooms: list[RoomSpec]
+    hidden: int = 256
+    bind: str = "tcp://127.0.0.1:0"
+    connect: str = ""
+    rank: int = 0
+    world: int = 1
+    concurrency: int = 64
+    linger: float = 0.0
+    """Seconds to stay up after the last room (so a peer can finish)."""
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        d = dict(self.__dict__)
+        d["rooms"] = [r.__dict__ for r in self.rooms]
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> SideSpec:
+        d = json.loads(text)
+        d["rooms"] = [RoomSpec(**r) for r in d["rooms"]]
+        return cls(**d)
+
+
+def _emit(**event: Any) -> None:
+    sys.stdout.write(json.dumps(event, default=str) + "\n")
+    sys.stdout.flush()
+
+
+async def _run_side(spec: SideSpec) -> None:
+    from aioembed.session.receiver import EmbeddingReceiver
+    from aioembed.session.sender import EmbeddingSender
+
+    layout = standard_layout(spec.hidden)
+    config = TransferConfig.from_mapping(spec.config, source="spec")
+    limiter = anyio.Semaphore(spec.concurrency)
+    results: dict[str, int] = {"ok": 0, "failed": 0}
+
+    def report(room: RoomSpec, ok: bool, **extra: Any) -> None:
+        results["ok" if ok else "failed"] += 1
+        _emit(event="room", room=room.room, ok=ok, **extra)
+
+    if spec.role == "send":
+        async with EmbeddingSender(layout, config, bind=spec.bind) as sender:
+            _emit(event="ready", address=sender.address, pid=os.getpid())
+
+            async def send_one(room: RoomSpec) -> None:
+                async with limiter:
+                    data = deterministic_request(layout, room.tokens, room.room)
+                    try:
+                        await sender.send(room.room, data, {"tokens": room.tokens, "sum": checksum(data)})
+                    except AioembedError as exc:
+                        report(room, False, error=str(exc), kind=type(exc).__name__)
+                    else:
+                        report(room, True, tokens=room.tokens)
+
+            async with anyio.create_task_group() as tg:
+                for room in spec.rooms:
+                    tg.start_soon(send_one, room)
+            await anyio.sleep(spec.linger)
+            _emit(event="done", pool_free=sender.rooms_in_flight == 0, stats=results)
+    elif spec.role == "receive":
+        async with EmbeddingReceiver(layout, config, connect=spec.connect, rank=spec.rank,
+                                     world=spec.world) as receiver:
+            await receiver.wait_connected(timeout=config.handshake_timeout * 3)
+            _emit(event="ready", address=spec.connect, pid=os.getpid())
+
+            async def receive_one(room: RoomSpec) -> None:
+                async with limiter:
+                    try:
+                        got = await receiver.receive(room.room, expected_tokens=room.expected_tokens)
+                    except AioembedError as exc:
+                        report(room, False, error=str(exc), kind=type(exc).__name__)
+                        return
+                    want = deterministic_request(layout, room.tokens, room.room)
+                    same = got.num_tokens == room.tokens and all(
+                        torch.equal(got.tensors[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want
+                    )
+                    meta_ok = got.metadata.get("sum") == checksum(want)
+                    report(room, same and meta_ok, tokens=got.num_tokens, rounds=got.rounds,
+                           error=None if same and meta_ok else "data or metadata differ from the source")
+
+            async with anyio.create_task_group() as tg:
+                for room in spec.rooms:
+                    tg.start_soon(receive_one, room)
+            await anyio.sleep(spec.linger)
+            st = receiver.allocator.stats
+            _emit(event="done", pool_free=st.free == st.total and receiver.rooms_in_flight == 0,
+                  stats=dict(results, free=st.free, total=st.total, fenced=st.fenced))
+    else:
+        raise SystemExit(f"unknown role {spec.role!r}")
+
+
+class ProcessSide:
+    """A running side process; read its JSON events with :meth:`next_event`."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        self.events: list[dict[str, Any]] = []
+        self._buffer = b""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def next_event(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The next JSON event printed by the process (raises ``TimeoutError`` or ``EOFError``)."""
+        assert self.process.stdout is not None
+        with anyio.fail_after(timeout):
+            while b"\n" not in self._buffer:
+                try:
+                    chunk = await self.process.stdout.receive()
+                except anyio.EndOfStream:
+                    raise EOFError(f"process {self.pid} ended (code {self.process.returncode})") from None
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        event: dict[str, Any] = json.loads(line)
+        self.events.append(event)
+        return event
+
+    async def until(self, kind: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Skip to the next event of ``kind``."""
+        with anyio.fail_after(timeout):
+            while True:
+                ev = await self.next_event(timeout)
+                if ev.get("event") == kind:
+                    return ev
+
+    async def rooms(self, count: int, timeout: float = 120.0) -> list[dict[str, Any]]:
+        """Collect ``count`` room results."""
+        out: list[dict[str, Any]] = []
+        with anyio.fail_after(timeout):
+            while len(out) < count:
+                ev = await self.next_event(timeout)
+                if ev.get("event") == "room":
+                    out.append(ev)
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL the process."""
+        self.process.kill()
+
+
+@asynccontextmanager
+async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
+    """Start a side in a new Python process; killed on exit if still running."""
+    env = dict(os.environ)
+    env.update(spec.env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    cmd: Sequence[str] = [sys.executable, "-m", "aioembed.testing.processes", "--spec", spec.to_json()]
+    process = await anyio.open_process(cmd, env=env, stderr=subprocess.DEVNULL if not spec.env.get(
+        "AIOEMBED_TEST_STDERR") else None)
+    side = ProcessSide(process)
+    try:
+        yield side
+    finally:
+        with anyio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            await process.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command-line entry: run one side described by ``--spec``."""
+    parser = argparse.ArgumentParser(prog="python -m aioembed.testing.processes")
+    parser.add_argument("--spec", required=True, help="SideSpec as JSON")
+    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    args = parser.parse_args(argv)
+    spec = SideSpec.from_json(args.spec)
+    anyio.run(_run_side, spec, backend=args.backend)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Two processes need a cross-process transport; loopback must refuse clearly, not hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from aioembed.testing.processes import RoomSpec, SideSpec, spawn
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_loopback_across_processes_is_refused_with_a_clear_error() -> None:
+    cfg = {"default_tokens": 1024, "pool_tokens": 4096, "handshake_timeout": 2.0}
+    async with spawn(SideSpec(role="send", config=cfg, rooms=[RoomSpec("r", 100)])) as sender:
+        ready = await sender.until("ready")
+        spec = SideSpec(role="receive", config=cfg, rooms=[RoomSpec("r", 100)], connect=ready["address"])
+        async with spawn(spec) as receiver:
+            with pytest.raises(EOFError):
+                await receiver.until("ready", timeout=30)
+        # the receiver failed its handshake: the sender refused the loopback descriptor
+        assert receiver.process.returncode not in (0, None)

@@ -1,0 +1,78 @@
+"""Zero-copy receive: rows stay in pool blocks under a lease until it is released."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from aioembed import Lease, TransferConfig, TransferFailed
+
+from .conftest import assert_pools_free, assert_same, make_request, running
+
+pytestmark = pytest.mark.anyio
+
+
+def _joined(lease: Lease) -> dict[str, torch.Tensor]:
+    return {name: torch.cat(views) for name, views in lease.views.items()}
+
+
+@pytest.mark.parametrize(("tokens", "rounds"), [(1, 1), (700, 1), (3000, 2), (4096, 2)])
+async def test_lease_holds_the_rows_in_pool_blocks(tokens: int, rounds: int) -> None:
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096)
+    async with running(cfg) as (sender, [receiver]):
+        src = make_request(tokens, seed=tokens)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "z", src, {"k": 1})
+            lease = await receiver.receive_leased("z")
+        assert lease.num_tokens == tokens and lease.rounds == rounds and lease.metadata == {"k": 1}
+        pool_ptrs = {t.data_ptr() for t in receiver.pool.tensors.values()}
+        for name, views in lease.views.items():
+            base = receiver.pool.tensors[name]
+            for v in views:  # every view lies inside the pool tensor: nothing was copied
+                assert base.data_ptr() <= v.data_ptr() < base.data_ptr() + base.numel() * base.element_size()
+        assert pool_ptrs
+        assert_same(_joined(lease), src)
+        assert_same(lease.to_tensors(), src)
+        used = receiver.allocator.stats.used
+        assert used >= receiver.allocator.blocks_for(tokens)  # held until released
+        async with lease:
+            pass
+        assert lease.released
+        lease.release()  # idempotent
+        assert_pools_free(sender, receiver)
+
+
+async def test_request_larger_than_pool_cannot_be_leased() -> None:
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=2048)
+    async with running(cfg) as (sender, [receiver]):
+        src = make_request(3000, seed=1)
+        failures: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("big", src)
+            except Exception as exc:
+                failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with pytest.raises(TransferFailed, match="zero-copy"):
+                await receiver.receive_leased("big")
+        assert failures  # the sender was told
+        assert_pools_free(sender, receiver)
+
+
+async def test_copying_and_leased_rooms_share_the_pool() -> None:
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=8192)
+    async with running(cfg) as (sender, [receiver]):
+        a, b = make_request(2500, seed=2), make_request(2500, seed=3)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "a", a)
+            tg.start_soon(sender.send, "b", b)
+            lease = await receiver.receive_leased("a")
+            got = await receiver.receive("b")
+        assert_same(got.tensors, b)
+        with lease:
+            assert_same(_joined(lease), a)
+        assert_pools_free(sender, receiver)
