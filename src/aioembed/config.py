@@ -7,8 +7,10 @@ the setting's name and its allowed range, not minutes later inside a transfer.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from aioembed.errors import ConfigError
 __all__ = ["ENV_PREFIX", "TransferConfig"]
 
 ENV_PREFIX = "AIOEMBED_"
+
+log = logging.getLogger(__name__)
 
 _MAX_INT = 1 << 40
 
@@ -75,6 +79,11 @@ class TransferConfig:
     """ZeroMQ CURVE, sender side: directory of allowed client public key files."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.transport_options, Mapping) or not all(
+            isinstance(k, str) for k in self.transport_options
+        ):
+            raise ConfigError(f"transport_options must be a table (mapping of option names to values), "
+                              f"got {self.transport_options!r}")
         object.__setattr__(self, "transport_options", MappingProxyType(dict(self.transport_options)))
         _check_str("transport", self.transport)
         for name in ("block_size", "default_tokens", "pool_tokens", "max_request_tokens",
@@ -103,7 +112,7 @@ class TransferConfig:
                 f"pool_tokens={self.pool_tokens} is smaller than one round "
                 f"(max_round_tokens={self.max_round_tokens}); allowed: max_round_tokens <= pool_tokens"
             )
-        if not (self.device in {"cpu", "cuda"} or self.device.startswith("cuda:")):
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device={self.device!r} must be 'cpu', 'cuda' or 'cuda:N'")
         curve = (self.curve_secret_key_file, self.curve_server_public_key_file,
                  self.curve_allowed_clients_dir)
@@ -147,6 +156,10 @@ class TransferConfig:
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        known = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(cls)}
+        for key in env:
+            if key.startswith(ENV_PREFIX) and key not in known and not key.startswith(ENV_PREFIX + "TEST_"):
+                log.warning("ignoring unknown environment variable %s (known: %s)", key, ", ".join(sorted(known)))
         for f in dataclasses.fields(cls):
             key = ENV_PREFIX + f.name.upper()
             if key in env:
@@ -194,7 +207,10 @@ def _parse_env(name: str, key: str, raw: str) -> Any:
     kind = str(default.type)
     try:
         if name == "transport_options":
-            return tomllib.loads(f"v = {raw}")["v"]
+            value = tomllib.loads(f"v = {raw}")["v"]
+            if not isinstance(value, dict):
+                raise ValueError("expected a TOML inline table such as {protocol = \"tcp\"}")
+            return value
         if kind.startswith("int"):
             return None if raw.strip().lower() in ("", "none") else int(raw)
         if kind.startswith("float"):

@@ -57,6 +57,8 @@ class Layout(Mapping[str, Field]):
         if not fields:
             raise LayoutError("a Layout needs at least one field")
         for name, f in fields.items():
+            if not name.isidentifier():
+                raise LayoutError(f"field name {name!r} must be a Python identifier (letters, digits, '_')")
             if not isinstance(f, Field):
                 raise LayoutError(f"field {name!r} must be a Field, got {type(f).__name__}")
         self._fields: dict[str, Field] = dict(fields)

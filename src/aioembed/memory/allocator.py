@@ -132,9 +132,10 @@ class BlockAllocator:
         Cancellation is safe: a waiter cancelled after being granted gives its blocks back.
         Raises :class:`AllocationTimeout` if ``timeout`` seconds pass first.
         """
+        await anyio.lowlevel.checkpoint_if_cancelled()
         got = self.try_alloc(num_tokens)
         if got is not None:
-            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.cancel_shielded_checkpoint()  # never lose granted blocks to a cancel
             return got
         waiter = _Waiter(self.blocks_for(num_tokens))
         self._waiters.append(waiter)

@@ -71,9 +71,14 @@ class BlockPool:
         self, blocks: Sequence[int], src: Mapping[str, torch.Tensor], *, src_start: int, num_tokens: int
     ) -> None:
         """Copy tokens ``[src_start, src_start + num_tokens)`` of ``src`` into ``blocks``."""
+        if src_start < 0 or num_tokens < 0:
+            raise PlanError(f"copy_in needs src_start >= 0 and num_tokens >= 0, got {src_start}, {num_tokens}")
         runs = self.runs(blocks, num_tokens)
         for name, t in self.tensors.items():
             s = self._field(src, name)
+            if s.dtype != t.dtype or tuple(s.shape[1:]) != tuple(t.shape[1:]):
+                raise LayoutError(f"field {name!r}: source is {s.dtype} {tuple(s.shape)}, the pool holds "
+                                  f"{t.dtype} rows of shape {tuple(t.shape[1:])}")
             if src_start + num_tokens > s.shape[0]:
                 raise PlanError(f"field {name!r}: source has {s.shape[0]} tokens, "
                                 f"asked for [{src_start}, {src_start + num_tokens})")
@@ -84,6 +89,8 @@ class BlockPool:
         self, blocks: Sequence[int], num_tokens: int, out: Mapping[str, torch.Tensor], *, out_start: int
     ) -> None:
         """Copy the first ``num_tokens`` tokens of ``blocks`` into ``out[f][out_start:...]``."""
+        if out_start < 0 or num_tokens < 0:
+            raise PlanError(f"copy_out needs out_start >= 0 and num_tokens >= 0, got {out_start}, {num_tokens}")
         runs = self.runs(blocks, num_tokens)
         for name, t in self.tensors.items():
             o = self._field(out, name)
@@ -104,3 +111,5 @@ class BlockPool:
         for b in blocks:
             if not 0 <= b < n:
                 raise PlanError(f"block id {b} is outside this pool (0..{n - 1})")
+        if len(set(blocks)) != len(blocks):
+            raise PlanError("duplicate block ids in a block list")

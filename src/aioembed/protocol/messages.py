@@ -217,6 +217,9 @@ class Reject(_Base):
     TYPE: ClassVar[str] = "REJECT"
     reason: str
     room: RoomId | None = None
+    code: str = "refused"
+    """Why, for machines: ``bad_frame``, ``unknown_peer`` (say HELLO first), ``incompatible``
+    (handshake refused), ``refused`` (a room-level refusal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +317,8 @@ Hello.SCHEMA = {
     "num_blocks": _int(1, 1 << 32), "rank": _RANK, "world": _WORLD, "regions": _regions,
 }
 Welcome.SCHEMA = {"peer_id": _str(64), "heartbeat_interval": _seconds}
-Reject.SCHEMA = {"reason": _str(MAX_TEXT), "room": _optional(_ROOM)}
+REJECT_CODES = ("bad_frame", "unknown_peer", "incompatible", "refused")
+Reject.SCHEMA = {"reason": _str(MAX_TEXT), "room": _optional(_ROOM), "code": _str(32, choices=REJECT_CODES)}
 Init.SCHEMA = {"room": _ROOM, "blocks": _block_list, "allocated_tokens": _TOKENS, "expected_ranks": _WORLD}
 Resume.SCHEMA = {
     "room": _ROOM, "round": _ROUND, "sent_tokens": _TOKENS, "blocks": _block_list, "allocated_tokens": _TOKENS,
@@ -382,7 +386,7 @@ def decode(data: bytes) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {mtype!r}; known: {sorted(_TYPES)}", room=room)
     version = body.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         err = ProtocolError(
             f"{cls.TYPE}: protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",
             room=room,

@@ -90,6 +90,9 @@ class ReceiverRoom:
         self.error: str | None = None
         self._awaiting_status = False
 
+    def _bad(self, what: str, *, room: RoomId | None = None) -> ProtocolError:
+        return ProtocolError(f"room {self.room!r}: {what} (state {self.state.name})", room=self.room)
+
     def _illegal(self, what: str) -> ProtocolError:
         return ProtocolError(f"room {self.room!r}: {what} is illegal in state {self.state.name}", room=self.room)
 
@@ -98,7 +101,7 @@ class ReceiverRoom:
         if self.state is not TransferStatus.BOOTSTRAPPING:
             raise self._illegal("INIT")
         if not _blocks_hold(blocks, self.block_size, allocated_tokens):
-            raise ProtocolError(f"room {self.room!r}: {allocated_tokens} tokens do not fit {blocks} blocks",
+            raise self._bad(f"{allocated_tokens} tokens do not fit {blocks} blocks",
                                 room=self.room)
         self.allocated = allocated_tokens
         self.state = TransferStatus.WAITING_FOR_INPUT
@@ -111,8 +114,8 @@ class ReceiverRoom:
         assert self.total is not None
         remaining = self.total - self.received
         if not _blocks_hold(blocks, self.block_size, allocated_tokens) or allocated_tokens > remaining:
-            raise ProtocolError(
-                f"room {self.room!r}: RESUME reserves {allocated_tokens} tokens in {blocks} blocks "
+            raise self._bad(
+                f"RESUME reserves {allocated_tokens} tokens in {blocks} blocks "
                 f"for {remaining} remaining tokens", room=self.room)
         self.allocated = allocated_tokens
         self.round += 1
@@ -133,27 +136,27 @@ class ReceiverRoom:
         if not self._awaiting_status:
             raise self._illegal(f"STATUS {msg.state} (no reservation outstanding)")
         if msg.state not in ("TRANSFERRING", "SUCCESS"):
-            raise ProtocolError(f"room {self.room!r}: sender reported state {msg.state} with data", room=self.room)
+            raise self._bad(f"sender reported state {msg.state} with data", room=self.room)
         if msg.round != self.round:
-            raise ProtocolError(f"room {self.room!r}: STATUS for round {msg.round}, expected round {self.round}",
+            raise self._bad(f"STATUS for round {msg.round}, expected round {self.round}",
                                 room=self.room)
         total = msg.total_tokens
         if total < 1 or total > self.max_tokens:
-            raise ProtocolError(
-                f"room {self.room!r}: request of {total} tokens, allowed 1..{self.max_tokens} (max_request_tokens)",
+            raise self._bad(
+                f"request of {total} tokens, allowed 1..{self.max_tokens} (max_request_tokens)",
                 room=self.room)
         if self.total is not None and total != self.total:
-            raise ProtocolError(f"room {self.room!r}: total changed from {self.total} to {total}", room=self.room)
+            raise self._bad(f"total changed from {self.total} to {total}", room=self.room)
         count = msg.sent_tokens - self.received
         expected = min(self.allocated, total - self.received)
         if count != expected:
-            raise ProtocolError(
-                f"room {self.room!r}: round {self.round} brought {count} tokens, expected {expected} "
+            raise self._bad(
+                f"round {self.round} brought {count} tokens, expected {expected} "
                 f"(received {self.received}, reserved {self.allocated}, total {total})", room=self.room)
         complete = msg.sent_tokens == total
         if complete != (msg.state == "SUCCESS"):
-            raise ProtocolError(
-                f"room {self.room!r}: state {msg.state} with {msg.sent_tokens} of {total} tokens sent",
+            raise self._bad(
+                f"state {msg.state} with {msg.sent_tokens} of {total} tokens sent",
                 room=self.room)
         start = self.received
         self.total = total
@@ -306,6 +309,8 @@ class SenderRoom:
     def on_resume(self, rank: int, *, round: int, sent_tokens: int, blocks: tuple[int, ...],
                   allocated_tokens: int, num_blocks: int | None = None) -> None:
         """A rank's RESUME arrived with a fresh reservation."""
+        if self.failed is not None:
+            raise self._err(f"RESUME from rank {rank} after the room ended")
         p = self.ranks.get(rank)
         if p is None or p.phase is not RankPhase.AWAITING_RESUME or self.total is None:
             raise self._err(f"RESUME from rank {rank} was not expected")

@@ -101,6 +101,7 @@ class _Room:
         self.sender_ended = False  # the sender told us the room is over (or is gone)
         self.alloc_scope: anyio.CancelScope | None = None  # set while waiting for free blocks
         self.zero_copy = False
+        self.reopen = False  # refused by a restarted sender before any data: will be opened again
         self.kept: list[tuple[list[int], int]] = []  # zero-copy: finished rounds' blocks and token counts
 
 
@@ -294,8 +295,19 @@ class EmbeddingReceiver:
             if self._sender_id is None:
                 self._sender_id = msg.peer_id
                 self._welcome_or_reject.set()
+        elif isinstance(msg, Reject) and msg.code == "unknown_peer":
+            # The sender does not know us: it restarted. Re-handshake at once; a room it refused
+            # before any data arrived is opened again rather than failed.
+            r = self._rooms.get(msg.room) if msg.room is not None else None
+            if r is not None and r.machine.received == 0:
+                r.reopen = True
+                self._deliver(r, msg)
+            if self._connected.is_set():
+                self._sender_lost("the sender does not know this receiver (it restarted)")
+            elif r is not None and not r.reopen:
+                self._deliver(r, msg)
         elif isinstance(msg, Reject) and msg.room is None:
-            if not self._connected.is_set():
+            if not self._connected.is_set() and msg.code == "incompatible":
                 self._rejected = IncompatiblePeer(f"sender {self.connect_to} refused the handshake: {msg.reason}")
                 self._welcome_or_reject.set()
             else:
@@ -348,7 +360,7 @@ class EmbeddingReceiver:
         self._connected = anyio.Event()
         self._welcome_or_reject = anyio.Event()
         for r in list(self._rooms.values()):
-            if r.announced:
+            if r.announced and not r.reopen:
                 self._deliver(r, _PeerGone(reason))
         for room in list(self._orphans):
             self._release_orphan(room, reason)
@@ -457,6 +469,23 @@ class EmbeddingReceiver:
                 lambda: self.pool.copy_out(blocks, count, out, out_start=start), limiter=self._copy_limiter
             )
 
+    async def _open(self, r: _Room, phases: dict[str, float]) -> None:
+        """Handshake (if needed), first reservation, INIT."""
+        room, m = r.handle.room, r.machine
+        t0 = time.perf_counter()
+        await self.wait_connected()
+        phases["handshake"] = phases.get("handshake", 0.0) + time.perf_counter() - t0
+        r.sender_id = self._sender_id
+        tokens = self._reserve_tokens(r, None)
+        r.blocks = await self._alloc(r, tokens, phases)
+        if not r.blocks:
+            raise TransferFailed(f"room {room!r}: reservation interrupted", room=room)
+        self._send(Init(room=room, blocks=tuple(r.blocks), allocated_tokens=tokens, expected_ranks=self.world))
+        r.announced = True
+        m.init_sent(blocks=len(r.blocks), allocated_tokens=tokens)
+        r.handle._set_status(TransferStatus.WAITING_FOR_INPUT)
+        log.debug("receiver[%d]: room=%r: INIT %d tokens in %d blocks", self.rank, room, tokens, len(r.blocks))
+
     async def _run_room(self, r: _Room) -> None:
         h, m, cfg = r.handle, r.machine, self.config
         room = h.room
@@ -471,23 +500,8 @@ class EmbeddingReceiver:
             with h._scope:
                 try:
                     with anyio.fail_after(cfg.room_timeout):
-                        # handshake
-                        t0 = time.perf_counter()
-                        await self.wait_connected()
-                        phases["handshake"] = time.perf_counter() - t0
-                        r.sender_id = self._sender_id
-                        # first reservation
-                        tokens = self._reserve_tokens(r, None)
-                        r.blocks = await self._alloc(r, tokens, phases)
-                        if not r.blocks:
-                            raise TransferFailed(f"room {room!r}: reservation interrupted", room=room)
-                        self._send(Init(room=room, blocks=tuple(r.blocks), allocated_tokens=tokens,
-                                        expected_ranks=self.world))
-                        r.announced = True
-                        m.init_sent(blocks=len(r.blocks), allocated_tokens=tokens)
-                        h._set_status(TransferStatus.WAITING_FOR_INPUT)
-                        log.debug("receiver[%d]: room=%r: INIT %d tokens in %d blocks",
-                                  self.rank, room, tokens, len(r.blocks))
+                        await self._open(r, phases)
+                        retries = 0
                         phase, timeout = "input", cfg.input_timeout
                         while True:
                             t0 = time.perf_counter()
@@ -504,6 +518,19 @@ class EmbeddingReceiver:
                                 self._send(AbortAck(room=room))
                                 raise TransferAborted(f"room {room!r}: aborted by the sender: {event.reason}",
                                                       room=room)
+                            if isinstance(event, Reject) and r.reopen and retries < 3:
+                                # A restarted sender never saw this room: nothing was written. Start over.
+                                log.info("receiver[%d]: room=%r: sender restarted before the room began; "
+                                         "opening it again", self.rank, room)
+                                retries += 1
+                                self._free(r)
+                                r.announced = r.sender_ended = False
+                                r.machine = m = ReceiverRoom(room, block_size=cfg.block_size,
+                                                             max_tokens=cfg.max_request_tokens)
+                                h._set_status(TransferStatus.BOOTSTRAPPING)
+                                r.reopen = False
+                                await self._open(r, phases)
+                                continue
                             if isinstance(event, Reject):
                                 m.fail(event.reason)
                                 self._free(r)  # a rejected reservation is never written

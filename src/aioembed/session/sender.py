@@ -400,7 +400,8 @@ class EmbeddingSender:
             msg = decode(payload)
         except ProtocolError as exc:
             log.warning("sender: bad frame from %r (room=%s): %s", identity, exc.room, exc)
-            self._send_identity(identity, Reject(reason=f"bad frame: {exc}"[:4000], room=exc.room))
+            self._send_identity(identity, Reject(reason=f"bad frame: {exc}"[:4000], room=exc.room,
+                                                       code="bad_frame"))
             return
         peer = self._peers.get(identity)
         if peer is not None:
@@ -417,7 +418,8 @@ class EmbeddingSender:
             if isinstance(msg, Abort):
                 self._send_identity(identity, AbortAck(room=msg.room))
             elif not isinstance(msg, (Pong, AbortAck, Reject)):
-                self._send_identity(identity, Reject(reason="unknown peer: send HELLO first", room=room))
+                self._send_identity(identity, Reject(reason="unknown peer: send HELLO first", room=room,
+                                                           code="unknown_peer"))
             return
         try:
             if isinstance(msg, Init):
@@ -456,7 +458,7 @@ class EmbeddingSender:
         if problems:
             reason = f"incompatible receiver (protocol v{PROTOCOL_VERSION}): " + "; ".join(problems)
             log.warning("sender: refused rank %d: %s", hello.rank, reason)
-            self._send_identity(identity, Reject(reason=reason[:4000]))
+            self._send_identity(identity, Reject(reason=reason[:4000], code="incompatible"))
             return
         assert self._transport is not None
         try:
@@ -465,7 +467,7 @@ class EmbeddingSender:
         except (TransportError, TimeoutError) as exc:
             reason = f"cannot connect transport {cfg.transport!r} to receiver rank {hello.rank}: {exc!r}"
             log.warning("sender: %s", reason)
-            self._send_identity(identity, Reject(reason=reason[:4000]))
+            self._send_identity(identity, Reject(reason=reason[:4000], code="incompatible"))
             return
         old = self._peers.get(identity)
         if old is not None and old.peer_id == hello.peer_id:

@@ -1,0 +1,788 @@
+"""The per-room state machines: every transition, every illegal event, and both sides driven
+against each other through the codec with real bytes moved into a block pool."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from aioembed import BlockPool, Field, Layout
+from aioembed.errors import ProtocolError
+from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
+from aioembed.protocol.messages import Init, Resume, Status, decode, encode
+from aioembed.protocol.room import Arrived, RankPhase, ReceiverRoom, SenderRoom, TransferStatus, WriteTask
+
+TS = TransferStatus
+BS = 4
+
+
+def snapshot(obj: Any) -> dict[str, Any]:
+    return copy.deepcopy(vars(obj))
+
+
+def assert_illegal(obj: Any, call: Callable[[], Any], *, room: Any, state: str | None = None,
+                   match: str | None = None) -> ProtocolError:
+    """``call`` raises ProtocolError naming the room (and state), and changes nothing."""
+    before = snapshot(obj)
+    state_before = obj.state
+    with pytest.raises(ProtocolError) as info:
+        call()
+    err = info.value
+    assert err.room == room
+    assert repr(room) in str(err)
+    if state is not None:
+        assert state in str(err), f"error does not name state {state}: {err}"
+    if match is not None:
+        assert re.search(match, str(err)), str(err)
+    assert snapshot(obj) == before
+    assert obj.state is state_before
+    return err
+
+
+def status(room: Any = "r", *, state: str = "TRANSFERRING", total: int = 20, sent: int = 8, rnd: int = 0,
+           metadata: dict[str, Any] | None = None, error: str | None = None) -> Status:
+    return Status(room=room, state=state, total_tokens=total, sent_tokens=sent, round=rnd, metadata=metadata,
+                  error=error)
+
+
+# -- receiver: fixtures in every state --------------------------------------------------------
+
+
+def r_boot() -> ReceiverRoom:
+    return ReceiverRoom("r", block_size=BS, max_tokens=1000)
+
+
+def r_waiting() -> ReceiverRoom:
+    r = r_boot()
+    r.init_sent(blocks=2, allocated_tokens=8)
+    return r
+
+
+def r_transferring() -> ReceiverRoom:
+    """Round 0 done: 8 of 20 tokens arrived, no reservation outstanding."""
+    r = r_waiting()
+    r.on_status(status())
+    return r
+
+
+def r_resumed() -> ReceiverRoom:
+    """Round 1 reserved (8 tokens), STATUS awaited."""
+    r = r_transferring()
+    r.resume_sent(blocks=2, allocated_tokens=8)
+    return r
+
+
+def r_success() -> ReceiverRoom:
+    r = r_waiting()
+    r.on_status(status(state="SUCCESS", total=5, sent=5))
+    return r
+
+
+def r_failed() -> ReceiverRoom:
+    r = r_waiting()
+    r.fail("x")
+    return r
+
+
+def r_aborted() -> ReceiverRoom:
+    r = r_waiting()
+    r.abort("x")
+    return r
+
+
+RECEIVER_STATES: dict[str, Callable[[], ReceiverRoom]] = {
+    "boot": r_boot, "waiting": r_waiting, "transferring": r_transferring, "resumed": r_resumed,
+    "success": r_success, "failed": r_failed, "aborted": r_aborted,
+}
+
+
+def test_receiver_fixture_states() -> None:
+    expected = {"boot": TS.BOOTSTRAPPING, "waiting": TS.WAITING_FOR_INPUT, "transferring": TS.TRANSFERRING,
+                "resumed": TS.TRANSFERRING, "success": TS.SUCCESS, "failed": TS.FAILED, "aborted": TS.ABORTED}
+    for name, make in RECEIVER_STATES.items():
+        assert make().state is expected[name], name
+
+
+def test_terminal_property() -> None:
+    assert {s for s in TS if s.terminal} == {TS.SUCCESS, TS.FAILED, TS.ABORTED}
+
+
+# -- receiver: legal transitions --------------------------------------------------------------
+
+
+def test_receiver_init() -> None:
+    r = r_boot()
+    assert (r.state, r.round, r.received, r.total, r.allocated) == (TS.BOOTSTRAPPING, 0, 0, None, 0)
+    r.init_sent(blocks=3, allocated_tokens=9)
+    assert (r.state, r.round, r.allocated) == (TS.WAITING_FOR_INPUT, 0, 9)
+
+
+def test_receiver_single_round_success() -> None:
+    r = r_waiting()
+    got = r.on_status(status(state="SUCCESS", total=6, sent=6, metadata={"m": 1}))
+    assert got == Arrived(start=0, count=6, total=6, complete=True, metadata={"m": 1})
+    assert got.remaining == 0
+    assert (r.state, r.received, r.total) == (TS.SUCCESS, 6, 6)
+
+
+def test_receiver_exact_fit_success() -> None:
+    r = r_waiting()
+    got = r.on_status(status(state="SUCCESS", total=8, sent=8))
+    assert got is not None and got.count == 8 and got.complete
+
+
+def test_receiver_resume_rounds() -> None:
+    r = r_waiting()
+    a0 = r.on_status(status(total=20, sent=8))
+    assert a0 == Arrived(start=0, count=8, total=20, complete=False, metadata=None)
+    assert a0.remaining == 12
+    assert (r.state, r.received, r.total, r.round) == (TS.TRANSFERRING, 8, 20, 0)
+    r.resume_sent(blocks=2, allocated_tokens=8)
+    assert (r.state, r.round, r.allocated) == (TS.TRANSFERRING, 1, 8)
+    a1 = r.on_status(status(total=20, sent=16, rnd=1))
+    assert a1 == Arrived(start=8, count=8, total=20, complete=False, metadata=None)
+    r.resume_sent(blocks=1, allocated_tokens=4)
+    a2 = r.on_status(status(state="SUCCESS", total=20, sent=20, rnd=2, metadata={"k": "v"}))
+    assert a2 == Arrived(start=16, count=4, total=20, complete=True, metadata={"k": "v"})
+    assert (r.state, r.received, r.round) == (TS.SUCCESS, 20, 2)
+
+
+@pytest.mark.parametrize("make", ["boot", "waiting", "transferring", "resumed"])
+@pytest.mark.parametrize(("peer_state", "final"), [("FAILED", TS.FAILED), ("ABORTED", TS.ABORTED)])
+def test_receiver_peer_failure_from_any_live_state(make: str, peer_state: str, final: TS) -> None:
+    r = RECEIVER_STATES[make]()
+    rnd = r.round
+    assert r.on_status(status(state=peer_state, total=0, sent=0, rnd=99, error="disk on fire")) is None
+    assert r.state is final
+    assert r.error == "disk on fire"
+    assert r.round == rnd
+    r2 = RECEIVER_STATES[make]()
+    r2.on_status(status(state=peer_state, total=0, sent=0))
+    assert r2.error and peer_state in r2.error
+
+
+@pytest.mark.parametrize("make", ["boot", "waiting", "transferring", "resumed"])
+def test_receiver_local_fail_and_abort(make: str) -> None:
+    r = RECEIVER_STATES[make]()
+    r.fail("timeout")
+    assert (r.state, r.error) == (TS.FAILED, "timeout")
+    r2 = RECEIVER_STATES[make]()
+    r2.abort("cancelled")
+    assert (r2.state, r2.error) == (TS.ABORTED, "cancelled")
+
+
+@pytest.mark.parametrize("make", ["success", "failed", "aborted"])
+def test_receiver_fail_abort_noop_when_terminal(make: str) -> None:
+    r = RECEIVER_STATES[make]()
+    before = snapshot(r)
+    r.fail("late")
+    r.abort("late")
+    assert snapshot(r) == before
+
+
+# -- receiver: illegal events -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", ["waiting", "transferring", "resumed", "success", "failed", "aborted"])
+def test_receiver_duplicate_init(make: str) -> None:
+    r = RECEIVER_STATES[make]()
+    assert_illegal(r, lambda: r.init_sent(blocks=1, allocated_tokens=4), room="r", state=r.state.name,
+                   match="INIT")
+
+
+@pytest.mark.parametrize(("blocks", "tokens"), [(0, 0), (1, 0), (1, 5), (2, 4), (3, 8), (0, 1), (2, 100)])
+def test_receiver_init_reservation_must_fit(blocks: int, tokens: int) -> None:
+    r = r_boot()
+    assert_illegal(r, lambda: r.init_sent(blocks=blocks, allocated_tokens=tokens), room="r")
+
+
+@pytest.mark.parametrize("make", ["boot", "waiting", "resumed", "success", "failed", "aborted"])
+def test_receiver_resume_illegal_states(make: str) -> None:
+    r = RECEIVER_STATES[make]()
+    assert_illegal(r, lambda: r.resume_sent(blocks=1, allocated_tokens=4), room="r", state=r.state.name,
+                   match="RESUME")
+
+
+@pytest.mark.parametrize(("blocks", "tokens"), [(4, 13), (1, 0), (2, 4), (1, 5), (0, 0)])
+def test_receiver_resume_bad_reservation(blocks: int, tokens: int) -> None:
+    r = r_transferring()  # 12 tokens remain
+    assert_illegal(r, lambda: r.resume_sent(blocks=blocks, allocated_tokens=tokens), room="r")
+
+
+@pytest.mark.parametrize("make", ["success", "failed", "aborted"])
+@pytest.mark.parametrize("peer_state", ["TRANSFERRING", "SUCCESS", "FAILED", "ABORTED"])
+def test_receiver_status_after_end(make: str, peer_state: str) -> None:
+    r = RECEIVER_STATES[make]()
+    assert_illegal(r, lambda: r.on_status(status(state=peer_state, total=5, sent=5)), room="r",
+                   state=r.state.name, match="STATUS")
+
+
+@pytest.mark.parametrize("make", ["boot", "transferring"])
+def test_receiver_status_without_reservation(make: str) -> None:
+    r = RECEIVER_STATES[make]()
+    assert_illegal(r, lambda: r.on_status(status(total=20, sent=16, rnd=r.round)), room="r",
+                   state=r.state.name)
+
+
+BAD_STATUS_WAITING = {
+    "sender state BOOTSTRAPPING": status(state="BOOTSTRAPPING"),
+    "sender state WAITING": status(state="WAITING_FOR_INPUT"),
+    "round 1": status(rnd=1),
+    "total 0": status(total=0, sent=0),
+    "total over max": status(total=1001, sent=8),
+    "too few": status(total=20, sent=7),
+    "too many": status(total=20, sent=9),
+    "SUCCESS partial": status(state="SUCCESS", total=20, sent=8),
+    "TRANSFERRING complete": status(state="TRANSFERRING", total=8, sent=8),
+    "SUCCESS short": status(state="SUCCESS", total=6, sent=5),
+}
+
+BAD_STATUS_RESUMED = {
+    "round 0 again": status(total=20, sent=16, rnd=0),
+    "round 2": status(total=20, sent=16, rnd=2),
+    "total changed": status(total=21, sent=16, rnd=1),
+    "no progress": status(total=20, sent=8, rnd=1),
+    "went back": status(total=20, sent=4, rnd=1),
+    "over reservation": status(total=20, sent=17, rnd=1),
+    "SUCCESS partial": status(state="SUCCESS", total=20, sent=16, rnd=1),
+}
+
+
+@pytest.mark.parametrize("msg", BAD_STATUS_WAITING.values(), ids=BAD_STATUS_WAITING.keys())
+def test_receiver_bad_status_round0(msg: Status) -> None:
+    r = r_waiting()
+    assert_illegal(r, lambda: r.on_status(msg), room="r")
+
+
+@pytest.mark.parametrize("msg", BAD_STATUS_RESUMED.values(), ids=BAD_STATUS_RESUMED.keys())
+def test_receiver_bad_status_round1(msg: Status) -> None:
+    r = r_resumed()
+    assert_illegal(r, lambda: r.on_status(msg), room="r")
+
+
+@pytest.mark.parametrize(
+    ("make", "call"),
+    [
+        ("waiting", lambda r: r.on_status(status(rnd=1))),
+        ("waiting", lambda r: r.on_status(status(total=20, sent=9))),
+        ("waiting", lambda r: r.on_status(status(total=1001))),
+        ("resumed", lambda r: r.on_status(status(total=21, sent=16, rnd=1))),
+        ("boot", lambda r: r.init_sent(blocks=1, allocated_tokens=5)),
+        ("transferring", lambda r: r.resume_sent(blocks=4, allocated_tokens=13)),
+    ],
+)
+def test_receiver_validation_errors_name_state(make: str, call: Callable[[ReceiverRoom], Any]) -> None:
+    r = RECEIVER_STATES[make]()
+    assert_illegal(r, lambda: call(r), room="r", state=f"state {r.state.name}")
+
+
+def test_int_room_ids_in_errors() -> None:
+    r = ReceiverRoom(-7, block_size=BS, max_tokens=10)
+    assert_illegal(r, lambda: r.on_status(status(room=-7, total=5, sent=5)), room=-7, state="BOOTSTRAPPING")
+
+
+# -- sender: legal transitions ----------------------------------------------------------------
+
+
+def s_room(num_blocks: int | None = 64) -> SenderRoom:
+    return SenderRoom("s", block_size=BS, num_blocks=num_blocks)
+
+
+def test_sender_states_init_then_input() -> None:
+    s = s_room()
+    assert s.state is TS.BOOTSTRAPPING and s.ready_ranks() == []
+    s.on_init(0, blocks=(5, 2), allocated_tokens=8, expected_ranks=2)
+    assert s.state is TS.WAITING_FOR_INPUT
+    assert s.ready_ranks() == []  # no input yet
+    s.on_input(10)
+    assert s.state is TS.TRANSFERRING
+    assert s.ready_ranks() == [0]
+    task = s.start_write(0)
+    assert task == WriteTask(rank=0, round=0, start=0, count=8, blocks=(5, 2))
+    assert s.writing(0) and not s.writing(1)
+    st0 = s.write_done(task, metadata={"ignored": "until done"})
+    assert st0 == Status(room="s", state="TRANSFERRING", total_tokens=10, sent_tokens=8, round=0)
+    assert s.ranks[0].phase is RankPhase.AWAITING_RESUME
+    s.on_resume(0, round=1, sent_tokens=8, blocks=(7,), allocated_tokens=2)
+    assert s.ranks[0].phase is RankPhase.READY
+    t1 = s.start_write(0)
+    assert t1 == WriteTask(rank=0, round=1, start=8, count=2, blocks=(7,))
+    st1 = s.write_done(t1, metadata={"m": 1})
+    assert st1 == Status(room="s", state="SUCCESS", total_tokens=10, sent_tokens=10, round=1, metadata={"m": 1})
+    assert s.ranks[0].phase is RankPhase.DONE
+    assert s.state is TS.TRANSFERRING  # rank 1 has not even sent INIT
+    s.on_init(1, blocks=(1, 2, 3), allocated_tokens=12, expected_ranks=2)
+    t = s.start_write(1)
+    assert t.count == 10
+    assert s.write_done(t).state == "SUCCESS"
+    assert s.state is TS.SUCCESS
+    s.fail("late")  # no-op after success
+    assert s.state is TS.SUCCESS and s.error is None
+
+
+def test_sender_input_before_init() -> None:
+    s = s_room()
+    s.on_input(3)
+    assert s.state is TS.BOOTSTRAPPING
+    assert s.ready_ranks() == []
+    s.on_init(0, blocks=(9,), allocated_tokens=4, expected_ranks=1)
+    assert s.state is TS.TRANSFERRING
+    t = s.start_write(0)
+    assert t.count == 3
+    assert s.write_done(t).sent_tokens == 3
+    assert s.state is TS.SUCCESS
+
+
+@pytest.mark.parametrize("aborted", [False, True])
+def test_sender_fail(aborted: bool) -> None:
+    s = s_room()
+    s.on_init(0, blocks=(1,), allocated_tokens=4, expected_ranks=1)
+    s.on_input(9)
+    s.fail("boom", aborted=aborted)
+    assert s.state is (TS.ABORTED if aborted else TS.FAILED)
+    assert s.error == "boom"
+    assert s.ready_ranks() == []
+    s.fail("second", aborted=not aborted)
+    assert s.error == "boom" and s.state is (TS.ABORTED if aborted else TS.FAILED)
+
+
+# -- sender: illegal events -------------------------------------------------------------------
+
+
+def s_writing() -> tuple[SenderRoom, WriteTask]:
+    s = s_room()
+    s.on_init(0, blocks=(1, 2), allocated_tokens=8, expected_ranks=2)
+    s.on_input(20)
+    return s, s.start_write(0)
+
+
+def s_awaiting() -> SenderRoom:
+    s, t = s_writing()
+    s.write_done(t)
+    return s
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rank": 2, "expected_ranks": 2}, "outside"),
+        ({"rank": -1, "expected_ranks": 2}, "outside"),
+        ({"rank": 0, "expected_ranks": 0}, "expects 0 ranks"),
+        ({"rank": 1, "expected_ranks": 3}, "expects 3 ranks"),
+        ({"rank": 0, "expected_ranks": 2}, "duplicate INIT"),
+        ({"rank": 1, "expected_ranks": 2, "blocks": (3, 3)}, "duplicate block"),
+        ({"rank": 1, "expected_ranks": 2, "blocks": (3, 64)}, "outside"),
+        ({"rank": 1, "expected_ranks": 2, "blocks": (3, 9), "num_blocks": 9}, "outside"),
+        ({"rank": 1, "expected_ranks": 2, "allocated_tokens": 9}, "do not fit"),
+        ({"rank": 1, "expected_ranks": 2, "allocated_tokens": 4}, "do not fit"),
+        ({"rank": 1, "expected_ranks": 2, "allocated_tokens": 0}, "do not fit"),
+        ({"rank": 1, "expected_ranks": 2, "blocks": ()}, "do not fit"),
+    ],
+)
+def test_sender_bad_init(kwargs: dict[str, Any], match: str) -> None:
+    s, _ = s_writing()
+    args = {"blocks": (3, 4), "allocated_tokens": 8, **kwargs}
+    rank = args.pop("rank")
+    assert_illegal(s, lambda: s.on_init(rank, **args), room="s", state="TRANSFERRING", match=match)
+
+
+def test_sender_block_limit_per_call_overrides_room() -> None:
+    s = SenderRoom("s", block_size=BS)  # no pool size known
+    s.on_init(0, blocks=(1000,), allocated_tokens=4, expected_ranks=2)
+    assert_illegal(s, lambda: s.on_init(1, blocks=(10,), allocated_tokens=4, expected_ranks=2, num_blocks=10),
+                   room="s", match="outside")
+
+
+def test_sender_events_after_failure() -> None:
+    s = s_room()
+    s.on_init(0, blocks=(1,), allocated_tokens=4, expected_ranks=2)
+    s.fail("gone")
+    assert_illegal(s, lambda: s.on_init(1, blocks=(2,), allocated_tokens=4, expected_ranks=2), room="s",
+                   state="FAILED")
+    assert_illegal(s, lambda: s.on_input(4), room="s", state="FAILED")
+    assert_illegal(s, lambda: s.start_write(0), room="s", state="FAILED")
+
+
+def test_sender_bad_input() -> None:
+    s = s_room()
+    for bad in (0, -3):
+        assert_illegal(s, lambda bad=bad: s.on_input(bad), room="s", state="BOOTSTRAPPING")
+    s.on_input(5)
+    assert_illegal(s, lambda: s.on_input(5), room="s", match="already")
+
+
+def test_sender_bad_start_write() -> None:
+    s = s_room()
+    s.on_init(0, blocks=(1,), allocated_tokens=4, expected_ranks=2)
+    assert_illegal(s, lambda: s.start_write(0), room="s", state="WAITING_FOR_INPUT")  # no input
+    s.on_input(8)
+    assert_illegal(s, lambda: s.start_write(1), room="s")  # no INIT from rank 1
+    t = s.start_write(0)
+    assert_illegal(s, lambda: s.start_write(0), room="s")  # already writing
+    s.write_done(t)
+    assert_illegal(s, lambda: s.start_write(0), room="s")  # awaiting RESUME
+
+
+def test_sender_bad_write_done() -> None:
+    s, t = s_writing()
+    assert_illegal(s, lambda: s.write_done(WriteTask(rank=1, round=0, start=0, count=8, blocks=(1, 2))),
+                   room="s")
+    assert_illegal(s, lambda: s.write_done(WriteTask(rank=0, round=1, start=0, count=8, blocks=(1, 2))),
+                   room="s")
+    s.write_done(t)
+    assert_illegal(s, lambda: s.write_done(t), room="s")  # twice
+
+
+RESUME_OK = {"round": 1, "sent_tokens": 8, "blocks": (5, 6), "allocated_tokens": 8}
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"round": 0}, "round 0, expected round 1"),
+        ({"round": 2}, "round 2, expected round 1"),
+        ({"sent_tokens": 7}, "7 tokens arrived, 8 were sent"),
+        ({"sent_tokens": 0}, "0 tokens arrived"),
+        ({"sent_tokens": 16}, "16 tokens arrived"),
+        ({"blocks": (5, 6, 7, 8), "allocated_tokens": 13}, "only 12 remain"),
+        ({"blocks": (5, 6), "allocated_tokens": 9}, "do not fit"),
+        ({"blocks": (5, 6, 7), "allocated_tokens": 8}, "do not fit"),
+        ({"blocks": (5, 5)}, "duplicate"),
+        ({"blocks": (5, 64)}, "outside"),
+        ({"blocks": (), "allocated_tokens": 0}, "do not fit"),
+    ],
+)
+def test_sender_bad_resume(changes: dict[str, Any], match: str) -> None:
+    s = s_awaiting()
+    kw = {**RESUME_OK, **changes}
+    assert_illegal(s, lambda: s.on_resume(0, **kw), room="s", state="TRANSFERRING", match=match)
+    s.on_resume(0, **RESUME_OK)  # the right one is still accepted afterwards
+    assert s.ranks[0].phase is RankPhase.READY
+
+
+def test_sender_resume_out_of_turn() -> None:
+    s, t = s_writing()
+    # RESUME while the round's write is still in flight (before its STATUS)
+    assert_illegal(s, lambda: s.on_resume(0, **RESUME_OK), room="s", match="not expected")
+    assert_illegal(s, lambda: s.on_resume(1, **RESUME_OK), room="s", match="not expected")
+    s.write_done(t)
+    s.on_resume(0, **RESUME_OK)
+    # a second RESUME for the same round
+    assert_illegal(s, lambda: s.on_resume(0, **RESUME_OK), room="s", match="not expected")
+    s2 = s_room()
+    s2.on_init(0, blocks=(1,), allocated_tokens=4, expected_ranks=1)
+    assert_illegal(s2, lambda: s2.on_resume(0, **RESUME_OK), room="s", match="not expected")  # before STATUS
+
+
+def test_sender_resume_after_done() -> None:
+    s = s_room()
+    s.on_init(0, blocks=(1,), allocated_tokens=4, expected_ranks=1)
+    s.on_input(4)
+    s.write_done(s.start_write(0))
+    assert s.state is TS.SUCCESS
+    assert_illegal(s, lambda: s.on_resume(0, round=1, sent_tokens=4, blocks=(2,), allocated_tokens=1),
+                   room="s", state="SUCCESS")
+
+
+def test_sender_resume_after_failure_refused() -> None:
+    s = s_awaiting()
+    s.fail("aborted by receiver", aborted=True)
+    assert_illegal(s, lambda: s.on_resume(0, **RESUME_OK), room="s", state="ABORTED")
+
+
+# -- both sides against each other ------------------------------------------------------------
+
+LAYOUT = Layout(x=Field((), torch.int32), y=Field((2,), torch.int64))
+
+
+def source_rows(total: int) -> dict[str, torch.Tensor]:
+    x = torch.arange(total, dtype=torch.int32) * 7 + 3
+    y = torch.stack([torch.arange(total, dtype=torch.int64) * -5, torch.arange(total, dtype=torch.int64) << 33],
+                    dim=1)
+    return {"x": x, "y": y.contiguous()}
+
+
+class _Rank:
+    """One receiver rank: its room machine, pool, free block ids and output."""
+
+    def __init__(self, room: Any, bs: int, pool_blocks: int, max_tokens: int) -> None:
+        self.room = ReceiverRoom(room, block_size=bs, max_tokens=max_tokens)
+        self.pool = BlockPool(LAYOUT, num_blocks=pool_blocks, block_size=bs)
+        for t in self.pool.tensors.values():
+            t.fill_(-1)
+        self.free = set(range(pool_blocks))
+        self.blocks: list[int] = []
+        self.out: dict[str, torch.Tensor] | None = None
+        self.statuses = 0
+        self.reservations: list[int] = []
+
+
+def write_task(task: WriteTask, src: dict[str, torch.Tensor], dst: BlockPool, bs: int) -> None:
+    """What the sender's I/O layer does: plan and copy real bytes into the receiver's pool."""
+    runs = plan_row_runs(num_tokens=task.count, block_size=bs, dst_blocks=task.blocks, src_start=task.start)
+    spans = [FieldSpan(src_base=src[n].data_ptr(), dst_base=dst.tensors[n].data_ptr(), row_bytes=f.row_bytes)
+             for n, f in LAYOUT.items()]
+    for op in plan_writes(runs, spans):
+        ctypes.memmove(op.dst, op.src, op.length)
+
+
+def reserve(rank: _Rank, bs: int, blocks: int, tokens: int, order: list[int]) -> tuple[int, ...]:
+    ids = tuple(order[:blocks])
+    assert set(ids) <= rank.free
+    rank.free -= set(ids)
+    rank.blocks = list(ids)
+    rank.reservations.append(tokens)
+    return ids
+
+
+class DuelMachine(RuleBasedStateMachine):
+    """A SenderRoom and one ReceiverRoom per rank, talking through encode/decode."""
+
+    @initialize(
+        total=st.integers(1, 120), bs=st.integers(1, 6), world=st.integers(1, 3), pool=st.integers(1, 10),
+        room=st.one_of(st.integers(-(1 << 63), (1 << 63) - 1), st.text(min_size=1, max_size=20)),
+        input_first=st.booleans(),
+    )
+    def setup(self, *, total: int, bs: int, world: int, pool: int, room: Any, input_first: bool) -> None:
+        self.total, self.bs, self.world, self.pool_blocks, self.room_id = total, bs, world, pool, room
+        self.src = source_rows(total)
+        self.sender = SenderRoom(room, block_size=bs, num_blocks=pool)
+        self.ranks = [_Rank(room, bs, pool, max_tokens=total) for _ in range(world)]
+        self.inited: set[int] = set()
+        if input_first:
+            self.sender.on_input(total)
+
+    def _draw_reservation(self, data: st.DataObject, rank: _Rank, limit: int) -> tuple[tuple[int, ...], int]:
+        max_blocks = min(len(rank.free), math.ceil(limit / self.bs))
+        blocks = data.draw(st.integers(1, max_blocks), label="blocks")
+        lo = (blocks - 1) * self.bs + 1
+        tokens = data.draw(st.integers(lo, min(blocks * self.bs, limit)), label="tokens")
+        order = data.draw(st.permutations(sorted(rank.free)), label="ids")
+        return reserve(rank, self.bs, blocks, tokens, order), tokens
+
+    @rule(data=st.data())
+    def init(self, data: st.DataObject) -> None:
+        pending = [i for i in range(self.world) if i not in self.inited]
+        if not pending:
+            return
+        i = data.draw(st.sampled_from(pending), label="rank")
+        rank = self.ranks[i]
+        # the receiver does not know the length: it may reserve more than the total
+        ids, tokens = self._draw_reservation(data, rank, self.pool_blocks * self.bs)
+        rank.room.init_sent(blocks=len(ids), allocated_tokens=tokens)
+        msg = decode(encode(Init(room=self.room_id, blocks=ids, allocated_tokens=tokens,
+                                 expected_ranks=self.world)))
+        assert isinstance(msg, Init)
+        self.sender.on_init(i, blocks=msg.blocks, allocated_tokens=msg.allocated_tokens,
+                            expected_ranks=msg.expected_ranks)
+        self.inited.add(i)
+        # a second INIT of the same rank is refused
+        assert_illegal(self.sender, lambda: self.sender.on_init(
+            i, blocks=msg.blocks, allocated_tokens=msg.allocated_tokens, expected_ranks=self.world),
+            room=self.room_id, match="duplicate INIT")
+
+    @precondition(lambda self: self.sender.total is None)
+    @rule()
+    def give_input(self) -> None:
+        self.sender.on_input(self.total)
+
+    @rule(data=st.data())
+    def write(self, data: st.DataObject) -> None:
+        ready = self.sender.ready_ranks()
+        if not ready:
+            return
+        i = data.draw(st.sampled_from(ready), label="rank")
+        rank = self.ranks[i]
+        task = self.sender.start_write(i)
+        assert task.blocks == tuple(rank.blocks)
+        assert task.start == rank.room.received
+        write_task(task, self.src, rank.pool, self.bs)
+        meta = {"room": str(self.room_id), "rank": i}
+        msg = decode(encode(self.sender.write_done(task, metadata=meta)))
+        assert isinstance(msg, Status)
+        arrived = rank.room.on_status(msg)
+        rank.statuses += 1
+        assert arrived is not None
+        assert arrived.start == task.start and arrived.count == task.count and arrived.total == self.total
+        if rank.out is None:
+            rank.out = LAYOUT.empty(self.total)  # allocated once, when the total is known
+        rank.pool.copy_out(rank.blocks, arrived.count, rank.out, out_start=arrived.start)
+        rank.free |= set(rank.blocks)
+        rank.blocks = []
+        assert arrived.complete == (arrived.start + arrived.count == self.total)
+        assert (arrived.metadata == meta) == arrived.complete
+
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        waiting = [i for i, r in enumerate(self.ranks)
+                   if r.room.state is TS.TRANSFERRING and not r.blocks]
+        if not waiting:
+            return
+        i = data.draw(st.sampled_from(waiting), label="rank")
+        rank = self.ranks[i]
+        remaining = self.total - rank.room.received
+        # out-of-turn / wrong RESUMEs first: each refused, nothing changes
+        good_round = rank.room.round + 1
+        for bad in (
+            {"round": good_round + 1}, {"round": good_round - 1},
+            {"sent_tokens": rank.room.received + 1}, {"sent_tokens": max(0, rank.room.received - 1)},
+        ):
+            kw = {"round": good_round, "sent_tokens": rank.room.received, "blocks": (0,),
+                  "allocated_tokens": min(self.bs, remaining), **bad}
+            if kw["sent_tokens"] != rank.room.received or kw["round"] != good_round:
+                assert_illegal(self.sender, lambda kw=kw: self.sender.on_resume(i, **kw), room=self.room_id)
+        if remaining + 1 <= self.pool_blocks * self.bs:
+            over_blocks = tuple(range(math.ceil((remaining + 1) / self.bs)))
+            assert_illegal(self.sender, lambda: self.sender.on_resume(
+                i, round=good_round, sent_tokens=rank.room.received, blocks=over_blocks,
+                allocated_tokens=remaining + 1), room=self.room_id)
+        assert_illegal(self.sender, lambda: self.sender.on_resume(
+            i, round=good_round, sent_tokens=rank.room.received, blocks=(self.pool_blocks,),
+            allocated_tokens=min(self.bs, remaining)), room=self.room_id, match="outside")
+
+        ids, tokens = self._draw_reservation(data, rank, remaining)
+        rank.room.resume_sent(blocks=len(ids), allocated_tokens=tokens)
+        assert rank.room.round == good_round
+        msg = decode(encode(Resume(room=self.room_id, round=rank.room.round, sent_tokens=rank.room.received,
+                                   blocks=ids, allocated_tokens=tokens)))
+        assert isinstance(msg, Resume)
+        self.sender.on_resume(i, round=msg.round, sent_tokens=msg.sent_tokens, blocks=msg.blocks,
+                              allocated_tokens=msg.allocated_tokens)
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "sender"):
+            return
+        for i, rank in enumerate(self.ranks):
+            r = rank.room
+            assert r.received <= self.total
+            assert len(rank.free) + len(rank.blocks) == self.pool_blocks
+            if i in self.sender.ranks:
+                p = self.sender.ranks[i]
+                assert p.sent == r.received  # every write is acknowledged in the same step
+                assert p.round == r.round
+                assert (p.phase is RankPhase.DONE) == (r.state is TS.SUCCESS)
+            else:
+                assert r.state is TS.BOOTSTRAPPING
+            assert r.round == len(rank.reservations) - 1 if rank.reservations else r.round == 0
+        all_done = len(self.inited) == self.world and all(r.room.state is TS.SUCCESS for r in self.ranks)
+        assert (self.sender.state is TS.SUCCESS) == all_done
+
+    def teardown(self) -> None:
+        if not hasattr(self, "sender"):
+            return
+        # drive every rank to completion with maximal reservations
+        if self.sender.total is None:
+            self.sender.on_input(self.total)
+        for i, rank in enumerate(self.ranks):
+            if i not in self.inited:
+                ids = reserve(rank, self.bs, self.pool_blocks, self.pool_blocks * self.bs, sorted(rank.free))
+                rank.room.init_sent(blocks=len(ids), allocated_tokens=self.pool_blocks * self.bs)
+                self.sender.on_init(i, blocks=ids, allocated_tokens=self.pool_blocks * self.bs,
+                                    expected_ranks=self.world)
+            while rank.room.state is not TS.SUCCESS:
+                if rank.blocks:
+                    task = self.sender.start_write(i)
+                    write_task(task, self.src, rank.pool, self.bs)
+                    arrived = rank.room.on_status(decode(encode(self.sender.write_done(task))))  # type: ignore[arg-type]
+                    assert arrived is not None
+                    if rank.out is None:
+                        rank.out = LAYOUT.empty(self.total)
+                    rank.pool.copy_out(rank.blocks, arrived.count, rank.out, out_start=arrived.start)
+                    rank.free |= set(rank.blocks)
+                    rank.blocks = []
+                    rank.statuses += 1
+                else:
+                    remaining = self.total - rank.room.received
+                    tokens = min(remaining, self.pool_blocks * self.bs)
+                    ids = reserve(rank, self.bs, math.ceil(tokens / self.bs), tokens, sorted(rank.free))
+                    rank.room.resume_sent(blocks=len(ids), allocated_tokens=tokens)
+                    self.sender.on_resume(i, round=rank.room.round, sent_tokens=rank.room.received, blocks=ids,
+                                          allocated_tokens=tokens)
+        assert self.sender.state is TS.SUCCESS
+        event(f"max rounds {max(r.room.round for r in self.ranks) + 1}")
+        for rank in self.ranks:
+            r = rank.room
+            assert r.state is TS.SUCCESS and r.received == r.total == self.total
+            assert rank.out is not None
+            assert torch.equal(rank.out["x"], self.src["x"])
+            assert torch.equal(rank.out["y"], self.src["y"])
+            assert rank.statuses == r.round + 1 == len(rank.reservations)
+            # every round but the last filled its whole reservation; the last took the rest
+            assert sum(rank.reservations[:-1]) < self.total <= sum(rank.reservations)
+            assert rank.free == set(range(self.pool_blocks))
+
+
+DuelMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestDuel = DuelMachine.TestCase
+
+
+def drive(total: int, *, bs: int, default: int, round_tokens: int, world: int = 1) -> list[int]:
+    """Run a room to completion with fixed reservation sizes; return rounds per rank."""
+    s = SenderRoom("d", block_size=bs)
+    recv = [ReceiverRoom("d", block_size=bs, max_tokens=1 << 30) for _ in range(world)]
+    for i, r in enumerate(recv):
+        r.init_sent(blocks=math.ceil(default / bs), allocated_tokens=default)
+        s.on_init(i, blocks=tuple(range(math.ceil(default / bs))), allocated_tokens=default, expected_ranks=world)
+    s.on_input(total)
+    while s.state is not TS.SUCCESS:
+        for i in s.ready_ranks():
+            r = recv[i]
+            arrived = r.on_status(s.write_done(s.start_write(i)))
+            assert arrived is not None
+            if not arrived.complete:
+                tokens = min(round_tokens, arrived.remaining)
+                r.resume_sent(blocks=math.ceil(tokens / bs), allocated_tokens=tokens)
+                s.on_resume(i, round=r.round, sent_tokens=r.received, blocks=tuple(range(math.ceil(tokens / bs))),
+                            allocated_tokens=tokens)
+    assert all(r.state is TS.SUCCESS and r.received == total for r in recv)
+    return [r.round + 1 for r in recv]
+
+
+@pytest.mark.parametrize(
+    ("total", "bs", "default", "round_tokens"),
+    [(1, 4, 8, 8), (8, 4, 8, 8), (9, 4, 8, 8), (8192, 128, 8192, 8192), (8193, 128, 8192, 8192),
+     (20000, 128, 8192, 4096), (65536, 128, 8192, 65536), (100_000, 128, 8192, 1280), (37, 3, 6, 9)],
+)
+def test_round_count_is_ceil_based(total: int, bs: int, default: int, round_tokens: int) -> None:
+    expected = 1 + math.ceil(max(0, total - default) / round_tokens)
+    assert drive(total, bs=bs, default=default, round_tokens=round_tokens, world=2) == [expected, expected]
+
+
+def test_ranks_progress_independently() -> None:
+    s = SenderRoom("p", block_size=4)
+    r0 = ReceiverRoom("p", block_size=4, max_tokens=100)
+    r1 = ReceiverRoom("p", block_size=4, max_tokens=100)
+    r0.init_sent(blocks=1, allocated_tokens=4)
+    r1.init_sent(blocks=3, allocated_tokens=12)
+    s.on_init(0, blocks=(0,), allocated_tokens=4, expected_ranks=2)
+    s.on_input(10)
+    # rank 0 goes through all three rounds before rank 1 has even sent INIT
+    for _ in range(3):
+        a = r0.on_status(s.write_done(s.start_write(0)))
+        assert a is not None
+        if not a.complete:
+            t = min(4, a.remaining)
+            r0.resume_sent(blocks=1, allocated_tokens=t)
+            s.on_resume(0, round=r0.round, sent_tokens=r0.received, blocks=(1,), allocated_tokens=t)
+    assert r0.state is TS.SUCCESS and r0.round == 2
+    assert s.state is TS.TRANSFERRING
+    s.on_init(1, blocks=(4, 5, 6), allocated_tokens=12, expected_ranks=2)
+    t1 = s.start_write(1)
+    assert (t1.round, t1.start, t1.count) == (0, 0, 10)
+    a1 = r1.on_status(s.write_done(t1))
+    assert a1 is not None and a1.complete and r1.round == 0
+    assert s.state is TS.SUCCESS
+    assert s.ranks[0].round == 2 and s.ranks[1].round == 0
