@@ -485,18 +485,20 @@ class EmbeddingSender:
 
     def _on_init(self, peer: _Peer, msg: Init) -> None:
         room = msg.room
+        if msg.expected_ranks != peer.world:
+            raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
+                                room=room)
         r = self._rooms.get(room)
+        new = r is None
         if r is None:
             if len(peer.rooms) >= self.config.max_rooms_per_peer:
                 raise ProtocolError(f"{peer} has {len(peer.rooms)} rooms open; max_rooms_per_peer="
                                     f"{self.config.max_rooms_per_peer}", room=room)
             r = _OutRoom(room, self.config.block_size, anyio.current_time())
-            self._rooms[room] = r
-        if msg.expected_ranks != peer.world:
-            raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
-                                room=room)
         r.machine.on_init(peer.rank, blocks=msg.blocks, allocated_tokens=msg.allocated_tokens,
                           expected_ranks=msg.expected_ranks, num_blocks=peer.num_blocks)
+        if new:  # only a valid INIT creates a room: refused frames leave nothing behind
+            self._rooms[room] = r
         r.rank_peer[peer.rank] = peer
         peer.rooms.add(room)
         self._ended.pop(room, None)

@@ -1,0 +1,150 @@
+"""Raw protocol peers for fault tests: speak (or mangle) the wire protocol by hand."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import torch
+import zmq
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from aioembed import Layout, TransferConfig
+from aioembed.control.channel import ControlSocket
+from aioembed.memory.pool import BlockPool
+from aioembed.protocol.messages import Hello, Message, Ping, Pong, decode, encode
+from aioembed.transports.loopback import LoopbackTransport
+
+
+class RawReceiver:
+    """A DEALER that behaves like a receiver only as far as a test tells it to."""
+
+    def __init__(self, chan: ControlSocket, inbox: MemoryObjectReceiveStream[list[bytes]],
+                 transport: LoopbackTransport, pool: BlockPool) -> None:
+        self.chan = chan
+        self.inbox = inbox
+        self.transport = transport
+        self.pool = pool
+
+    def send_raw(self, payload: bytes) -> None:
+        self.chan.send([payload])
+
+    def send(self, msg: Message) -> None:
+        self.chan.send([encode(msg)])
+
+    async def next(self, timeout: float = 5.0) -> Message:
+        with anyio.fail_after(timeout):
+            frames = await self.inbox.receive()
+        return decode(frames[-1])
+
+    async def expect(self, kind: type, timeout: float = 5.0) -> Message:
+        """Skip PONGs etc. until a message of ``kind`` arrives."""
+        with anyio.fail_after(timeout):
+            while True:
+                msg = await self.next(timeout)
+                if isinstance(msg, kind):
+                    return msg
+
+    def hello(self, layout: Layout, config: TransferConfig, *, peer_id: str = "raw-receiver", rank: int = 0,
+              world: int = 1) -> Hello:
+        return Hello(peer_id=peer_id, fingerprint=layout.fingerprint, transport="loopback",
+                     descriptor=self.transport.descriptor(), block_size=config.block_size,
+                     num_blocks=self.pool.num_blocks, rank=rank, world=world,
+                     regions=tuple((r.address, r.length) for r in self.pool.regions()))
+
+
+@asynccontextmanager
+async def raw_receiver(address: str, layout: Layout, config: TransferConfig) -> AsyncIterator[RawReceiver]:
+    """A hand-driven receiver connected to ``address``, with a real registered loopback pool."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    send, recv = anyio.create_memory_object_stream[list[bytes]](10_000)
+    chan = ControlSocket(sock, send.send_nowait, name="raw-receiver")
+    transport = await LoopbackTransport.open({})
+    pool = BlockPool(layout, num_blocks=config.pool_blocks, block_size=config.block_size)
+    await transport.register(pool.regions())
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(chan.run)
+            yield RawReceiver(chan, recv, transport, pool)
+            tg.cancel_scope.cancel()
+    finally:
+        chan.close()
+        ctx.term()
+        await transport.aclose()
+
+
+class RawSender:
+    """A ROUTER that plays the sender: it answers or stays silent as a test tells it.
+
+    While ``pong`` is true it answers PINGs on its own (with ``peer_id``), like a live sender.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.identity: bytes | None = None
+        self.pong = True
+        self.peer_id = "raw-sender"
+        self.chan: ControlSocket
+        self.inbox: MemoryObjectReceiveStream[list[bytes]]
+        send, self.inbox = anyio.create_memory_object_stream[list[bytes]](10_000)
+        self._forward = send
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames[1])
+        except Exception:
+            msg = None
+        if isinstance(msg, Ping):
+            if self.pong:
+                self.chan.send([frames[0], encode(Pong(nonce=msg.nonce, peer_id=self.peer_id))])
+            return
+        self._forward.send_nowait(frames)
+
+    async def next(self, timeout: float = 5.0) -> Message:
+        with anyio.fail_after(timeout):
+            frames = await self.inbox.receive()
+        self.identity = frames[0]
+        return decode(frames[1])
+
+    async def expect(self, kind: type, timeout: float = 5.0) -> Message:
+        with anyio.fail_after(timeout):
+            while True:
+                msg = await self.next(timeout)
+                if isinstance(msg, kind):
+                    return msg
+
+    def send(self, msg: Message) -> None:
+        assert self.identity is not None
+        self.chan.send([self.identity, encode(msg)])
+
+    def send_raw(self, payload: bytes) -> None:
+        assert self.identity is not None
+        self.chan.send([self.identity, payload])
+
+
+@asynccontextmanager
+async def raw_sender() -> AsyncIterator[RawSender]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    raw = RawSender(address)
+    chan = raw.chan = ControlSocket(sock, raw.on_frames, name="raw-sender")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(chan.run)
+            yield raw
+            tg.cancel_scope.cancel()
+    finally:
+        chan.close()
+        ctx.term()
+
+
+def pool_guard(pool: BlockPool) -> dict[str, torch.Tensor]:
+    """A copy of the pool to compare with later (nothing may have been written)."""
+    return {n: t.clone() for n, t in pool.tensors.items()}

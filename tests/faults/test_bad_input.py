@@ -1,0 +1,164 @@
+"""Every control frame from the network is validated before use: bad ones get a clear REJECT or
+FAILED, a log line, and never a crash, a hang, a write outside the pool, or harm to other rooms."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+import msgpack
+import pytest
+import torch
+
+from aioembed import EmbeddingSender, TransferConfig
+from aioembed.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    Init,
+    Reject,
+    Resume,
+    Status,
+    Welcome,
+)
+
+from ..session.conftest import LAYOUT, assert_pools_free, assert_same, make_request, running
+from .rawpeer import pool_guard, raw_receiver
+
+pytestmark = pytest.mark.anyio
+
+CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, max_rooms_per_peer=8, input_timeout=1.0,
+                     handshake_timeout=2.0)
+
+
+async def _welcomed(sender: EmbeddingSender):  # type: ignore[no-untyped-def]
+    ctx = raw_receiver(sender.address, LAYOUT, CFG)
+    raw = await ctx.__aenter__()
+    raw.send(raw.hello(LAYOUT, CFG))
+    assert isinstance(await raw.expect(Welcome), Welcome)
+    return ctx, raw
+
+
+async def test_garbage_and_unknown_frames_are_rejected_and_valid_rooms_go_on() -> None:
+    async with running(CFG) as (sender, [receiver]):
+        async with raw_receiver(sender.address, LAYOUT, CFG) as raw:
+            for junk in [b"", b"\xc1", b"\x92\x01\x02", msgpack.packb({"type": "NOPE", "v": PROTOCOL_VERSION}),
+                         msgpack.packb({"type": "INIT", "v": 99, "room": 5}), b"\xff" * 1000]:
+                raw.send_raw(junk)
+                rej = await raw.expect(Reject)
+                assert isinstance(rej, Reject) and rej.code == "bad_frame"
+            ver = msgpack.packb({"type": "INIT", "v": 99, "room": 5})
+            raw.send_raw(ver)
+            rej = await raw.expect(Reject)
+            assert isinstance(rej, Reject) and "version 99" in rej.reason and rej.room == 5
+            # before HELLO, a well-formed INIT is refused: say HELLO first
+            raw.send(Init(room=1, blocks=(0,), allocated_tokens=128, expected_ranks=1))
+            rej = await raw.expect(Reject)
+            assert isinstance(rej, Reject) and rej.code == "unknown_peer"
+            # meanwhile a real room works
+            src = make_request(2000, 1)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "ok", src)
+                got = await receiver.receive("ok")
+            assert_same(got.tensors, src)
+        assert_pools_free(sender, receiver)
+
+
+async def test_incompatible_hello_is_rejected_with_what_differs() -> None:
+    async with running(CFG) as (sender, _), raw_receiver(sender.address, LAYOUT, CFG) as raw:
+        hello = dataclasses.replace(raw.hello(LAYOUT, CFG), fingerprint="v1-deadbeef", block_size=64)
+        raw.send(hello)
+        rej = await raw.expect(Reject)
+        assert isinstance(rej, Reject) and rej.code == "incompatible"
+        assert "fingerprint" in rej.reason and "block_size 64" in rej.reason
+
+
+@pytest.mark.parametrize(
+    ("init", "needle"),
+    [
+        (Init(room="r", blocks=(31, 32), allocated_tokens=256, expected_ranks=1), "outside"),
+        (Init(room="r", blocks=(0,), allocated_tokens=129, expected_ranks=1), "do not fit"),
+        (Init(room="r", blocks=(0, 1), allocated_tokens=100, expected_ranks=1), "do not fit"),
+        (Init(room="r", blocks=(0,), allocated_tokens=128, expected_ranks=2), "world"),
+        (Init(room="r", blocks=(0,), allocated_tokens=0, expected_ranks=1), "do not fit"),
+    ],
+)
+async def test_bad_reservations_are_refused_and_leave_nothing(init: Init, needle: str) -> None:
+    async with running(CFG) as (sender, _):
+        ctx, raw = await _welcomed(sender)
+        try:
+            before = pool_guard(raw.pool)
+            raw.send(init)
+            rej = await raw.expect(Reject)
+            assert isinstance(rej, Reject) and rej.room == "r" and needle in rej.reason, rej
+            assert sender.rooms_in_flight == 0  # a refused INIT creates no room
+            for name, t in raw.pool.tensors.items():
+                assert torch.equal(t, before[name])
+        finally:
+            await ctx.__aexit__(None, None, None)
+
+
+async def test_protocol_violations_after_a_valid_init() -> None:
+    async with running(CFG) as (sender, _):
+        ctx, raw = await _welcomed(sender)
+        try:
+            raw.send(Resume(room="nope", round=1, sent_tokens=0, blocks=(0,), allocated_tokens=128))
+            rej = await raw.expect(Reject)
+            assert isinstance(rej, Reject) and "has not started" in rej.reason
+            raw.send(Init(room="dup", blocks=(0, 1), allocated_tokens=256, expected_ranks=1))
+            raw.send(Init(room="dup", blocks=(2, 3), allocated_tokens=256, expected_ranks=1))
+            rej = await raw.expect(Reject)
+            assert isinstance(rej, Reject) and "duplicate INIT" in rej.reason
+            # a RESUME before any STATUS for the room is refused
+            raw.send(Resume(room="dup", round=1, sent_tokens=0, blocks=(4,), allocated_tokens=128))
+            rej = await raw.expect(Reject)
+            assert isinstance(rej, Reject) and "not expected" in rej.reason
+            raw.send(Abort(room="dup", reason="test over"))
+            assert isinstance(await raw.expect(AbortAck), AbortAck)
+        finally:
+            await ctx.__aexit__(None, None, None)
+        assert sender.rooms_in_flight == 0
+
+
+async def test_rooms_per_peer_limit() -> None:
+    async with running(CFG) as (sender, _):
+        ctx, raw = await _welcomed(sender)
+        try:
+            for i in range(CFG.max_rooms_per_peer):
+                raw.send(Init(room=i, blocks=(i,), allocated_tokens=128, expected_ranks=1))
+            raw.send(Init(room=99, blocks=(20,), allocated_tokens=128, expected_ranks=1))
+            rej = await raw.expect(Reject)
+            assert isinstance(rej, Reject) and rej.room == 99 and "max_rooms_per_peer" in rej.reason
+            assert sender.rooms_in_flight == CFG.max_rooms_per_peer
+            for i in range(CFG.max_rooms_per_peer):
+                raw.send(Abort(room=i, reason="done"))
+            for _ in range(CFG.max_rooms_per_peer):
+                await raw.expect(AbortAck)
+            assert sender.rooms_in_flight == 0
+        finally:
+            await ctx.__aexit__(None, None, None)
+
+
+async def test_sender_writes_only_into_the_reserved_blocks() -> None:
+    async with running(CFG) as (sender, _):
+        ctx, raw = await _welcomed(sender)
+        try:
+            before = pool_guard(raw.pool)
+            src = make_request(300, 3)
+            blocks = (7, 2, 30)  # non-contiguous, out of order
+            raw.send(Init(room="w", blocks=blocks, allocated_tokens=300, expected_ranks=1))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "w", src, {"m": 1})
+                status = await raw.expect(Status)
+            assert isinstance(status, Status) and status.state == "SUCCESS" and status.sent_tokens == 300
+            out = LAYOUT.empty(300)
+            raw.pool.copy_out(list(blocks), 300, out, out_start=0)
+            assert_same(out, src)
+            touched = set()
+            for b in blocks:
+                touched.update(range(b * 128, (b + 1) * 128))
+            for name, t in raw.pool.tensors.items():
+                rows = [i for i in range(t.shape[0]) if i not in touched]
+                assert torch.equal(t[rows], before[name][rows]), name
+        finally:
+            await ctx.__aexit__(None, None, None)
