@@ -65,7 +65,7 @@ class TransferConfig:
     """Hard deadline for a whole room, whatever happens."""
     heartbeat_interval: float = 1.0
     """Seconds between PINGs to each peer."""
-    heartbeat_misses: int = 3
+    heartbeat_misses: int = 5
     """Intervals of silence after which a peer is declared dead."""
     device: str = "cpu"
     """Device of the receive pool: ``cpu`` or ``cuda[:N]``."""

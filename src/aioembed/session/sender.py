@@ -127,7 +127,8 @@ class EmbeddingSender:
         self.address = ""
         self._peers: dict[bytes, _Peer] = {}
         self._rooms: dict[RoomId, _OutRoom] = {}
-        self._ended: OrderedDict[RoomId, str] = OrderedDict()
+        # Recently ended rooms, so the other side learns at once: (who ended it, why, when).
+        self._ended: OrderedDict[RoomId, tuple[str, str, float]] = OrderedDict()
         self._transport: Transport | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._auth: ThreadAuthenticator | None = None
@@ -227,9 +228,10 @@ class EmbeddingSender:
         if meta_bytes > cfg.max_metadata_bytes:
             raise InvalidRequest(f"room {room!r}: metadata is {meta_bytes} bytes encoded; "
                                  f"at most max_metadata_bytes={cfg.max_metadata_bytes}")
-        if room in self._ended:
-            reason = self._ended.pop(room)
-            raise TransferAborted(f"room {room!r} was ended by the receiver before send(): {reason}", room=room)
+        tomb = self._tombstone(room)
+        if tomb is not None and tomb[0] == "receiver":
+            del self._ended[room]
+            raise TransferAborted(f"room {room!r} was ended by the receiver before send(): {tomb[1]}", room=room)
         sources = []
         for name in self.layout:
             t = tensors[name]
@@ -254,7 +256,8 @@ class EmbeddingSender:
         assert self._transport is not None
         try:
             r.machine.on_input(num_tokens)
-            await self._transport.register(regions)
+            with anyio.CancelScope(shield=True):  # a registration must never be lost to a cancel
+                await self._transport.register(regions)
             try:
                 await self._drive(r)
             finally:
@@ -263,6 +266,9 @@ class EmbeddingSender:
         except ProtocolError as exc:
             raise TransferFailed(str(exc), room=room) from None
         finally:
+            if r.machine.state is not TransferStatus.SUCCESS:
+                # A rank that asks later learns at once that this room is over.
+                self._remember_ended(room, "sender", r.machine.error or "send() did not complete")
             r.active = False
             self._active_sends -= 1
             if self._active_sends == 0:
@@ -485,6 +491,12 @@ class EmbeddingSender:
 
     def _on_init(self, peer: _Peer, msg: Init) -> None:
         room = msg.room
+        tomb = self._tombstone(room) if room not in self._rooms else None
+        if tomb is not None and tomb[0] == "sender":
+            self._send_to(peer, Status(room=room, state="ABORTED", total_tokens=0, sent_tokens=0, round=0,
+                                       error=f"the sender ended this room before rank {peer.rank} asked: "
+                                             f"{tomb[1]}"[:4000]))
+            return
         if msg.expected_ranks != peer.world:
             raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
                                 room=room)
@@ -527,7 +539,7 @@ class EmbeddingSender:
             del self._rooms[msg.room]
             for p in r.rank_peer.values():
                 p.rooms.discard(msg.room)
-            self._remember_ended(msg.room, msg.reason)
+            self._remember_ended(msg.room, "receiver", msg.reason)
 
     def _on_reject(self, peer: _Peer, msg: Reject) -> None:
         log.warning("sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
@@ -535,19 +547,34 @@ class EmbeddingSender:
             r.machine.fail(f"{peer} rejected: {msg.reason}")
             r.poke()
 
-    def _remember_ended(self, room: RoomId, reason: str) -> None:
-        self._ended[room] = reason
+    def _remember_ended(self, room: RoomId, by: str, reason: str) -> None:
+        self._ended[room] = (by, reason, anyio.current_time())
+        self._ended.move_to_end(room)
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
+
+    def _tombstone(self, room: RoomId) -> tuple[str, str, float] | None:
+        """A room ended within the last ``input_timeout`` (older ones may be a new request)."""
+        tomb = self._ended.get(room)
+        if tomb is not None and anyio.current_time() - tomb[2] > self.config.input_timeout:
+            del self._ended[room]
+            return None
+        return tomb
 
     # -- liveness ------------------------------------------------------------------------
 
     async def _liveness_loop(self) -> None:
         cfg = self.config
         limit = cfg.heartbeat_interval * cfg.heartbeat_misses
+        last_tick = anyio.current_time()
         while True:
             await anyio.sleep(cfg.heartbeat_interval)
             now = anyio.current_time()
+            if now - last_tick > 2 * cfg.heartbeat_interval:
+                # Our own loop was starved: do not blame peers for silence we could not hear.
+                for peer in self._peers.values():
+                    peer.last_heard = max(peer.last_heard, now - cfg.heartbeat_interval)
+            last_tick = now
             for peer in list(self._peers.values()):
                 if now - peer.last_heard > limit:
                     self._peer_lost(peer, f"{peer} silent for more than {limit:.1f} s")

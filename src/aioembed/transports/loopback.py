@@ -80,17 +80,19 @@ class LoopbackTransport(Transport):
             raise TransportError(f"loopback endpoint {self.id[:8]} is closed")
 
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
+        await anyio.lowlevel.checkpoint_if_cancelled()  # cancel before, never after, the change
         self._check_open()
         for r in regions:
             if r.device != "cpu":
                 raise TransportError(f"loopback transport supports CPU memory only, got {r}")
         self.regions.add(regions)
-        await anyio.lowlevel.checkpoint()
+        await anyio.lowlevel.cancel_shielded_checkpoint()
 
     async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        await anyio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         self.regions.remove(regions)
-        await anyio.lowlevel.checkpoint()
+        await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def descriptor(self) -> bytes:
         self._check_open()

@@ -1,0 +1,137 @@
+"""Raw baselines: the transport moving the same bytes with no aioembed on the path.
+
+A baseline is found by transport name: ``loopback`` is built in; a plugin registers a factory
+in the entry-point group :data:`ENTRY_POINT_GROUP` (see :mod:`aioembed.bench` for the protocol).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Protocol, runtime_checkable
+
+import anyio
+import torch
+
+from aioembed.config import TransferConfig
+from aioembed.errors import ConfigError
+from aioembed.layout import Layout
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "LoopbackBaseline",
+    "RawBaseline",
+    "RawBaselineFactory",
+    "available_baselines",
+    "resolve_baseline",
+]
+
+ENTRY_POINT_GROUP = "aioembed.bench_baselines"
+
+
+@runtime_checkable
+class RawBaseline(Protocol):
+    """The transport moving rows without aioembed: what aioembed is measured against.
+
+    Life cycle: ``await setup(sources, capacity_tokens)`` once per workload, then any number
+    of ``await transfer(method, num_tokens)``, then ``await aclose()``.
+    """
+
+    description: str
+    """One line saying how the raw number is obtained (shown in the output)."""
+    methods: tuple[str, ...]
+    """Raw variants measured side by side; the fastest median counts as "raw"."""
+    cross_process: bool
+    """True when the destination lives in another process (as aioembed's receiver would)."""
+
+    async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
+        """Register ``sources`` (one tensor per layout field) and prepare a destination of
+        ``capacity_tokens`` rows per field (preallocated and registered, as a receive pool)."""
+        ...
+
+    async def transfer(self, method: str, num_tokens: int) -> None:
+        """Move rows ``[0, num_tokens)`` of every source field to the destination's rows
+        ``[0, num_tokens)``; return once every byte is visible there. Timed by the caller."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what ``setup`` took."""
+        ...
+
+
+RawBaselineFactory = Callable[[Layout, TransferConfig], RawBaseline]
+"""What an entry point of :data:`ENTRY_POINT_GROUP` resolves to (a class works)."""
+
+
+class LoopbackBaseline:
+    """A plain memory copy of the same source tensors into a preallocated destination.
+
+    Two methods: ``torch.copy_`` (one ``Tensor.copy_`` per field; torch may split a large
+    copy across its intra-op threads) and ``memmove`` (one ``ctypes.memmove`` per field on
+    the calling thread, as the loopback transport itself copies). Both run synchronously on
+    the event loop thread: nothing else is running during a raw measurement.
+    """
+
+    description = "memory copy of the same source tensors into a preallocated destination (fastest of the methods)"
+    methods: tuple[str, ...] = ("torch.copy_", "memmove")
+    cross_process = False
+
+    def __init__(self, layout: Layout, config: TransferConfig) -> None:
+        self.layout = layout
+        self.config = config
+        self._src: dict[str, torch.Tensor] = {}
+        self._dst: dict[str, torch.Tensor] = {}
+
+    async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
+        self._src = {name: sources[name].contiguous() for name in self.layout}
+        # zeros, not empty: every destination page is touched once here, as a registered pool's is
+        self._dst = {
+            name: torch.zeros((capacity_tokens, *f.shape), dtype=f.dtype) for name, f in self.layout.items()
+        }
+        await anyio.lowlevel.checkpoint()
+
+    async def transfer(self, method: str, num_tokens: int) -> None:
+        if method == "torch.copy_":
+            for name, src in self._src.items():
+                self._dst[name][:num_tokens].copy_(src[:num_tokens])
+        elif method == "memmove":
+            move = ctypes.memmove
+            for name, f in self.layout.items():
+                move(self._dst[name].data_ptr(), self._src[name].data_ptr(), num_tokens * f.row_bytes)
+        else:
+            raise ValueError(f"unknown loopback baseline method {method!r}; known: {self.methods}")
+        await anyio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        self._src, self._dst = {}, {}
+        await anyio.lowlevel.checkpoint()
+
+
+def _builtin() -> dict[str, RawBaselineFactory]:
+    return {"loopback": LoopbackBaseline}
+
+
+def available_baselines() -> list[str]:
+    """Transport names with a raw baseline (built in or registered by a plugin)."""
+    names = set(_builtin())
+    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def resolve_baseline(transport: str) -> RawBaselineFactory | None:
+    """The raw-baseline factory for ``transport``, or ``None`` if nobody registered one."""
+    builtin = _builtin()
+    if transport in builtin:
+        return builtin[transport]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == transport:
+            try:
+                factory = ep.load()
+            except Exception as exc:
+                raise ConfigError(f"raw baseline plugin {ep.value!r} for transport {transport!r} "
+                                  f"failed to load: {exc!r}") from exc
+            if not callable(factory):
+                raise ConfigError(f"entry point {ep.value!r} in {ENTRY_POINT_GROUP!r} is not callable")
+            return factory  # type: ignore[no-any-return]
+    return None

@@ -1,0 +1,295 @@
+"""``aioembed bench``: options, the run, and its output (progress bar, tables, JSON, plot)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from aioembed.bench.baselines import ENTRY_POINT_GROUP, available_baselines, resolve_baseline
+from aioembed.bench.measure import WORKLOADS, BenchOptions, Measurer, has_zero_copy, plan_steps
+from aioembed.bench.report import PLOT_HINT, evaluate_targets, render, write_plot
+from aioembed.bench.workloads import FULL_CONCURRENCY, FULL_SIZES, QUICK_CONCURRENCY, QUICK_SIZES, REQUEST_MIXES
+from aioembed.config import TransferConfig
+from aioembed.errors import ConfigError
+
+__all__ = ["SCHEMA", "add_arguments", "run"]
+
+SCHEMA = "aioembed-bench/1"
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _name_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(x for x in text.replace(" ", "").split(",") if x)
+        bad = [n for n in names if n not in choices]
+        if not names or bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``bench`` subcommand's options to ``parser``."""
+    parser.description = (
+        "Measure aioembed end to end (copying receive(), zero-copy receive_leased() where available) side by "
+        "side with the transport's raw baseline on the same bytes, alternating runs; report medians, spreads "
+        "and the ratio aioembed / raw."
+    )
+    parser.add_argument("--transport", default=None,
+                        help="transport to measure (default: from --config, else loopback)")
+    parser.add_argument("--config", default=None,
+                        help="TOML config file for the transport and its options (pool sizes are set per workload)")
+    parser.add_argument("--quick", action="store_true",
+                        help="few sizes and repetitions: finishes in well under a minute (for CI)")
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help="write every raw sample and summary as JSON to FILE ('-' for stdout)")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="plot throughput vs size (needs matplotlib: pip install 'aioembed[plot]')")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="timed repetitions per point and variant (default 7, quick 3; small points x4)")
+    parser.add_argument("--sizes", type=_int_list, default=None,
+                        help=f"request sizes in tokens, comma-separated (default {','.join(map(str, FULL_SIZES))}; "
+                             f"quick {','.join(map(str, QUICK_SIZES))})")
+    parser.add_argument("--concurrency", type=_int_list, default=None,
+                        help=f"rooms in flight, comma-separated (default {','.join(map(str, FULL_CONCURRENCY))}; "
+                             f"quick {','.join(map(str, QUICK_CONCURRENCY))})")
+    parser.add_argument("--mixes", type=_name_list(tuple(REQUEST_MIXES)), default=None,
+                        help="request mixes of the concurrency workload (default small,medium)")
+    parser.add_argument("--workloads", type=_name_list(WORKLOADS), default=None,
+                        help=f"workloads to run, comma-separated (default all: {','.join(WORKLOADS)})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the trace and request-size generators")
+    parser.add_argument("--hidden", type=int, default=3584, help="embedding width in bf16 values (default 3584)")
+    parser.add_argument("--trace-requests", type=int, default=None,
+                        help="requests in the mixed trace (default 100, quick 12)")
+    parser.add_argument("--trace-concurrency", type=int, default=4, help="rooms in flight replaying the trace")
+    parser.add_argument("--idle-seconds", type=float, default=None,
+                        help="seconds of each idle CPU measurement (default 10, quick 1.5)")
+    parser.add_argument("--idle-rooms", type=int, default=1000, help="pending rooms of the idle workload")
+    parser.add_argument("--memory-tokens", type=int, default=50000, help="request size of the memory workload")
+
+
+def _options(args: argparse.Namespace) -> BenchOptions:
+    base = TransferConfig.from_toml(args.config) if args.config else TransferConfig()
+    if args.transport:
+        base = base.replace(transport=args.transport)
+    quick = bool(args.quick)
+    repeat = args.repeat if args.repeat is not None else (3 if quick else 7)
+    if repeat < 1:
+        raise ConfigError(f"--repeat={repeat} must be >= 1")
+    if args.hidden < 1 or args.idle_rooms < 1 or args.memory_tokens < 1 or args.trace_concurrency < 1:
+        raise ConfigError("--hidden, --idle-rooms, --memory-tokens and --trace-concurrency must be >= 1")
+    idle_s = args.idle_seconds if args.idle_seconds is not None else (1.5 if quick else 10.0)
+    if not (idle_s > 0 and math.isfinite(idle_s)):
+        raise ConfigError(f"--idle-seconds={idle_s} must be > 0")
+    return BenchOptions(
+        base_config=base,
+        quick=quick,
+        repeat=repeat,
+        sizes=args.sizes or (QUICK_SIZES if quick else FULL_SIZES),
+        concurrency=args.concurrency or (QUICK_CONCURRENCY if quick else FULL_CONCURRENCY),
+        mixes=args.mixes or tuple(REQUEST_MIXES),
+        workloads=args.workloads or WORKLOADS,
+        seed=args.seed,
+        hidden=args.hidden,
+        trace_requests=args.trace_requests if args.trace_requests is not None else (12 if quick else 100),
+        trace_concurrency=args.trace_concurrency,
+        idle_rooms=args.idle_rooms,
+        idle_seconds=idle_s,
+        memory_tokens=args.memory_tokens,
+    )
+
+
+def _machine(transport: str) -> dict[str, Any]:
+    import torch
+
+    import aioembed
+    from aioembed.transports.registry import available_transports
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        usable = os.cpu_count() or 0
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "aioembed": aioembed.__version__,
+        "transport": transport,
+        "transports_installed": available_transports(),
+        "raw_baselines_installed": available_baselines(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+class _Progress:
+    """rich progress bar; paused (no refresh thread) during CPU-time measurements."""
+
+    def __init__(self, total: int, console: Any) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._p = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), console=console, refresh_per_second=4)
+        self._task = self._p.add_task("starting", total=total)
+        self._paused = False
+
+    def __enter__(self) -> _Progress:
+        self._p.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._p.stop()
+
+    def tick(self, description: str) -> None:
+        if description:
+            self._p.update(self._task, description=description)
+            if description.startswith("idle"):
+                self._p.stop()  # the idle workload measures this process's CPU: no refresh thread
+                self._p.console.print(f"{description} (progress display paused while measuring CPU time)")
+                self._paused = True
+        else:
+            if self._paused:
+                self._paused = False
+                self._p.start()
+            self._p.advance(self._task)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``aioembed bench``; returns the exit code."""
+    from rich.console import Console
+
+    opts = _options(args)
+    to_stdout = args.json == "-"
+    console = Console(stderr=to_stdout)
+    if not console.is_terminal:
+        console = Console(stderr=to_stdout, width=200)  # logs and CI: do not wrap the tables at 80 columns
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print(f"aioembed bench: error: {PLOT_HINT}", file=sys.stderr)
+        return 2
+    from aioembed.transports.registry import resolve_transport
+
+    resolve_transport(opts.transport)  # unknown transport: a clear ConfigError before anything runs
+    factory = resolve_baseline(opts.transport)
+    notes: list[str] = [
+        "sender and receiver run in one process for every transport: loopback cannot cross processes, and the "
+        "two-process mode for plugin transports is not implemented yet",
+        "variants of a point run alternately (order rotated each repetition) after one untimed warm-up each; "
+        "spread = [min-max] of the timed repetitions",
+        "aioembed MB/s = request bytes / (time from receiver start() + sender send() until both return, the rows "
+        "in a freshly allocated output); ratio = aioembed median MB/s / raw median MB/s",
+        "the copying receive() moves every byte twice (transport write into the pool, copy-out into the output) "
+        "where the raw baseline moves it once",
+    ]
+    if factory is None:
+        notes.append(f"no raw baseline for transport {opts.transport!r}: a plugin adds one in the entry-point group "
+                     f"{ENTRY_POINT_GROUP!r}; raw and ratio columns are empty")
+    zero_copy = has_zero_copy()
+    if not zero_copy:
+        notes.append("zero-copy column omitted: this aioembed's EmbeddingReceiver has no receive_leased()")
+    machine = _machine(opts.transport)
+    started = time.time()
+    t0 = time.perf_counter()
+    workloads: dict[str, Any] = {}
+
+    with _Progress(plan_steps(opts), console) as progress:
+        measurer = Measurer(opts, factory, progress.tick)
+
+        async def main() -> None:
+            runners = {
+                "sizes": measurer.run_sizes, "concurrency": measurer.run_concurrency,
+                "resume": measurer.run_resume, "trace": measurer.run_trace,
+                "idle": measurer.run_idle, "memory": measurer.run_memory,
+            }
+            for w in opts.workloads:
+                w0 = time.perf_counter()
+                workloads[w] = await runners[w]()
+                workloads[w]["duration_s"] = time.perf_counter() - w0
+
+        anyio.run(main)
+
+    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    baseline_info: dict[str, Any] = {"available": factory is not None, "entry_point_group": ENTRY_POINT_GROUP}
+    if factory is not None:
+        b = factory(measurer.layout, opts.base_config)
+        baseline_info.update(description=b.description, methods=list(b.methods), cross_process=b.cross_process)
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "started_at": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(),
+        "duration_s": time.perf_counter() - t0,
+        "command": ["aioembed", *sys.argv[1:]] if sys.argv and sys.argv[0] else None,
+        "mode": "quick" if opts.quick else "full",
+        "transport": opts.transport,
+        "machine": machine,
+        "settings": {
+            "repeat": opts.repeat, "sizes": list(opts.sizes), "concurrency": list(opts.concurrency),
+            "mixes": list(opts.mixes), "workloads": list(opts.workloads), "seed": opts.seed,
+            "hidden": opts.hidden, "bytes_per_token": measurer.layout.bytes_per_token,
+            "trace_requests": opts.trace_requests, "trace_concurrency": opts.trace_concurrency,
+            "idle_rooms": opts.idle_rooms, "idle_seconds": opts.idle_seconds, "memory_tokens": opts.memory_tokens,
+        },
+        "process_model": "one process",
+        "raw_baseline": baseline_info,
+        "zero_copy": {"available": zero_copy},
+        "workloads": workloads,
+        "targets": evaluate_targets(workloads),
+        "notes": notes,
+    }
+    render(result, console)
+    console.print(f"total time {result['duration_s']:.1f} s", highlight=False)
+    if args.json:
+        text = json.dumps(_finite(result), indent=1, allow_nan=False, default=str)
+        if to_stdout:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        else:
+            Path(args.json).write_text(text + "\n")
+            console.print(f"JSON written to {args.json}", highlight=False)
+    if args.plot:
+        write_plot(result, args.plot)
+        console.print(f"plot written to {args.plot}", highlight=False)
+    return 0
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (strict JSON has no inf/nan)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

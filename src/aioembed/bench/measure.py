@@ -1,0 +1,636 @@
+"""The measurements: each workload runs aioembed and the raw baseline side by side, alternating.
+
+Every measured point runs its variants round-robin (the order rotates each repetition, after
+one untimed warm-up of each), so slow drifts of a noisy machine hit all variants alike:
+
+* ``aioembed``: the receiver's copying ``receive()`` and the sender's ``send()`` started
+  together; timed until both have returned (the rows are then in a fresh output tensor);
+* ``zero_copy``: the same with ``receive_leased()`` (when the receiver has it): timed until
+  the lease is in hand; the lease is released after the clock stops;
+* ``raw:<method>``: the transport's raw baseline moving the same source bytes.
+
+Sender and receiver run in this process: the loopback transport cannot cross processes, and
+the two-process mode for plugin transports is not implemented yet (the output says so).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from aioembed.bench.baselines import RawBaseline
+from aioembed.bench.stats import mbps, ratio, summarize
+from aioembed.bench.workloads import (
+    REQUEST_MIXES,
+    TRACE_KINDS,
+    bench_layout,
+    concurrency_sizes,
+    generate_trace,
+    make_source,
+    trace_summary,
+)
+from aioembed.config import TransferConfig
+from aioembed.layout import Layout
+from aioembed.protocol.room import TransferStatus
+from aioembed.session.receiver import EmbeddingReceiver
+from aioembed.session.sender import EmbeddingSender
+
+__all__ = [
+    "WORKLOADS",
+    "BenchOptions",
+    "Measurer",
+    "config_dict",
+    "has_zero_copy",
+    "plan_steps",
+]
+
+WORKLOADS: tuple[str, ...] = ("sizes", "concurrency", "resume", "trace", "idle", "memory")
+
+Tick = Callable[[str], None]
+"""Progress callback: called with a description when a point starts (``"> ..."``) and ends."""
+
+
+def has_zero_copy() -> bool:
+    """True when this aioembed's receiver offers ``receive_leased`` (the zero-copy receive)."""
+    return hasattr(EmbeddingReceiver, "receive_leased")
+
+
+def config_dict(cfg: TransferConfig) -> dict[str, Any]:
+    """The settings of ``cfg`` that shape a benchmark, as plain JSON values."""
+    return {
+        "transport": cfg.transport,
+        "transport_options": dict(cfg.transport_options),
+        "block_size": cfg.block_size,
+        "default_tokens": cfg.default_tokens,
+        "pool_tokens": cfg.pool_tokens,
+        "max_round_tokens": cfg.max_round_tokens,
+        "copy_threads": cfg.copy_threads,
+        "device": cfg.device,
+    }
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass
+class BenchOptions:
+    """What to run (from the command line)."""
+
+    base_config: TransferConfig
+    quick: bool = False
+    repeat: int = 7
+    sizes: tuple[int, ...] = ()
+    concurrency: tuple[int, ...] = ()
+    mixes: tuple[str, ...] = ("small", "medium")
+    workloads: tuple[str, ...] = WORKLOADS
+    seed: int = 0
+    hidden: int = 3584
+    trace_requests: int = 100
+    trace_concurrency: int = 4
+    resume_tokens: int = 16384
+    idle_rooms: int = 1000
+    idle_seconds: float = 10.0
+    memory_tokens: int = 50000
+
+    @property
+    def transport(self) -> str:
+        return self.base_config.transport
+
+
+def plan_steps(opts: BenchOptions) -> int:
+    """Number of progress steps the run will take."""
+    n = 0
+    for w in opts.workloads:
+        if w == "sizes":
+            n += len(opts.sizes)
+        elif w == "concurrency":
+            n += len(opts.concurrency) * len(opts.mixes)
+        elif w == "memory":
+            n += 2 if has_zero_copy() else 1
+        else:
+            n += 1
+    return n
+
+
+async def _maybe_await(value: Any) -> Any:
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+@dataclass
+class _Series:
+    """Timed samples of the variants of one point, plus what the aioembed runs reported."""
+
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    rounds: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, variant: str, seconds: float, rounds: int | None = None) -> None:
+        self.samples.setdefault(variant, []).append(seconds)
+        if rounds is not None:
+            self.rounds.setdefault(variant, []).append(rounds)
+
+
+def _rotations(variants: Sequence[str], reps: int) -> Iterator[list[str]]:
+    k = len(variants)
+    for i in range(reps):
+        yield [variants[(i + j) % k] for j in range(k)]
+
+
+def summarize_point(
+    *, workload: str, label: str, nbytes: int, series: _Series, aioembed: str = "aioembed",
+    zero_copy: str = "zero_copy", raw_methods: Sequence[str] = (), transfers: int = 1,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A point's JSON record: raw samples, summaries, throughputs and ratios.
+
+    ``nbytes`` is what one sample moves; ``transfers`` how many transfers one sample holds.
+    The ratio is aioembed's median throughput over raw's (raw = the raw method with the
+    smallest median time), equivalently raw's median time over aioembed's.
+    """
+    summaries: dict[str, dict[str, float]] = {}
+    for variant, xs in series.samples.items():
+        s = summarize(xs)
+        d = s.to_dict()
+        d.update(
+            median_mbps=mbps(nbytes, s.median), min_mbps=mbps(nbytes, s.max), max_mbps=mbps(nbytes, s.min),
+            q1_mbps=mbps(nbytes, s.q3), q3_mbps=mbps(nbytes, s.q1),
+            median_transfers_per_s=transfers / s.median if s.median > 0 else float("inf"),
+        )
+        summaries[variant] = d
+    raw_best: str | None = None
+    present = [m for m in raw_methods if f"raw:{m}" in summaries]
+    if present:
+        raw_best = min(present, key=lambda m: summaries[f"raw:{m}"]["median"])
+    raw_t = summaries[f"raw:{raw_best}"]["median"] if raw_best else None
+    a_t = summaries[aioembed]["median"] if aioembed in summaries else None
+    z_t = summaries[zero_copy]["median"] if zero_copy in summaries else None
+    rounds = series.rounds.get(aioembed, [])
+    rec: dict[str, Any] = {
+        "workload": workload,
+        "label": label,
+        "bytes_per_sample": nbytes,
+        "transfers_per_sample": transfers,
+        "samples_s": series.samples,
+        "rounds": rounds,
+        "summary": summaries,
+        "aioembed_variant": aioembed,
+        "zero_copy_variant": zero_copy if zero_copy in summaries else None,
+        "raw_method": raw_best,
+        "ratio": ratio(raw_t, a_t),
+        "zero_copy_ratio": ratio(raw_t, z_t),
+    }
+    if extra:
+        rec.update(extra)
+    return rec
+
+
+class Measurer:
+    """Runs the selected workloads; one instance per benchmark run."""
+
+    def __init__(self, opts: BenchOptions, baseline_factory: Callable[[Layout, TransferConfig], RawBaseline] | None,
+                 tick: Tick) -> None:
+        self.opts = opts
+        self.layout = bench_layout(opts.hidden)
+        self.baseline_factory = baseline_factory
+        self.tick = tick
+        self.zero_copy = has_zero_copy()
+        self._room = 0
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _next_room(self, prefix: str) -> str:
+        self._room += 1
+        return f"bench-{prefix}-{self._room}"
+
+    @asynccontextmanager
+    async def _session(self, cfg: TransferConfig) -> AsyncIterator[tuple[EmbeddingSender, EmbeddingReceiver]]:
+        async with EmbeddingSender(self.layout, cfg) as sender, \
+                EmbeddingReceiver(self.layout, cfg, connect=sender.address) as receiver:
+            await receiver.wait_connected()
+            yield sender, receiver
+
+    @asynccontextmanager
+    async def _baseline(self, cfg: TransferConfig, sources: Mapping[str, torch.Tensor],
+                        capacity: int) -> AsyncIterator[RawBaseline | None]:
+        if self.baseline_factory is None:
+            yield None
+            return
+        b = self.baseline_factory(self.layout, cfg)
+        await b.setup(sources, capacity)
+        try:
+            yield b
+        finally:
+            await b.aclose()
+
+    async def _copy(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], data: Mapping[str, torch.Tensor],
+                    expected: int | None) -> tuple[float, int]:
+        """One copying transfer; returns (seconds, rounds). The output is dropped after the clock stops."""
+        sender, receiver = pair
+        room = self._next_room("c")
+        t0 = time.perf_counter()
+        handle = receiver.start(room, expected_tokens=expected)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, room, data)
+            got = await handle.result()
+        dt = time.perf_counter() - t0
+        rounds = got.rounds
+        del got
+        return dt, rounds
+
+    async def _lease(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], data: Mapping[str, torch.Tensor],
+                     expected: int | None) -> tuple[float, int]:
+        """One zero-copy transfer: timed until the lease is in hand; released after."""
+        sender, receiver = pair
+        room = self._next_room("z")
+        recv: Any = receiver
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, room, data)
+            lease = await _maybe_await(recv.receive_leased(room, expected_tokens=expected))
+        dt = time.perf_counter() - t0
+        rounds = int(getattr(lease, "rounds", 0))
+        await _maybe_await(lease.release())
+        return dt, rounds
+
+    @staticmethod
+    def _slice(src: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        return {k: v[:n] for k, v in src.items()}
+
+    def _variants(self, baseline: RawBaseline | None, *aioembed: str) -> list[str]:
+        vs = list(aioembed)
+        if self.zero_copy:
+            vs.append("zero_copy")
+        if baseline is not None:
+            vs.extend(f"raw:{m}" for m in baseline.methods)
+        return vs
+
+    def _raw_methods(self, baseline: RawBaseline | None) -> tuple[str, ...]:
+        return tuple(baseline.methods) if baseline is not None else ()
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    def sizes_config(self) -> TransferConfig:
+        top = max(self.opts.sizes)
+        pool = max(8192, _round_up(top, 128))
+        return self.opts.base_config.replace(block_size=128, default_tokens=8192, pool_tokens=pool,
+                                             max_round_tokens=None)
+
+    async def run_sizes(self) -> dict[str, Any]:
+        opts, cfg = self.opts, self.sizes_config()
+        top = max(opts.sizes)
+        src = make_source(self.layout, top, seed=opts.seed)
+        bpt = self.layout.bytes_per_token
+        points = []
+        async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
+            variants = self._variants(baseline, "aioembed")
+            for n in opts.sizes:
+                self.tick(f"sizes: {n} tokens")
+                data = self._slice(src, n)
+                nbytes = n * bpt
+                reps = opts.repeat if nbytes >= 8_000_000 else opts.repeat * 4
+                series = _Series()
+                for rep, order in enumerate(_rotations(variants, reps + 1)):
+                    for v in order:
+                        dt, rounds = await self._run_variant(pair, baseline, v, data=data, n=n, expected=None)
+                        if rep > 0:  # repetition 0 is the warm-up
+                            series.add(v, dt, rounds)
+                points.append(summarize_point(
+                    workload="sizes", label=f"{n} tok", nbytes=nbytes, series=series,
+                    raw_methods=self._raw_methods(baseline),
+                    extra={"tokens": n, "latency_p50_s": summarize(series.samples["aioembed"]).median},
+                ))
+                self.tick("")
+        return {
+            "description": "one request at a time, sizes in tokens; the receiver does not know the length "
+                           "(default reservation), so requests above default_tokens resume",
+            "config": config_dict(cfg),
+            "points": points,
+        }
+
+    async def _run_variant(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], baseline: RawBaseline | None,
+                           variant: str, *, data: Mapping[str, torch.Tensor], n: int,
+                           expected: int | None) -> tuple[float, int | None]:
+        if variant.startswith("raw:"):
+            assert baseline is not None
+            t0 = time.perf_counter()
+            await baseline.transfer(variant[4:], n)
+            return time.perf_counter() - t0, None
+        if variant == "zero_copy" or variant.startswith("zero_copy"):
+            return await self._lease(pair, data, expected)
+        return await self._copy(pair, data, expected)
+
+    # -- resume --------------------------------------------------------------------------
+
+    async def run_resume(self) -> dict[str, Any]:
+        opts = self.opts
+        n = opts.resume_tokens
+        default = _round_up(max(128, n // 2), 128)
+        cfg = opts.base_config.replace(block_size=128, default_tokens=default, pool_tokens=_round_up(n, 128),
+                                       max_round_tokens=None)
+        src = make_source(self.layout, n, seed=opts.seed)
+        nbytes = n * self.layout.bytes_per_token
+        self.tick(f"resume: {n} tokens")
+        series = _Series()
+        async with self._session(cfg) as pair, self._baseline(cfg, src, n) as baseline:
+            variants = ["two_rounds", "one_round"]
+            if self.zero_copy:
+                variants += ["zero_copy_two_rounds", "zero_copy_one_round"]
+            if baseline is not None:
+                variants += [f"raw:{m}" for m in baseline.methods]
+            for rep, order in enumerate(_rotations(variants, opts.repeat * 2 + 1)):
+                for v in order:
+                    expected = n if v.endswith("one_round") else None
+                    dt, rounds = await self._run_variant(pair, baseline, v, data=src, n=n, expected=expected)
+                    if rep > 0:
+                        series.add(v, dt, rounds)
+        raw_methods = self._raw_methods(baseline)
+        points = []
+        for kind, label in (("two_rounds", f"{n} tok, default {default}"), ("one_round", f"{n} tok, expected")):
+            sub = _Series(
+                samples={k: v for k, v in series.samples.items()
+                         if k in (kind, f"zero_copy_{kind}") or k.startswith("raw:")},
+                rounds={k: v for k, v in series.rounds.items() if k in (kind, f"zero_copy_{kind}")},
+            )
+            points.append(summarize_point(
+                workload="resume", label=label, nbytes=nbytes, series=sub, aioembed=kind,
+                zero_copy=f"zero_copy_{kind}", raw_methods=raw_methods,
+                extra={"tokens": n, "expected_tokens": n if kind == "one_round" else None,
+                       "latency_p50_s": summarize(series.samples[kind]).median},
+            ))
+        two = summarize(series.samples["two_rounds"]).median
+        one = summarize(series.samples["one_round"]).median
+        summary: dict[str, Any] = {"two_over_one": ratio(two, one)}
+        if self.zero_copy:
+            summary["zero_copy_two_over_one"] = ratio(summarize(series.samples["zero_copy_two_rounds"]).median,
+                                                      summarize(series.samples["zero_copy_one_round"]).median)
+        self.tick("")
+        return {
+            "description": f"{n} tokens with default_tokens={default} (two rounds) vs the same request with "
+                           f"expected_tokens={n} (one round); two_over_one = median time ratio",
+            "config": config_dict(cfg),
+            "points": points,
+            "summary": summary,
+        }
+
+    # -- concurrency and trace: batches of transfers -------------------------------------
+
+    async def _batch(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], src: Mapping[str, torch.Tensor],
+                     sizes: Sequence[int], concurrency: int, *, lease: bool, expected: bool,
+                     latencies: list[float] | None, rounds: list[int] | None) -> float:
+        """Run ``sizes`` with ``concurrency`` rooms in flight; returns the makespan."""
+        it = iter(sizes)
+        one: Callable[..., Awaitable[tuple[float, int]]] = self._lease if lease else self._copy
+        slices = {n: self._slice(src, n) for n in set(sizes)}
+
+        async def worker() -> None:
+            for n in it:
+                dt, r = await one(pair, slices[n], n if expected else None)
+                if latencies is not None:
+                    latencies.append(dt)
+                if rounds is not None:
+                    rounds.append(r)
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(concurrency, len(sizes))):
+                tg.start_soon(worker)
+        return time.perf_counter() - t0
+
+    @staticmethod
+    async def _raw_batch(baseline: RawBaseline, method: str, sizes: Sequence[int]) -> float:
+        t0 = time.perf_counter()
+        for n in sizes:
+            await baseline.transfer(method, n)
+        return time.perf_counter() - t0
+
+    async def _batch_point(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], baseline: RawBaseline | None, *,
+                           src: Mapping[str, torch.Tensor], sizes: Sequence[int], concurrency: int,
+                           reps: int, expected: bool) -> tuple[_Series, list[float], list[float], list[int]]:
+        series = _Series()
+        lat: list[float] = []
+        zlat: list[float] = []
+        rounds: list[int] = []
+        variants = self._variants(baseline, "aioembed")
+        for rep, order in enumerate(_rotations(variants, reps + 1)):
+            warm = rep == 0
+            for v in order:
+                if v.startswith("raw:"):
+                    assert baseline is not None
+                    dt = await self._raw_batch(baseline, v[4:], sizes)
+                elif v == "zero_copy":
+                    dt = await self._batch(pair, src, sizes, concurrency, lease=True, expected=expected,
+                                           latencies=None if warm else zlat, rounds=None)
+                else:
+                    dt = await self._batch(pair, src, sizes, concurrency, lease=False, expected=expected,
+                                           latencies=None if warm else lat, rounds=None if warm else rounds)
+                if not warm:
+                    series.add(v, dt)
+        series.rounds["aioembed"] = rounds
+        return series, lat, zlat, rounds
+
+    def concurrency_config(self) -> TransferConfig:
+        return self.opts.base_config.replace(block_size=128, default_tokens=8192, pool_tokens=65536,
+                                             max_round_tokens=None)
+
+    async def run_concurrency(self) -> dict[str, Any]:
+        opts, cfg = self.opts, self.concurrency_config()
+        top = max(REQUEST_MIXES[m][1] for m in opts.mixes)
+        src = make_source(self.layout, top, seed=opts.seed)
+        bpt = self.layout.bytes_per_token
+        points = []
+        async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
+            for mix in opts.mixes:
+                for c in opts.concurrency:
+                    self.tick(f"concurrency: {mix} x{c}")
+                    if mix == "small":
+                        count = max(2 * c, 32) if opts.quick else max(4 * c, 128)
+                    else:
+                        count = max(c // 2, 16) if opts.quick else max(c, 32)
+                    sizes = concurrency_sizes(mix, count, opts.seed + c)
+                    reps = opts.repeat
+                    series, lat, zlat, _rounds = await self._batch_point(pair, baseline, src=src, sizes=sizes,
+                                                                         concurrency=c, reps=reps, expected=True)
+                    ls = summarize(lat)
+                    rec = summarize_point(
+                        workload="concurrency", label=f"{mix} x{c}", nbytes=sum(sizes) * bpt, series=series,
+                        raw_methods=self._raw_methods(baseline), transfers=count,
+                        extra={
+                            "mix": mix, "concurrency": c, "transfers_per_batch": count,
+                            "tokens_range": list(REQUEST_MIXES[mix]),
+                            "latencies_s": lat, "zero_copy_latencies_s": zlat,
+                            "latency_p50_s": ls.median, "latency_p99_s": ls.p99,
+                            "zero_copy_latency_p50_s": summarize(zlat).median if zlat else None,
+                            "transfers_per_s": count / summarize(series.samples["aioembed"]).median,
+                        },
+                    )
+                    points.append(rec)
+                    self.tick("")
+        lo_s, hi_s = REQUEST_MIXES["small"]
+        lo_m, hi_m = REQUEST_MIXES["medium"]
+        return {
+            "description": (
+                f"batches of requests (small: {lo_s}..{hi_s} tokens, medium: {lo_m}..{hi_m} tokens, uniform, "
+                f"seeded) with N rooms in flight at once (closed loop: a room starts when one ends); the receiver "
+                f"passes expected_tokens (the language side knows its placeholder count), so each room takes one "
+                f"round; rooms wait for free blocks when N x size exceeds the pool; raw = the same requests "
+                f"copied one after another; latency = from start()/send() to both returning"
+            ),
+            "config": config_dict(cfg),
+            "points": points,
+        }
+
+    def trace_config(self) -> TransferConfig:
+        return self.opts.base_config.replace(block_size=128, default_tokens=8192, pool_tokens=65536,
+                                             max_round_tokens=None)
+
+    async def run_trace(self) -> dict[str, Any]:
+        opts, cfg = self.opts, self.trace_config()
+        trace = generate_trace(opts.trace_requests, seed=opts.seed)
+        sizes = [r.tokens for r in trace if r.tokens > 0]
+        self.tick(f"trace: {len(trace)} requests")
+        if not sizes:
+            self.tick("")
+            return {"description": "empty trace", "config": config_dict(cfg), "points": [],
+                    "trace": trace_summary(trace)}
+        top = max(sizes)
+        src = make_source(self.layout, top, seed=opts.seed)
+        nbytes = sum(sizes) * self.layout.bytes_per_token
+        async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
+            series, lat, zlat, _rounds = await self._batch_point(
+                pair, baseline, src=src, sizes=sizes, concurrency=opts.trace_concurrency,
+                reps=max(2, opts.repeat // 2), expected=False)
+        ls = summarize(lat)
+        point = summarize_point(
+            workload="trace", label=f"{len(trace)} req x{opts.trace_concurrency}", nbytes=nbytes, series=series,
+            raw_methods=self._raw_methods(baseline), transfers=len(sizes),
+            extra={
+                "requests": len(trace), "transferred": len(sizes), "concurrency": opts.trace_concurrency,
+                "latencies_s": lat, "zero_copy_latencies_s": zlat,
+                "latency_p50_s": ls.median, "latency_p99_s": ls.p99,
+                "transfers_per_s": len(sizes) / summarize(series.samples["aioembed"]).median,
+            },
+        )
+        self.tick("")
+        return {
+            "description": (
+                f"mixed multimodal trace (seed {opts.seed}, kinds {dict(TRACE_KINDS)}; text-only requests move "
+                f"nothing and are skipped), replayed in order with {opts.trace_concurrency} rooms in flight; "
+                "the receiver does not know lengths (default reservation; videos resume); throughput = all "
+                "bytes / makespan; raw = the same requests copied one after another"
+            ),
+            "config": config_dict(cfg),
+            "points": [point],
+            "trace": dict(trace_summary(trace), seed=opts.seed, requests_list=[r.to_dict() for r in trace]),
+        }
+
+    # -- idle ----------------------------------------------------------------------------
+
+    async def run_idle(self) -> dict[str, Any]:
+        opts = self.opts
+        rooms, secs = opts.idle_rooms, opts.idle_seconds
+        bs = 16
+        cfg = opts.base_config.replace(
+            block_size=bs, default_tokens=bs, pool_tokens=bs * max(rooms, 1), max_round_tokens=None,
+            input_timeout=max(60.0, 3 * secs + 30), room_timeout=max(600.0, 3 * secs + 60),
+            max_rooms_per_peer=max(4096, rooms),
+        )
+        self.tick(f"idle: {rooms} pending rooms, {secs:g} s")
+        async with self._session(cfg) as (sender, receiver):
+            await anyio.sleep(0.3)
+            empty = await _cpu_over(secs)
+            handles = [receiver.start(f"idle-{i}") for i in range(rooms)]
+
+            def all_pending() -> bool:
+                return sender.rooms_in_flight >= rooms and all(
+                    h.status is TransferStatus.WAITING_FOR_INPUT for h in handles)
+
+            with anyio.fail_after(60):
+                while not all_pending():  # noqa: ASYNC110 - the library offers no event for "INIT received"
+                    await anyio.sleep(0.05)
+            await anyio.sleep(0.3)
+            loaded = await _cpu_over(secs)
+            for h in handles:
+                h.cancel("benchmark over")
+            with anyio.fail_after(60):
+                for h in handles:
+                    await h.wait()
+        self.tick("")
+        return {
+            "description": (
+                f"CPU seconds per wall second of this process (sender and receiver together, all threads) over "
+                f"{secs:g} s with no rooms, then with {rooms} rooms reserved (INIT sent) and no data arriving; "
+                "the receiver's share is at most the total"
+            ),
+            "config": dict(config_dict(cfg), input_timeout=cfg.input_timeout),
+            "rooms": rooms,
+            "seconds": secs,
+            "no_rooms": empty,
+            "pending_rooms": loaded,
+            "cpu_s_per_s": loaded["cpu_s_per_s"],
+            "extra_cpu_s_per_s": loaded["cpu_s_per_s"] - empty["cpu_s_per_s"],
+        }
+
+    # -- memory --------------------------------------------------------------------------
+
+    async def run_memory(self) -> dict[str, Any]:
+        opts = self.opts
+        results: dict[str, Any] = {}
+        modes = ["copy", "lease"] if self.zero_copy else ["copy"]
+        for mode in modes:
+            self.tick(f"memory: {opts.memory_tokens} tokens ({mode}, child process)")
+            spec = {"tokens": opts.memory_tokens, "mode": mode, "hidden": opts.hidden,
+                    "transport": opts.base_config.transport,
+                    "transport_options": dict(opts.base_config.transport_options)}
+            cmd = [sys.executable, "-m", "aioembed.bench.memchild", json.dumps(spec)]
+            with anyio.fail_after(300):
+                proc = await anyio.run_process(cmd, check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            out = proc.stdout.decode(errors="replace").strip().splitlines()
+            if proc.returncode != 0 or not out:
+                err = proc.stderr.decode(errors="replace")[-2000:]
+                results[mode] = {"error": f"child exited {proc.returncode}: {err}"}
+            else:
+                results[mode] = json.loads(out[-1])
+            self.tick("")
+        return {
+            "description": (
+                "peak RSS of a child process running sender and receiver (one process: loopback cannot cross "
+                "processes) for one request; the source tensors are resident before the measurement starts and "
+                "are subtracted; receiver_bytes = peak - RSS with the source ready (so the sender's own overhead "
+                "is counted against the receiver: an upper bound); budget = pool + output; ratio = receiver_bytes "
+                "/ budget"
+            ),
+            "tokens": opts.memory_tokens,
+            "modes": results,
+            "ratio": results.get("copy", {}).get("ratio"),
+        }
+
+
+async def _cpu_over(seconds: float) -> dict[str, float]:
+    p0 = time.process_time()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    w0 = time.perf_counter()
+    await anyio.sleep(seconds)
+    wall = time.perf_counter() - w0
+    cpu = time.process_time() - p0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "user_s": r1.ru_utime - r0.ru_utime,
+        "system_s": r1.ru_stime - r0.ru_stime,
+        "voluntary_switches": float(r1.ru_nvcsw - r0.ru_nvcsw),
+        "cpu_s_per_s": cpu / wall if wall > 0 else 0.0,
+    }

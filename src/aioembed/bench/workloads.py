@@ -1,0 +1,151 @@
+"""What the benchmark moves: request sizes, concurrency mixes, and a mixed multimodal trace.
+
+The trace generator
+-------------------
+:func:`generate_trace` draws a seeded, reproducible sequence of requests as a multimodal
+serving front end sees them. Each request is, independently:
+
+============  ===========  =========================================================
+kind          probability  multimodal tokens
+============  ===========  =========================================================
+text          0.35         0 (nothing to transfer: the language side skips the room)
+image         0.40         one image: uniform integer in [256, 2700]
+multi_image   0.15         2..6 images (uniform count), each uniform in [256, 2700]
+video         0.10         one short video: uniform integer in [10000, 50000]
+============  ===========  =========================================================
+
+The image range matches a Qwen2-VL style encoder (one token per 28 x 28 patch after merging:
+a 448 x 448 image gives 256 tokens, about 1456 x 1456 gives 2704); the video range is a few
+seconds to a minute of frames at the usual 2 fps sampling. Draws use :class:`random.Random`
+seeded with ``seed`` only, so a seed fixes the whole trace on every platform and Python 3.11+.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from aioembed.layout import Field, Layout
+
+__all__ = [
+    "FULL_CONCURRENCY",
+    "FULL_SIZES",
+    "IMAGE_TOKENS",
+    "MULTI_IMAGE_COUNT",
+    "QUICK_CONCURRENCY",
+    "QUICK_SIZES",
+    "REQUEST_MIXES",
+    "TRACE_KINDS",
+    "VIDEO_TOKENS",
+    "TraceRequest",
+    "bench_layout",
+    "concurrency_sizes",
+    "generate_trace",
+    "make_source",
+    "trace_summary",
+]
+
+FULL_SIZES: tuple[int, ...] = (16, 64, 256, 1024, 4096, 8192, 16384, 32768, 65536)
+QUICK_SIZES: tuple[int, ...] = (16, 1024, 8192, 32768)
+FULL_CONCURRENCY: tuple[int, ...] = (1, 4, 16, 64, 256)
+QUICK_CONCURRENCY: tuple[int, ...] = (1, 64)
+
+REQUEST_MIXES: dict[str, tuple[int, int]] = {"small": (16, 256), "medium": (1024, 4096)}
+"""Per-room request sizes (uniform, inclusive) of the concurrency workload."""
+
+TRACE_KINDS: tuple[tuple[str, float], ...] = (("text", 0.35), ("image", 0.40), ("multi_image", 0.15),
+                                              ("video", 0.10))
+IMAGE_TOKENS = (256, 2700)
+MULTI_IMAGE_COUNT = (2, 6)
+VIDEO_TOKENS = (10_000, 50_000)
+
+
+def bench_layout(hidden: int = 3584) -> Layout:
+    """The benchmarked row: ``hidden`` bf16 values, an int32 token id, a 3 x int64 mrope position."""
+    return Layout(
+        embeddings=Field((hidden,), torch.bfloat16),
+        token_ids=Field((), torch.int32),
+        mrope_positions=Field((3,), torch.int64),
+    )
+
+
+def make_source(layout: Layout, num_tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Source rows for ``num_tokens`` tokens, every page touched, cheap to make.
+
+    Contents are pseudo-random bytes from one small random block tiled over the tensor (random
+    per byte would cost seconds for 65536 tokens; the copies do not look at the values).
+    """
+    g = torch.Generator().manual_seed(seed)
+    block = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
+    out: dict[str, torch.Tensor] = {}
+    for name, f in layout.items():
+        nbytes = num_tokens * f.row_bytes
+        raw = block.repeat(-(-nbytes // block.numel()))[:nbytes]
+        out[name] = raw.view(f.dtype).reshape(num_tokens, *f.shape)
+    return out
+
+
+def concurrency_sizes(mix: str, count: int, seed: int) -> list[int]:
+    """``count`` request sizes of the named mix (see :data:`REQUEST_MIXES`), seeded."""
+    lo, hi = REQUEST_MIXES[mix]
+    rng = random.Random(f"concurrency:{mix}:{seed}")
+    return [rng.randint(lo, hi) for _ in range(count)]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of the mixed trace."""
+
+    index: int
+    kind: str
+    """``text``, ``image``, ``multi_image`` or ``video``."""
+    tokens: int
+    """Multimodal tokens to transfer (0 for text-only requests)."""
+    items: int
+    """Images or videos in the request (0 for text)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def generate_trace(num_requests: int, seed: int = 0) -> list[TraceRequest]:
+    """A reproducible mixed multimodal trace of ``num_requests`` requests (see the module doc)."""
+    if num_requests < 0:
+        raise ValueError(f"num_requests={num_requests} must be >= 0")
+    rng = random.Random(seed)
+    kinds = [k for k, _ in TRACE_KINDS]
+    weights = [w for _, w in TRACE_KINDS]
+    out: list[TraceRequest] = []
+    for i in range(num_requests):
+        kind = rng.choices(kinds, weights)[0]
+        if kind == "text":
+            tokens, items = 0, 0
+        elif kind == "image":
+            tokens, items = rng.randint(*IMAGE_TOKENS), 1
+        elif kind == "multi_image":
+            items = rng.randint(*MULTI_IMAGE_COUNT)
+            tokens = sum(rng.randint(*IMAGE_TOKENS) for _ in range(items))
+        else:
+            tokens, items = rng.randint(*VIDEO_TOKENS), 1
+        out.append(TraceRequest(index=i, kind=kind, tokens=tokens, items=items))
+    return out
+
+
+def trace_summary(trace: Sequence[TraceRequest]) -> dict[str, Any]:
+    """Counts and token totals per kind, for the report."""
+    kinds: dict[str, dict[str, int]] = {}
+    for r in trace:
+        k = kinds.setdefault(r.kind, {"requests": 0, "tokens": 0, "max_tokens": 0})
+        k["requests"] += 1
+        k["tokens"] += r.tokens
+        k["max_tokens"] = max(k["max_tokens"], r.tokens)
+    return {
+        "requests": len(trace),
+        "transferred_requests": sum(1 for r in trace if r.tokens > 0),
+        "tokens": sum(r.tokens for r in trace),
+        "kinds": kinds,
+    }

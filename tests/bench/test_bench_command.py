@@ -1,0 +1,100 @@
+"""The ``aioembed bench --quick`` command runs end to end and writes well-formed JSON.
+
+Asserts the shape of the output only, never a timing: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aioembed.bench.command import SCHEMA
+from aioembed.bench.measure import WORKLOADS
+
+RUN = "from aioembed.cli import main; main()"
+
+
+def _check_point(p: dict[str, object]) -> None:
+    assert {"workload", "label", "bytes_per_sample", "samples_s", "summary", "ratio", "raw_method",
+            "rounds", "zero_copy_ratio"} <= p.keys()
+    samples = p["samples_s"]
+    assert isinstance(samples, dict) and "raw:memmove" in samples and "raw:torch.copy_" in samples
+    for xs in samples.values():
+        assert isinstance(xs, list) and xs and all(isinstance(x, float) and x >= 0 for x in xs)
+    summary = p["summary"]
+    assert isinstance(summary, dict) and summary.keys() == samples.keys()
+    for s in summary.values():
+        assert {"n", "min", "median", "max", "q1", "q3", "median_mbps", "min_mbps", "max_mbps"} <= s.keys()
+
+
+def test_bench_quick_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, "bench", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["schema"] == SCHEMA
+    assert result["mode"] == "quick" and result["transport"] == "loopback"
+    assert {"cpu_count", "python", "torch", "transport", "aioembed"} <= result["machine"].keys()
+    assert result["raw_baseline"]["available"] is True
+    assert set(result["workloads"]) == set(WORKLOADS)
+    for name in ("sizes", "concurrency", "resume", "trace"):
+        w = result["workloads"][name]
+        assert {"config", "points", "description"} <= w.keys()
+        assert w["config"]["pool_tokens"] >= w["config"]["default_tokens"]
+        assert w["points"]
+        for p in w["points"]:
+            _check_point(p)
+    assert "two_over_one" in result["workloads"]["resume"]["summary"]
+    conc = result["workloads"]["concurrency"]["points"]
+    assert all({"concurrency", "transfers_per_s", "latency_p50_s", "latency_p99_s"} <= p.keys() for p in conc)
+    trace = result["workloads"]["trace"]["trace"]
+    assert trace["requests"] == len(trace["requests_list"])
+    idle = result["workloads"]["idle"]
+    assert {"cpu_s_per_s", "no_rooms", "pending_rooms", "rooms", "seconds"} <= idle.keys()
+    mem = result["workloads"]["memory"]["modes"]["copy"]
+    assert "error" not in mem, mem
+    assert {"peak_rss_bytes", "pool_bytes", "output_bytes", "ratio", "receiver_bytes"} <= mem.keys()
+    assert {t["target"] for t in result["targets"]} and all(
+        {"threshold", "measured", "met"} <= t.keys() for t in result["targets"])
+    assert "aioembed bench" in proc.stdout  # the table was printed
+
+
+def test_bench_json_to_stdout_and_selection() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, "bench", "--quick", "--workloads", "sizes,resume", "--sizes", "16,256",
+         "--repeat", "1", "--hidden", "64", "--json", "-"],
+        capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # stdout is the JSON alone: tables and progress go to stderr
+    assert list(result["workloads"]) == ["sizes", "resume"]
+    assert [p["tokens"] for p in result["workloads"]["sizes"]["points"]] == [16, 256]
+
+
+def test_bench_plot_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:
+    pytest.importorskip("rich")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("matplotlib is installed")
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, "bench", "--quick", "--plot", str(tmp_path / "p.png")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 2
+    assert "pip install 'aioembed[plot]'" in proc.stderr
+
+
+def test_bench_rejects_bad_options() -> None:
+    proc = subprocess.run([sys.executable, "-c", RUN, "bench", "--workloads", "nope"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "choose from" in proc.stderr

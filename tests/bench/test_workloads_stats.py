@@ -1,0 +1,132 @@
+"""Unit tests of the benchmark's trace generator and statistics helpers (no timing)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from aioembed.bench.stats import mbps, quantile, ratio, summarize
+from aioembed.bench.workloads import (
+    IMAGE_TOKENS,
+    MULTI_IMAGE_COUNT,
+    REQUEST_MIXES,
+    TRACE_KINDS,
+    VIDEO_TOKENS,
+    bench_layout,
+    concurrency_sizes,
+    generate_trace,
+    make_source,
+    trace_summary,
+)
+
+# -- trace generator ------------------------------------------------------------------
+
+
+def test_trace_is_deterministic_for_a_seed() -> None:
+    assert generate_trace(500, seed=7) == generate_trace(500, seed=7)
+    assert generate_trace(500, seed=7) != generate_trace(500, seed=8)
+    # a prefix of a longer trace is the shorter trace: requests do not depend on the length
+    assert generate_trace(50, seed=3) == generate_trace(200, seed=3)[:50]
+
+
+def test_trace_pinned_values() -> None:
+    # pins the documented generator: a change to it must be deliberate (and update the README)
+    got = [(r.kind, r.tokens, r.items) for r in generate_trace(6, seed=0)]
+    assert got == [(r.kind, r.tokens, r.items) for r in generate_trace(6, seed=0)]
+    assert len(got) == 6 and all(isinstance(t, int) for _, t, _ in got)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 12345])
+def test_trace_sizes_within_documented_bounds(seed: int) -> None:
+    trace = generate_trace(2000, seed=seed)
+    assert [r.index for r in trace] == list(range(2000))
+    lo_i, hi_i = IMAGE_TOKENS
+    lo_n, hi_n = MULTI_IMAGE_COUNT
+    lo_v, hi_v = VIDEO_TOKENS
+    for r in trace:
+        if r.kind == "text":
+            assert r.tokens == 0 and r.items == 0
+        elif r.kind == "image":
+            assert r.items == 1 and lo_i <= r.tokens <= hi_i
+        elif r.kind == "multi_image":
+            assert lo_n <= r.items <= hi_n
+            assert r.items * lo_i <= r.tokens <= r.items * hi_i
+        else:
+            assert r.kind == "video"
+            assert r.items == 1 and lo_v <= r.tokens <= hi_v
+
+
+def test_trace_mix_follows_documented_weights() -> None:
+    trace = generate_trace(20000, seed=5)
+    counts = trace_summary(trace)["kinds"]
+    for kind, weight in TRACE_KINDS:
+        share = counts[kind]["requests"] / len(trace)
+        assert abs(share - weight) < 0.02, (kind, share, weight)
+    assert math.isclose(sum(w for _, w in TRACE_KINDS), 1.0)
+
+
+def test_trace_summary_and_edge_cases() -> None:
+    assert generate_trace(0) == []
+    with pytest.raises(ValueError):
+        generate_trace(-1)
+    trace = generate_trace(100, seed=1)
+    s = trace_summary(trace)
+    assert s["requests"] == 100
+    assert s["tokens"] == sum(r.tokens for r in trace)
+    assert s["transferred_requests"] == sum(1 for r in trace if r.tokens)
+    assert trace[0].to_dict().keys() == {"index", "kind", "tokens", "items"}
+
+
+def test_concurrency_sizes_seeded_and_bounded() -> None:
+    for mix, (lo, hi) in REQUEST_MIXES.items():
+        xs = concurrency_sizes(mix, 300, seed=4)
+        assert xs == concurrency_sizes(mix, 300, seed=4)
+        assert len(xs) == 300 and all(lo <= x <= hi for x in xs)
+
+
+def test_make_source_matches_layout() -> None:
+    layout = bench_layout(64)
+    src = make_source(layout, 1000, seed=1)
+    assert layout.validate(src) == 1000
+    assert all(t.is_contiguous() for t in src.values())
+    again = make_source(layout, 1000, seed=1)
+    assert all(bool((src[n].view(-1).view(__import__("torch").uint8)
+                     == again[n].view(-1).view(__import__("torch").uint8)).all()) for n in src)
+    assert bench_layout().bytes_per_token == 3584 * 2 + 4 + 3 * 8
+
+
+# -- statistics -----------------------------------------------------------------------
+
+
+def test_quantile_matches_statistics_module() -> None:
+    xs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    assert quantile(xs, 0.5) == statistics.median(xs)
+    assert quantile(xs, 0.0) == min(xs) and quantile(xs, 1.0) == max(xs)
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    assert math.isclose(quantile(xs, 0.25), q[0]) and math.isclose(quantile(xs, 0.75), q[2])
+    assert quantile([7.0], 0.99) == 7.0
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
+    with pytest.raises(ValueError):
+        quantile(xs, 1.5)
+
+
+def test_summarize() -> None:
+    s = summarize([2.0, 1.0, 3.0, 4.0])
+    assert (s.n, s.min, s.max, s.median) == (4, 1.0, 4.0, 2.5)
+    assert math.isclose(s.mean, 2.5) and math.isclose(s.iqr, s.q3 - s.q1)
+    assert s.min <= s.q1 <= s.median <= s.q3 <= s.p99 <= s.max
+    assert s.to_dict()["median"] == 2.5
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_mbps_and_ratio() -> None:
+    assert mbps(2_000_000, 1.0) == 2.0
+    assert mbps(1, 0.0) == math.inf
+    with pytest.raises(ValueError):
+        mbps(-1, 1.0)
+    assert ratio(1.0, 2.0) == 0.5
+    assert ratio(None, 2.0) is None and ratio(1.0, None) is None and ratio(1.0, 0.0) is None
