@@ -1,0 +1,262 @@
+"""Loading and starting ``mooncake.engine.TransferEngine``: the blocking, process-global parts.
+
+Everything here is synchronous; the transport calls it from worker threads.
+
+The engine reads its settings from environment variables at three different moments:
+``MC_LOG_LEVEL`` when ``mooncake.engine`` is imported, ``MC_TRANSFER_TIMEOUT`` when a
+``TransferEngine`` is constructed, and ``MC_FORCE_TCP`` plus the TCP transport's timeouts
+in ``initialize()``. So that two endpoints with different options can live in one process,
+:func:`start_engine` sets the variables it needs, constructs and initializes the engine, and
+restores the previous values, all under one process-wide lock.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from aioembed.errors import TransportError
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "MIN_ENGINE_VERSION",
+    "INSTALL_HINT",
+    "EngineSettings",
+    "StartedEngine",
+    "cuda_build_installed",
+    "installed_engine",
+    "load_engine_module",
+    "destroy_engine",
+    "rdma_devices",
+    "start_engine",
+]
+
+log = logging.getLogger("aioembed_mooncake")
+
+MIN_ENGINE_VERSION = (0, 3, 12)
+"""First release whose TCP write returns only once the data has arrived at the peer."""
+
+DISTRIBUTIONS = {
+    "mooncake-transfer-engine-non-cuda": "non-cuda",
+    "mooncake-transfer-engine": "cuda12",
+    "mooncake-transfer-engine-cuda13": "cuda13",
+}
+"""Engine wheels on PyPI and the ``aioembed-mooncake`` extra that installs each."""
+
+INSTALL_HINT = (
+    "install an engine build with `pip install 'aioembed-mooncake[non-cuda]'` "
+    "(or `[cuda12]` / `[cuda13]` on a CUDA host; install only one of them) and the system libraries "
+    "it links with `apt-get install -y libibverbs1 libnuma1 libcurl4` (needed even for TCP)"
+)
+
+INFINIBAND_SYSFS = Path("/sys/class/infiniband")
+
+_ENV_LOCK = threading.Lock()
+_IMPORT_LOCK = threading.Lock()
+_loaded: list[Any] = []  # the imported module, once
+
+
+def installed_engine() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed engine wheel, or None."""
+    for dist in DISTRIBUTIONS:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cuda_build_installed() -> bool:
+    """True if the installed engine wheel is a CUDA build (read from package metadata, no import)."""
+    found = installed_engine()
+    return found is not None and found[0] != "mooncake-transfer-engine-non-cuda"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    m = re.match(r"(\d+(?:\.\d+)*)", version)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
+def load_engine_module() -> Any:
+    """Import ``mooncake.engine`` once (quietly), checking the version; ``TransportError`` if impossible."""
+    with _IMPORT_LOCK:
+        if _loaded:
+            return _loaded[0]
+        found = installed_engine()
+        if found is not None and _version_tuple(found[1]) < MIN_ENGINE_VERSION:
+            want = ".".join(map(str, MIN_ENGINE_VERSION))
+            raise TransportError(
+                f"mooncake transport: {found[0]} {found[1]} is too old; version {want} or later is required "
+                f"(earlier TCP writes can return before the data has arrived); "
+                f"`pip install -U '{found[0]}>={want}'`"
+            )
+        # glog reads MC_LOG_LEVEL once, when the extension is loaded. Keep the default quiet
+        # (about 20 INFO/WARNING lines per engine otherwise) unless the user chose a level.
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        try:
+            mod = importlib.import_module("mooncake.engine")
+        except ImportError as exc:
+            which = f"{found[0]} {found[1]} is installed but " if found else "no engine wheel is installed: "
+            extra = ""
+            if "libcudart" in str(exc) or "libcuda" in str(exc):
+                extra = (
+                    " This is a CUDA build of the engine, and the CUDA runtime is missing; on a host "
+                    "without CUDA use the non-CUDA build instead."
+                )
+            raise TransportError(
+                f"mooncake transport: cannot import mooncake.engine ({which}{exc}).{extra} To fix: {INSTALL_HINT}"
+            ) from exc
+        if found is None:
+            log.warning("mooncake.engine imported, but no engine distribution metadata was found; "
+                        "cannot check that the engine is %s or later", ".".join(map(str, MIN_ENGINE_VERSION)))
+        _loaded.append(mod)
+        return mod
+
+
+def rdma_devices() -> list[str]:
+    """Names of the RDMA devices of this host (``/sys/class/infiniband``), sorted."""
+    try:
+        return sorted(p.name for p in INFINIBAND_SYSFS.iterdir())
+    except OSError:
+        return []
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What :func:`start_engine` needs; validated by the transport."""
+
+    hostname: str
+    metadata_server: str
+    protocol: str  # "rdma" or "tcp": already resolved from "auto"
+    device_name: str
+    transfer_timeout: int | None  # seconds; None: leave the engine's setting alone
+
+
+@dataclass
+class StartedEngine:
+    engine: Any
+    session: str
+    rpc_port: int
+
+
+@contextmanager
+def _env(values: Mapping[str, str | None]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_engine(settings: EngineSettings) -> StartedEngine:
+    """Construct and initialize an engine (blocking; run it in a worker thread)."""
+    mod = load_engine_module()
+    env: dict[str, str | None] = {}
+    if settings.protocol == "tcp":
+        # The `protocol` argument of initialize() does not choose the transport: the engine
+        # installs RDMA whenever it finds an HCA. Only MC_FORCE_TCP really forces TCP.
+        env["MC_FORCE_TCP"] = "1"
+    else:
+        env["MC_FORCE_TCP"] = None
+    if settings.transfer_timeout is not None:
+        t = str(settings.transfer_timeout)
+        env["MC_TRANSFER_TIMEOUT"] = t
+        # Let the TCP lanes give up on a stalled peer as soon as the caller does, so a write
+        # reported as failed stops moving bytes as early as the engine allows.
+        for k in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
+            if k not in os.environ:
+                env[k] = t
+    with _ENV_LOCK, _env(env):
+        engine = mod.TransferEngine()
+        rc = engine.initialize(settings.hostname, settings.metadata_server, settings.protocol, settings.device_name)
+        if rc != 0:
+            raise TransportError(
+                f"mooncake transport: TransferEngine.initialize(hostname={settings.hostname!r}, "
+                f"metadata_server={settings.metadata_server!r}, protocol={settings.protocol!r}, "
+                f"device_name={settings.device_name!r}) returned {rc}"
+                + ("" if settings.metadata_server == "P2PHANDSHAKE"
+                   else "; is the metadata server reachable? (the default 'P2PHANDSHAKE' needs none)")
+            )
+    # Only now is the engine safe to query: get_rpc_port() before initialize() segfaults.
+    port = int(engine.get_rpc_port())
+    p2p = settings.metadata_server == "P2PHANDSHAKE"
+    session = f"{settings.hostname}:{port}" if p2p else settings.hostname
+    return StartedEngine(engine=engine, session=session, rpc_port=port)
+
+
+def _listening_fds(port: int) -> list[int]:
+    """File descriptors of this process's listening TCP sockets on ``port``."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            dup = os.dup(int(name))
+        except (OSError, ValueError):
+            continue
+        try:
+            s = socket.socket(fileno=dup)  # the socket object owns (and closes) the duplicate
+        except OSError:
+            os.close(dup)
+            continue
+        with s:
+            try:
+                if (s.type == socket.SOCK_STREAM and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                        and s.family in (socket.AF_INET, socket.AF_INET6) and s.getsockname()[1] == port):
+                    out.append(int(name))
+            except OSError:
+                pass
+    return out
+
+
+def _hasten_destruction(rpc_port: int) -> None:
+    """Make the engine's destructor return in milliseconds instead of about one second.
+
+    The destructor joins the handshake listener thread, which sits in ``accept()`` with a
+    one-second receive timeout and checks its stop flag only between calls; meanwhile the
+    destructor holds the GIL, so the whole interpreter stalls. Lowering the listener's timeout
+    to 5 ms and waking the blocked ``accept()`` with one empty connection lets the thread see
+    the flag at once. Best effort: on any failure the destructor just takes its usual second.
+    """
+    try:
+        fds = _listening_fds(rpc_port)
+        for fd in fds:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 5000))
+        if fds:
+            with socket.create_connection(("127.0.0.1", rpc_port), timeout=0.5):
+                pass
+            time.sleep(0.01)  # let the listener take the connection and start a 5 ms accept()
+    except OSError:
+        pass
+
+
+def destroy_engine(box: list[Any], rpc_port: int) -> None:
+    """Destroy the engine held (only) in ``box`` (blocking; run it in a worker thread).
+
+    The engine has no ``close()``: its destructor runs when the last Python reference goes,
+    closing its listeners, lanes and segments.
+    """
+    _hasten_destruction(rpc_port)
+    box.clear()

@@ -1,0 +1,102 @@
+"""A write to a peer that went away fails with a clear TransportError within the timeout, never hangs.
+
+The peer is a real endpoint in another process (``peer_proc.py``): killed with SIGKILL, or
+stopped with SIGSTOP (a hung peer whose kernel still holds the connection open).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from aioembed.errors import TransportError
+from aioembed.transports.base import MemoryRegion, WriteOp
+
+from aioembed_mooncake import MooncakeTransport
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 5  # the engine's minimum transfer_timeout
+OPTIONS = {"protocol": "tcp", "hostname": "127.0.0.1", "transfer_timeout": TIMEOUT}
+SIZE = 1 << 20
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the failure path is loop-independent; the conformance suite covers trio
+
+
+@pytest.fixture
+def peer() -> Iterator[tuple[subprocess.Popen[str], dict[str, object]]]:
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("peer_proc.py")), str(SIZE), json.dumps(OPTIONS)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        yield proc, info
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+
+
+def _sum(proc: subprocess.Popen[str], off: int, n: int) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"sum {off} {n}\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+async def test_write_to_killed_peer_fails_fast(peer: tuple[subprocess.Popen[str], dict[str, object]]) -> None:
+    import hashlib
+
+    proc, info = peer
+    src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    async with await MooncakeTransport.open(OPTIONS) as t:
+        await t.register([MemoryRegion(src.data_ptr(), SIZE)])
+        link = await t.connect(bytes.fromhex(str(info["descriptor"])))
+        dst = int(str(info["addr"]))
+        await link.write([WriteOp(src.data_ptr(), dst, SIZE)])
+        assert _sum(proc, 0, SIZE) == hashlib.sha1(src.numpy().tobytes()).hexdigest()  # arrived, before kill
+        proc.kill()
+        proc.wait()
+        for _ in range(3):  # the first write after the death and later ones (reconnect back-off)
+            started = time.monotonic()
+            with pytest.raises(TransportError) as err:
+                await link.write([WriteOp(src.data_ptr(), dst, 4096)])
+            assert time.monotonic() - started < TIMEOUT + 2
+            msg = str(err.value)
+            assert link.session in msg and "4096" in msg and "may still be written" in msg
+
+
+async def test_write_to_hung_peer_fails_within_transfer_timeout(
+    peer: tuple[subprocess.Popen[str], dict[str, object]],
+) -> None:
+    proc, info = peer
+    src = torch.full((SIZE,), 7, dtype=torch.uint8)
+    async with await MooncakeTransport.open(OPTIONS) as t:
+        await t.register([MemoryRegion(src.data_ptr(), SIZE)])
+        link = await t.connect(bytes.fromhex(str(info["descriptor"])))
+        dst = int(str(info["addr"]))
+        await link.write([WriteOp(src.data_ptr(), dst + 8192, 16)])
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TransportError) as err:
+            await link.write([WriteOp(src.data_ptr(), dst, SIZE)])
+        elapsed = time.monotonic() - started
+        assert TIMEOUT - 0.5 <= elapsed < TIMEOUT + 3, elapsed
+        msg = str(err.value)
+        assert f"transfer_timeout {TIMEOUT}s" in msg and "may still be written" in msg
+        assert str(SIZE) in msg and link.session in msg
+        os.kill(proc.pid, signal.SIGCONT)
