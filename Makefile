@@ -44,11 +44,15 @@ demo: install
 	$(VENV)/bin/aioembed demo
 
 lint: install
-	$(VENV)/bin/ruff check src tests transports
+	$(VENV)/bin/ruff check src tests tools transports
 
-typecheck: install
+typecheck: install-plugins
 	$(VENV)/bin/mypy src
-	@for d in transports/*/src; do [ -d "$$d" ] && $(VENV)/bin/mypy --strict "$$d" || true; done
+	@for d in transports/*/src; do \
+	  [ -d "$$d" ] || continue; \
+	  echo "mypy --strict $$d"; \
+	  (cd "$$(dirname $$d)" && ../../$(VENV)/bin/mypy --strict src); \
+	done
 
 test-core: install
 	$(PY) tools/run_pytest.py tests -m "not slow" $(PYTEST_ARGS)
@@ -57,7 +61,7 @@ test-plugins: install-plugins
 	@for d in transports/*/tests; do \
 	  [ -d "$$d" ] || continue; \
 	  echo "== $$d"; \
-	  (cd "$$(dirname $$d)" && ../../$(PY) ../../tools/run_pytest.py tests -m "not slow" $(PYTEST_ARGS)); \
+	  (cd "$$(dirname $$d)" && ../../$(PY) ../../tools/run_pytest.py tests $(PYTEST_ARGS)); \
 	done
 
 # Everything: lint, types, core tests, every transport plugin's tests (slow soaks excluded).
