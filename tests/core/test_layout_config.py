@@ -167,7 +167,7 @@ def test_config_defaults() -> None:
     assert c.pool_blocks == 512
     assert c.max_request_tokens == 1 << 22
     assert (c.handshake_timeout, c.input_timeout, c.round_timeout, c.room_timeout) == (10.0, 60.0, 30.0, 600.0)
-    assert (c.heartbeat_interval, c.heartbeat_misses) == (1.0, 3)
+    assert (c.heartbeat_interval, c.heartbeat_misses) == (1.0, 5)
     assert c.device == "cpu" and c.copy_threads == 4
 
 

@@ -257,6 +257,9 @@ class Status(_Base):
     round: int
     metadata: dict[str, Any] | None = None
     error: str | None = None
+    fence: bool = False
+    """With FAILED: a failed write may still land, so the receiver must not reuse the blocks
+    until the sender is gone (set when the transport's writes are not cancel-safe)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +308,12 @@ def _regions(name: str, v: Any) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError(f"field {name!r}: expected bool, got {type(v).__name__}")
+    return v
+
+
 def _seconds(name: str, v: Any) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 86400:
         raise ProtocolError(f"field {name!r}: expected seconds in (0, 86400], got {v!r}")
@@ -325,7 +334,7 @@ Resume.SCHEMA = {
 }
 Status.SCHEMA = {
     "room": _ROOM, "state": _str(32, choices=STATES), "total_tokens": _TOKENS, "sent_tokens": _TOKENS,
-    "round": _ROUND, "metadata": _optional(_metadata), "error": _optional(_str(MAX_TEXT)),
+    "round": _ROUND, "metadata": _optional(_metadata), "error": _optional(_str(MAX_TEXT)), "fence": _bool,
 }
 Abort.SCHEMA = {"room": _ROOM, "reason": _str(MAX_TEXT)}
 AbortAck.SCHEMA = {"room": _ROOM}

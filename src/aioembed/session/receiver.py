@@ -319,7 +319,9 @@ class EmbeddingReceiver:
             if r is None:
                 if isinstance(msg, Abort):
                     self._send(AbortAck(room=room))
-                elif room in self._orphans and isinstance(msg, (AbortAck, Status)):
+                elif room in self._orphans and (
+                    isinstance(msg, AbortAck) or (isinstance(msg, Status) and not msg.fence)
+                ):
                     self._release_orphan(room, f"late {msg.TYPE}")
                 else:
                     log.debug("receiver[%d]: room=%r: %s for a room not in flight, ignored", self.rank, room, msg.TYPE)
@@ -545,6 +547,8 @@ class EmbeddingReceiver:
                             if isinstance(event, AbortAck):
                                 raise ProtocolError(f"room {room!r}: ABORT_ACK without an ABORT", room=room)
                             arrived = m.on_status(event)
+                            if arrived is None and event.fence:
+                                self._orphan(r, "the sender's failed write may still land")
                             if arrived is None:
                                 self._free(r)  # a final FAILED/ABORTED STATUS: no write is in flight
                                 cls = TransferAborted if m.state is TransferStatus.ABORTED else TransferFailed
@@ -634,6 +638,16 @@ class EmbeddingReceiver:
                     h._finish(error=error, status=status)
                     log.info("receiver[%d]: room=%r: %s: %s", self.rank, room, status.name, error)
 
+    def _orphan(self, r: _Room, why: str) -> None:
+        """Keep the room's blocks fenced until the sender is gone: a write may still land in them."""
+        if r.blocks:
+            log.warning("receiver[%d]: room=%r: %d blocks stay fenced until the sender is gone (%s)",
+                        self.rank, r.handle.room, len(r.blocks), why)
+            if any(self.allocator._state[b] == 1 for b in r.blocks):
+                self.allocator.fence(r.blocks)
+            self._orphans[r.handle.room] = r.blocks
+            r.blocks = []
+
     def _free(self, r: _Room) -> None:
         if r.blocks:
             blocks, r.blocks = r.blocks, []
@@ -657,6 +671,9 @@ class EmbeddingReceiver:
                     event = await r.inbox.receive()
                 except (anyio.EndOfStream, anyio.ClosedResourceError):
                     break
+                if isinstance(event, Status) and event.fence:
+                    self._orphan(r, "the sender's failed write may still land")
+                    return
                 if isinstance(event, (AbortAck, _PeerGone, Abort)) or (
                     isinstance(event, Status) and event.state in ("SUCCESS", "FAILED", "ABORTED")
                 ):

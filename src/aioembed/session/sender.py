@@ -102,6 +102,7 @@ class _OutRoom:
         self.created = now
         self.status_sent_at: dict[int, float] = {}
         self.abort_from: set[int] = set()
+        self.poisoned: set[int] = set()  # ranks a failed write may still reach (transport not cancel-safe)
         self.finished: set[int] = set()  # ranks already told that the room is over
 
     @property
@@ -261,8 +262,12 @@ class EmbeddingSender:
             try:
                 await self._drive(r)
             finally:
-                with anyio.CancelScope(shield=True):
-                    await self._transport.unregister(regions)
+                if r.poisoned and self._tg is not None:
+                    # A failed write may still read the source: keep it registered and alive a while.
+                    self._tg.start_soon(self._release_later, regions, r.sources, self.config.round_timeout)
+                else:
+                    with anyio.CancelScope(shield=True):
+                        await self._transport.unregister(regions)
         except ProtocolError as exc:
             raise TransferFailed(str(exc), room=room) from None
         finally:
@@ -278,6 +283,15 @@ class EmbeddingSender:
                 del self._rooms[room]
             for p in r.rank_peer.values():
                 p.rooms.discard(room)
+
+    async def _release_later(self, regions: list[MemoryRegion], sources: list[torch.Tensor], delay: float) -> None:
+        try:
+            await anyio.sleep(delay)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if self._transport is not None:
+                    await self._transport.unregister(regions)
+            del sources
 
     @staticmethod
     def _region(t: torch.Tensor) -> MemoryRegion:
@@ -354,6 +368,9 @@ class EmbeddingSender:
             await peer.link.write(ops)
         except TransportError as exc:
             log.warning("sender: room=%r: write of %d tokens to %s failed: %s", room, task.count, peer, exc)
+            assert self._transport is not None
+            if not self._transport.capabilities.cancel_safe_writes:
+                r.poisoned.add(task.rank)
             r.machine.fail(f"write of {task.count} tokens ({sum(o.length for o in ops)} bytes) to {peer} "
                            f"failed: {exc}")
             r.poke()
@@ -377,7 +394,10 @@ class EmbeddingSender:
             if rank in r.finished or not peer.alive:
                 continue
             r.finished.add(rank)
-            if rank in r.abort_from:
+            if rank in r.poisoned:  # no ABORT_ACK: we cannot promise that nothing lands any more
+                self._send_to(peer, Status(room=r.room, state="FAILED", total_tokens=m.total or 0, sent_tokens=0,
+                                           round=0, error=(m.error or "write failed")[:4000], fence=True))
+            elif rank in r.abort_from:
                 self._send_to(peer, AbortAck(room=r.room))
             elif m.state is not TransferStatus.SUCCESS:
                 self._send_to(peer, Status(

@@ -75,6 +75,9 @@ class TransportCapabilities:
     """Works only under asyncio (not trio)."""
     cross_process: bool = True
     """Peers may live in other processes (false for the in-process loopback)."""
+    cancel_safe_writes: bool = True
+    """A write that failed never lands later. False when a failed (timed-out) write may still
+    reach the destination afterwards: the session then fences the destination blocks."""
 
 
 class RegionSet:

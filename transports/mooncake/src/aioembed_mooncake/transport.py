@@ -207,7 +207,8 @@ class MooncakeTransport(Transport):
 
     name: ClassVar[str] = "mooncake"
     capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
-        cuda=cuda_build_installed(), asyncio_only=False, cross_process=True
+        cuda=cuda_build_installed(), asyncio_only=False, cross_process=True,
+        cancel_safe_writes=False,  # a timed-out write is not cancelled: its bytes may land later
     )
 
     def __init__(self, config: _Config, engine: Any, session: str, rpc_port: int) -> None:
