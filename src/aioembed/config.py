@@ -49,6 +49,10 @@ class TransferConfig:
     """Size of the receiver's registered pool, in tokens."""
     max_round_tokens: int | None = None
     """Most tokens reserved for one resume round (default: the whole pool)."""
+    resume_reserve_tokens: int | None = None
+    """Slice of the pool that first reservations may not use, so rooms already transferring can
+    always resume even when every other block is reserved by rooms still waiting for input
+    (default: an eighth of the pool, at most ``pool_tokens - default_tokens``)."""
     max_request_tokens: int = 1 << 22
     """Largest request a receiver accepts, in tokens."""
     max_metadata_bytes: int = 65536
@@ -95,7 +99,13 @@ class TransferConfig:
                      "heartbeat_interval"):
             _check_seconds(name, getattr(self, name))
         bs = self.block_size
-        for name in ("default_tokens", "pool_tokens", "max_round_tokens"):
+        if self.resume_reserve_tokens is not None:
+            _check_int("resume_reserve_tokens", self.resume_reserve_tokens, 0, _MAX_INT)
+            if self.default_tokens + self.resume_reserve_tokens > self.pool_tokens:
+                raise ConfigError(
+                    f"default_tokens={self.default_tokens} + resume_reserve_tokens={self.resume_reserve_tokens} "
+                    f"exceeds pool_tokens={self.pool_tokens}: a first reservation could never be made")
+        for name in ("default_tokens", "pool_tokens", "max_round_tokens", "resume_reserve_tokens"):
             value = getattr(self, name)
             if value is not None and value % bs:
                 raise ConfigError(
@@ -125,6 +135,14 @@ class TransferConfig:
     def round_tokens(self) -> int:
         """Tokens reserved per resume round."""
         return self.max_round_tokens if self.max_round_tokens is not None else self.pool_tokens
+
+    @property
+    def resume_reserve(self) -> int:
+        """Tokens of the pool kept for resume rounds (see ``resume_reserve_tokens``)."""
+        if self.resume_reserve_tokens is not None:
+            return self.resume_reserve_tokens
+        eighth = self.pool_tokens // 8 // self.block_size * self.block_size
+        return max(0, min(eighth, self.pool_tokens - self.default_tokens))
 
     @property
     def pool_blocks(self) -> int:

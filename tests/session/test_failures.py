@@ -30,7 +30,7 @@ from .conftest import LAYOUT, assert_pools_free, make_request, running
 pytestmark = pytest.mark.anyio
 
 FAST = TransferConfig(default_tokens=1024, pool_tokens=4096, input_timeout=0.5, round_timeout=0.5,
-                      handshake_timeout=2.0)
+                      handshake_timeout=2.0, resume_reserve_tokens=0)
 
 
 async def _until(pred: object, timeout: float = 5.0) -> None:
@@ -58,7 +58,7 @@ async def test_receiver_cancel_mid_room_aborts_the_sender() -> None:
     """The room stalls between rounds (pool full); the receiver cancels; send() ends aborted."""
     async with running(FAST.replace(input_timeout=30.0, round_timeout=30.0)) as (sender, [receiver]):
         hog = await _stalled_between_rounds(sender, receiver, "r")
-        handle = receiver.start("r")
+        handle = receiver.start("r", zero_copy=True)
         outcome: list[BaseException] = []
 
         async def send() -> None:
@@ -80,7 +80,13 @@ async def test_receiver_cancel_mid_room_aborts_the_sender() -> None:
 
 
 async def _stalled_between_rounds(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str) -> object:
-    """Fill the pool with a hog room so that ``room`` stalls waiting for blocks after round 0."""
+    """Fill the pool with a hog room so that ``room`` stalls waiting for blocks after round 0.
+
+    Rounds shrink to what is free, so a copying room always goes on; a zero-copy room keeps its
+    blocks, so with the hog the pool is truly full and it must wait (with no slice of the pool
+    kept for resume rounds, ``resume_reserve_tokens=0``).
+    """
+    assert receiver.config.resume_reserve == 0
     hog = receiver.start("hog", expected_tokens=3072)  # 3072 of the 4096-token pool
     await _until(lambda: hog.status is TransferStatus.WAITING_FOR_INPUT)
     return hog
@@ -101,9 +107,9 @@ async def test_cancelling_receive_call_aborts_both_sides() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(send)
             with anyio.move_on_after(0.3):
-                await receiver.receive("c")  # round 0 arrives, then it waits for blocks
+                await receiver.receive_leased("c")  # round 0 arrives, then it waits for blocks
         assert outcome and isinstance(outcome[0], TransferAborted), outcome
-        assert "receive() was cancelled" in str(outcome[0])
+        assert "receive_leased() was cancelled" in str(outcome[0])
         hog.cancel()  # type: ignore[attr-defined]
         await _until(lambda: receiver.rooms_in_flight == 0 and sender.rooms_in_flight == 0)
         assert_pools_free(sender, receiver)
@@ -112,7 +118,7 @@ async def test_cancelling_receive_call_aborts_both_sides() -> None:
 async def test_cancelling_send_aborts_the_receiver_even_while_it_waits_for_memory() -> None:
     async with running(FAST.replace(input_timeout=30.0, round_timeout=30.0)) as (sender, [receiver]):
         hog = await _stalled_between_rounds(sender, receiver, "s")
-        handle = receiver.start("s")
+        handle = receiver.start("s", zero_copy=True)
         with anyio.move_on_after(0.3):
             await sender.send("s", make_request(3000, 4))
         with anyio.fail_after(2):  # not after round_timeout: the abort interrupts the wait

@@ -544,6 +544,7 @@ class Measurer:
         bs = 16
         cfg = opts.base_config.replace(
             block_size=bs, default_tokens=bs, pool_tokens=bs * max(rooms, 1), max_round_tokens=None,
+            resume_reserve_tokens=0,
             input_timeout=max(60.0, 3 * secs + 30), room_timeout=max(600.0, 3 * secs + 60),
             max_rooms_per_peer=max(4096, rooms),
         )

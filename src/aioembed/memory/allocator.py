@@ -43,10 +43,11 @@ class AllocatorStats:
 
 
 class _Waiter:
-    __slots__ = ("blocks", "event", "granted")
+    __slots__ = ("blocks", "event", "granted", "keep_free")
 
-    def __init__(self, blocks: int) -> None:
+    def __init__(self, blocks: int, keep_free: int) -> None:
         self.blocks = blocks
+        self.keep_free = keep_free
         self.event = anyio.Event()
         self.granted: list[int] | None = None
 
@@ -71,6 +72,7 @@ class BlockAllocator:
         self._state = bytearray(num_blocks)
         self._fenced = 0
         self._waiters: deque[_Waiter] = deque()
+        self._priority: deque[_Waiter] = deque()
         self._high_water = 0
         self._waited = 0
 
@@ -87,7 +89,7 @@ class BlockAllocator:
             free=free,
             used=self.num_blocks - free,
             fenced=self._fenced,
-            waiters=len(self._waiters),
+            waiters=len(self._waiters) + len(self._priority),
             high_water=self._high_water,
             waited=self._waited,
         )
@@ -116,29 +118,43 @@ class BlockAllocator:
         self._high_water = max(self._high_water, used)
         return taken
 
-    def try_alloc(self, num_tokens: int) -> list[int] | None:
+    def try_alloc(self, num_tokens: int, *, priority: bool = False, keep_free: int = 0) -> list[int] | None:
         """Blocks for ``num_tokens`` now, or ``None`` if that would wait.
 
-        Returns ``None`` also when others are already waiting, to keep FIFO order.
+        Returns ``None`` also when others are already waiting, to keep FIFO order. A
+        ``priority`` request only queues behind other priority requests; an ordinary one also
+        behind every waiter, and only succeeds if ``keep_free`` blocks remain free after it.
         """
         blocks = self._check_request(num_tokens)
-        if self._waiters or blocks > len(self._free):
+        if self._priority or blocks > len(self._free):
+            return None
+        if not priority and (self._waiters or blocks + keep_free > len(self._free)):
             return None
         return self._take(blocks)
 
-    async def alloc(self, num_tokens: int, *, timeout: float | None = None) -> list[int]:
+    async def alloc(
+        self, num_tokens: int, *, timeout: float | None = None, priority: bool = False, keep_free: int = 0
+    ) -> list[int]:
         """Blocks for ``num_tokens``, waiting (FIFO) for frees when the pool is short.
 
+        ``priority`` requests are served before ordinary ones; an ordinary request is granted
+        only while ``keep_free`` blocks stay free for priority ones (the receiver keeps a slice
+        of the pool for resume rounds this way, so first reservations cannot starve them).
         Cancellation is safe: a waiter cancelled after being granted gives its blocks back.
         Raises :class:`AllocationTimeout` if ``timeout`` seconds pass first.
         """
         await anyio.lowlevel.checkpoint_if_cancelled()
-        got = self.try_alloc(num_tokens)
+        got = self.try_alloc(num_tokens, priority=priority, keep_free=keep_free)
         if got is not None:
             await anyio.lowlevel.cancel_shielded_checkpoint()  # never lose granted blocks to a cancel
             return got
-        waiter = _Waiter(self.blocks_for(num_tokens))
-        self._waiters.append(waiter)
+        blocks = self.blocks_for(num_tokens)
+        if not priority and blocks + keep_free > self.num_blocks:
+            raise AllocatorError(f"request for {num_tokens} tokens ({blocks} blocks) can never be served while "
+                                 f"{keep_free} of {self.num_blocks} blocks must stay free")
+        waiter = _Waiter(blocks, 0 if priority else keep_free)
+        queue = self._priority if priority else self._waiters
+        queue.append(waiter)
         self._waited += 1
         try:
             with anyio.fail_after(timeout):
@@ -148,7 +164,7 @@ class BlockAllocator:
                 granted, waiter.granted = waiter.granted, None
                 self.free(granted)
             else:
-                self._waiters.remove(waiter)
+                queue.remove(waiter)
                 self._serve()
             if isinstance(exc, TimeoutError):
                 raise AllocationTimeout(
@@ -196,8 +212,15 @@ class BlockAllocator:
             seen.add(b)
 
     def _serve(self) -> None:
+        priority = self._priority
+        while priority and priority[0].blocks <= len(self._free):
+            w = priority.popleft()
+            w.granted = self._take(w.blocks)
+            w.event.set()
+        if priority:
+            return  # ordinary requests must not take what a waiting priority request needs
         waiters = self._waiters
-        while waiters and waiters[0].blocks <= len(self._free):
+        while waiters and waiters[0].blocks + waiters[0].keep_free <= len(self._free):
             w = waiters.popleft()
             w.granted = self._take(w.blocks)
             w.event.set()

@@ -417,13 +417,19 @@ class EmbeddingReceiver:
 
     # -- one room ------------------------------------------------------------------------
 
-    def _reserve_tokens(self, r: _Room, remaining: int | None) -> int:
+    def _reserve_tokens(self, r: _Room, remaining: int | None, *, shrink: bool = True) -> int:
         cfg = self.config
-        if remaining is None:
+        if remaining is None:  # first reservation: never into the slice kept for resume rounds
             want = r.expected_tokens if r.expected_tokens is not None else cfg.default_tokens
-        else:
-            want = remaining
-        want = min(want, cfg.round_tokens)
+            return min(want, cfg.round_tokens, cfg.pool_tokens - cfg.resume_reserve)
+        want = min(remaining, cfg.round_tokens)
+        bs = cfg.block_size
+        free_tokens = self.allocator.stats.free * bs
+        if shrink and want > free_tokens:
+            # The pool is short: take a smaller round now rather than wait for a big one that
+            # may never come free (other blocks may be held by rooms still waiting for input).
+            floor = min(want, max(cfg.resume_reserve, bs))
+            want = max(floor, free_tokens // bs * bs)
         return want
 
     async def _phase_wait(self, r: _Room, phase: str, timeout: float) -> _Event:
@@ -439,10 +445,13 @@ class EmbeddingReceiver:
     async def _alloc(self, r: _Room, tokens: int, phases: dict[str, float]) -> list[int]:
         t0 = time.perf_counter()
         blocks: list[int] = []
+        first = not r.announced
+        keep = 0 if not first else self.config.resume_reserve // self.config.block_size
         try:
             with anyio.CancelScope() as scope:
                 r.alloc_scope = scope
-                blocks = await self.allocator.alloc(tokens, timeout=self.config.round_timeout)
+                blocks = await self.allocator.alloc(tokens, timeout=self.config.round_timeout,
+                                                    priority=not first, keep_free=keep)
         except AllocationTimeout as exc:
             raise TransferTimeout(f"room {r.handle.room!r}: {exc}", room=r.handle.room, phase="allocate") from None
         finally:
@@ -480,14 +489,18 @@ class EmbeddingReceiver:
     async def _open(self, r: _Room, phases: dict[str, float]) -> None:
         """Handshake (if needed), first reservation, INIT."""
         room, m = r.handle.room, r.machine
-        t0 = time.perf_counter()
-        await self.wait_connected()
-        phases["handshake"] = phases.get("handshake", 0.0) + time.perf_counter() - t0
-        r.sender_id = self._sender_id
-        tokens = self._reserve_tokens(r, None)
-        r.blocks = await self._alloc(r, tokens, phases)
-        if not r.blocks:
-            raise TransferFailed(f"room {room!r}: reservation interrupted", room=room)
+        while True:
+            t0 = time.perf_counter()
+            await self.wait_connected()
+            phases["handshake"] = phases.get("handshake", 0.0) + time.perf_counter() - t0
+            r.sender_id = self._sender_id
+            tokens = self._reserve_tokens(r, None)
+            r.blocks = await self._alloc(r, tokens, phases)
+            if not r.blocks:
+                raise TransferFailed(f"room {room!r}: reservation interrupted", room=room)
+            if self._connected.is_set() and self._sender_id == r.sender_id:
+                break
+            self._free(r)  # the sender went away while we waited for blocks: meet the next one first
         self._send(Init(room=room, blocks=tuple(r.blocks), allocated_tokens=tokens, expected_ranks=self.world))
         r.announced = True
         m.init_sent(blocks=len(r.blocks), allocated_tokens=tokens)
@@ -561,13 +574,13 @@ class EmbeddingReceiver:
                             else:
                                 # Reserve the next round first, so the sender writes it while we copy
                                 # this one out; wait for memory only if the pool is short.
-                                tokens = self._reserve_tokens(r, arrived.remaining)
+                                tokens = self._reserve_tokens(r, arrived.remaining, shrink=False)
                                 if r.zero_copy and arrived.total > self.pool.num_tokens:
                                     r.kept.append((done_blocks, arrived.count))
                                     raise TransferFailed(
                                         f"room {room!r}: {arrived.total} tokens cannot be received zero-copy "
                                         f"into a pool of {self.pool.num_tokens} tokens; use receive()", room=room)
-                                early = self.allocator.try_alloc(tokens)
+                                early = self.allocator.try_alloc(tokens, priority=True)
                                 if early is not None:
                                     r.blocks = early
                                     self._send_resume(r, tokens)
@@ -585,6 +598,7 @@ class EmbeddingReceiver:
                             if arrived.complete:
                                 break
                             if not r.blocks:
+                                tokens = self._reserve_tokens(r, arrived.remaining)  # now, with this round freed
                                 r.blocks = await self._alloc(r, tokens, phases)
                                 if not r.blocks:
                                     phase, timeout = "round", cfg.round_timeout

@@ -1,0 +1,96 @@
+"""The one ucxx context of this process: imported lazily, initialised once, shared.
+
+UCX is initialised per process (ucxx keeps a module-global context with one worker), so
+every :class:`~aioembed_ucx.UcxTransport` of a process shares it. The settings that are
+per process (``tls``, ``progress_mode``, ``ucx_options``) are fixed by the first endpoint
+opened; a later endpoint asking for different ones is a ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Any
+
+from aioembed.errors import ConfigError, TransportError
+
+from aioembed_ucx._options import UcxOptions
+
+__all__ = ["DEFAULT_PROGRESS_MODE", "INSTALL_HINT", "ensure_context", "load_ucxx"]
+
+INSTALL_HINT = ("pip install 'aioembed-ucx[cu12]' (CUDA 12 wheels) or 'aioembed-ucx[cu13]' (CUDA 13); "
+                "both work on machines without a GPU")
+DEFAULT_PROGRESS_MODE = "blocking"
+
+
+
+class _State:
+    """What this process initialised UCX with (guarded by ``lock``)."""
+
+    lock = threading.Lock()
+    key: tuple[Any, ...] | None = None
+    pid: int | None = None
+
+
+def load_ucxx() -> Any:
+    """Import ucxx, or raise a ``ConfigError`` that names the pip extra to install."""
+    # UCX warns about variables that ucxx sets for CUDA builds and UCX 1.21 ignores.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        ucxx = importlib.import_module("ucxx")  # untyped; imported lazily on purpose
+    except ImportError as exc:
+        raise ConfigError(f"transport 'ucx' needs the ucxx package, which is not importable ({exc}); "
+                          f"{INSTALL_HINT}") from exc
+    return ucxx
+
+
+def _effective_mode(opts: UcxOptions) -> str:
+    return opts.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE") or DEFAULT_PROGRESS_MODE
+
+
+def ensure_context(opts: UcxOptions) -> Any:
+    """Initialise ucxx for this process with ``opts`` (first call) or check they match."""
+    ucxx = load_ucxx()
+    mode = _effective_mode(opts)
+    key = (opts.tls, mode, tuple(sorted(opts.ucx_options.items())))
+    with _State.lock:
+        if _State.pid is not None and _State.pid != os.getpid():
+            # Forked after UCX was initialised: the inherited context is unusable.
+            try:
+                ucxx.reset()
+            except Exception as exc:
+                raise TransportError(f"UCX was initialised in parent process {_State.pid} before a fork and cannot be "
+                                     f"reset here ({exc}); start workers with the 'spawn' method") from exc
+            _State.key = _State.pid = None
+        if _State.key is not None:
+            if key != _State.key:
+                raise ConfigError(
+                    "UCX is initialised once per process and this process already uses "
+                    f"tls={_State.key[0]!r}, progress_mode={_State.key[1]!r}, ucx_options={dict(_State.key[2])!r}; "
+                    f"this endpoint asks for tls={key[0]!r}, progress_mode={key[1]!r}, "
+                    f"ucx_options={dict(key[2])!r}: give every ucx endpoint of a process the same values")
+            return ucxx
+        core = ucxx.core
+        if core._ctx is not None:
+            # Someone else initialised ucxx in this process: accept it if it fits.
+            have_mode = core._ctx.progress_mode
+            have_tls = str(ucxx.get_config().get("TLS", ""))
+            if (opts.progress_mode and opts.progress_mode != have_mode) or (
+                    opts.tls and opts.tls != have_tls) or opts.ucx_options:
+                raise ConfigError(f"ucxx was already initialised in this process (tls={have_tls!r}, "
+                                  f"progress_mode={have_mode!r}) with other settings than transport_options ask "
+                                  f"for (tls={opts.tls!r}, progress_mode={opts.progress_mode!r}, "
+                                  f"ucx_options={dict(opts.ucx_options)!r})")
+            _State.key, _State.pid = key, os.getpid()
+            return ucxx
+        ucx_opts = dict(opts.ucx_options)
+        if opts.tls is not None:
+            ucx_opts["TLS"] = opts.tls
+        try:
+            ucxx.init(options=ucx_opts, progress_mode=mode)
+        except Exception as exc:
+            raise ConfigError(f"cannot initialise UCX with tls={opts.tls!r}, progress_mode={mode!r}, "
+                              f"ucx_options={dict(opts.ucx_options)!r}: {exc}") from exc
+        _State.key, _State.pid = key, os.getpid()
+        return ucxx

@@ -1,0 +1,143 @@
+"""``transport_options`` of the UCX transport: parsed once, validated with named errors."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aioembed.errors import ConfigError
+
+__all__ = ["PROGRESS_MODES", "UcxOptions"]
+
+PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
+
+# UCX transport names accepted in UCX_TLS (UCX 1.1x-1.2x), including aliases and the
+# meta names. A leading "^" negates the list, as in UCX itself.
+_KNOWN_TLS = frozenset({
+    "all", "self", "tcp", "sm", "shm", "mm", "posix", "sysv", "xpmem", "cma", "knem",
+    "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5",
+    "dc", "dc_x", "dc_mlx5", "srd", "rdmacm", "sockcm",
+    "cuda", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "rocm_gdr",
+    "ze_copy", "ze_ipc", "ze_gdr", "ugni", "ugni_rdma", "ugni_udt", "ugni_smsg",
+})
+_UCX_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
+
+_KNOWN = ("tls", "host", "port", "progress_mode", "write_timeout", "connect_timeout", "inline_bytes",
+          "ucx_options")
+
+
+def _seconds(name: str, value: object) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise ConfigError(f"transport_options.{name} must be a number of seconds, got {value!r}")
+    if not 0 < value <= 86400:
+        raise ConfigError(f"transport_options.{name}={value} is out of range; allowed: 0 < {name} <= 86400")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class UcxOptions:
+    """Validated options; see the plugin README for what each one does."""
+
+    tls: str | None = None
+    """``UCX_TLS``: None leaves it to UCX (the ``UCX_TLS`` environment variable, else ``all``)."""
+    host: str = "127.0.0.1"
+    """Address this endpoint advertises in its descriptor (the listener binds every interface)."""
+    port: int = 0
+    """Listener port; 0 lets the OS choose."""
+    progress_mode: str | None = None
+    """ucxx progress mode; None: ``UCXPY_PROGRESS_MODE`` if set, else ``blocking``."""
+    write_timeout: float = 30.0
+    """Seconds one ``Link.write`` (and the matching receive on the owning side) may take."""
+    connect_timeout: float = 10.0
+    """Seconds to open a UCX endpoint to a peer and check that it is the announced one."""
+    inline_bytes: int = 0
+    """Ops of at most this many bytes (CPU to CPU) travel together in one message that the owning
+    side copies into place; 0 sends every op as its own message straight into the pool."""
+    ucx_options: Mapping[str, str] = field(default_factory=dict)
+    """Extra UCX settings without the ``UCX_`` prefix, e.g. ``{"RNDV_SCHEME": "put_zcopy"}``."""
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> UcxOptions:
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"transport_options must be a mapping, got {type(options).__name__}")
+        unknown = sorted(set(options) - set(_KNOWN))
+        if unknown:
+            raise ConfigError(f"unknown ucx transport option(s) {unknown}; known: {sorted(_KNOWN)}")
+        kw: dict[str, Any] = {}
+
+        if (tls := options.get("tls")) is not None:
+            if not isinstance(tls, str) or not tls.strip():
+                raise ConfigError(f"transport_options.tls must be a UCX_TLS string such as 'tcp' or "
+                                  f"'rc,cuda_copy,tcp', got {tls!r}")
+            names = tls.strip().removeprefix("^").split(",")
+            bad = [n for n in names if n.strip().lower() not in _KNOWN_TLS]
+            if bad:
+                raise ConfigError(f"transport_options.tls={tls!r}: unknown UCX transport(s) {bad}; "
+                                  f"known: {sorted(_KNOWN_TLS)}")
+            kw["tls"] = ",".join(n.strip().lower() for n in tls.strip().split(","))
+
+        if "host" in options:
+            host = options["host"]
+            if not isinstance(host, str) or not host or host != host.strip() or len(host) > 253:
+                raise ConfigError(f"transport_options.host must be an IP address or host name, got {host!r}")
+            try:
+                unspecified = ipaddress.ip_address(host).is_unspecified
+            except ValueError:
+                unspecified = False
+                if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", host):
+                    raise ConfigError(
+                        f"transport_options.host={host!r} is neither an IP address nor a host name") from None
+            if unspecified:
+                raise ConfigError(f"transport_options.host={host!r} is not an address a peer can reach; "
+                                  "give this machine's address on the network the sender uses")
+            kw["host"] = host
+
+        if "port" in options:
+            port = options["port"]
+            if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+                raise ConfigError(f"transport_options.port must be an integer in [0, 65535] "
+                                  f"(0: any free port), got {port!r}")
+            kw["port"] = port
+
+        if (mode := options.get("progress_mode")) is not None:
+            if mode not in PROGRESS_MODES:
+                raise ConfigError(f"transport_options.progress_mode must be one of {list(PROGRESS_MODES)}, "
+                                  f"got {mode!r}")
+            kw["progress_mode"] = mode
+
+        for name in ("write_timeout", "connect_timeout"):
+            if name in options:
+                kw[name] = _seconds(name, options[name])
+
+        if "inline_bytes" in options:
+            ib = options["inline_bytes"]
+            if not isinstance(ib, int) or isinstance(ib, bool) or not 0 <= ib <= 1 << 20:
+                raise ConfigError(f"transport_options.inline_bytes must be an integer in [0, 1048576], got {ib!r}")
+            kw["inline_bytes"] = ib
+
+        if "ucx_options" in options:
+            extra = options["ucx_options"]
+            if not isinstance(extra, Mapping):
+                raise ConfigError(f"transport_options.ucx_options must be a mapping of UCX setting names "
+                                  f"(without the UCX_ prefix) to strings, got {extra!r}")
+            clean: dict[str, str] = {}
+            for k, v in extra.items():
+                if not isinstance(k, str) or not _UCX_KEY.match(k) or k.startswith("UCX_"):
+                    raise ConfigError(f"transport_options.ucx_options: bad key {k!r}; use UCX names without "
+                                      "the UCX_ prefix, e.g. 'RNDV_SCHEME'")
+                if k == "TLS":
+                    raise ConfigError("transport_options.ucx_options must not set TLS; use transport_options.tls")
+                if not isinstance(v, (str, int)) or isinstance(v, bool):
+                    raise ConfigError(f"transport_options.ucx_options[{k!r}] must be a string, got {v!r}")
+                clean[k] = str(v)
+            kw["ucx_options"] = clean
+
+        return cls(**kw)
+
+    def context_key(self) -> tuple[str | None, str | None, tuple[tuple[str, str], ...]]:
+        """The settings that are per process in UCX (one context per process)."""
+        return (self.tls, self.progress_mode, tuple(sorted(self.ucx_options.items())))

@@ -1,0 +1,678 @@
+"""The UCX transport: ``Link.write`` as two-sided UCX tag messages, through ucxx.
+
+ucxx exposes no one-sided put/get to Python, so the side that owns the memory takes part in
+every write. It runs a UCX listener (started by the first ``descriptor()``: an endpoint that
+never announces memory never opens a port); each accepted connection is served by a task
+that this transport owns and cancels on ``aclose``. For each write it receives a header,
+checks every destination span against the memory registered *now*, posts one receive per op
+straight into that memory (no staging copy), tells the writer to go, and acknowledges once
+every byte has landed. ``Link.write`` returns only after that acknowledgement, so the data is
+visible before the control plane announces it. See :mod:`aioembed_ucx._wire` for the messages.
+
+Writes on one link run concurrently: each has its own id, and every message of a write
+carries that id in its tag, so neither side serialises them.
+
+Failure: an endpoint error (peer gone) fails pending operations within milliseconds on a
+live host; a frozen peer is caught by ``write_timeout``. Either way the UCX endpoint is
+aborted (the owning side's pending receives into the pool are cancelled with it) and the
+write raises :class:`~aioembed.errors.TransportError`; the next write reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+import msgpack
+import sniffio
+from aioembed.errors import ConfigError, TransportError
+from aioembed.transports.base import (
+    Link,
+    MemoryRegion,
+    RegionSet,
+    Transport,
+    TransportCapabilities,
+    WriteOp,
+)
+
+from aioembed_ucx import _wire as w
+from aioembed_ucx._context import ensure_context
+from aioembed_ucx._options import UcxOptions
+
+__all__ = ["UcxLink", "UcxTransport"]
+
+log = logging.getLogger("aioembed.transports.ucx")
+
+_DESCRIPTOR_VERSION = 1
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+class _CudaSpan:
+    """A byte span of device memory, described by ``__cuda_array_interface__`` (zero-copy)."""
+
+    def __init__(self, address: int, length: int) -> None:
+        self.__cuda_array_interface__ = {
+            "data": (address, False), "shape": (length,), "typestr": "|u1", "strides": None, "version": 3,
+        }
+
+
+def _buffer(address: int, length: int, device: str) -> object:
+    """A zero-copy, writable buffer over ``[address, address + length)`` that ucxx accepts."""
+    if device == "cpu":
+        return (ctypes.c_char * length).from_address(address)
+    return _CudaSpan(address, length)
+
+
+class _Memory:
+    """Registered (or announced) regions: all together and per device."""
+
+    def __init__(self, regions: Iterable[MemoryRegion] = ()) -> None:
+        self.all = RegionSet()
+        self.by_device: dict[str, RegionSet] = {}
+        self.add(list(regions))
+
+    def add(self, regions: Sequence[MemoryRegion]) -> None:
+        self.all.add(regions)
+        for r in regions:
+            self.by_device.setdefault(r.device, RegionSet()).add([r])
+
+    def remove(self, regions: Sequence[MemoryRegion]) -> None:
+        self.all.remove(regions)  # raises, removing nothing, if one is not registered
+        for r in regions:
+            rs = self.by_device[r.device]
+            rs.remove([r])
+            if not len(rs):
+                del self.by_device[r.device]
+
+    def device_of(self, address: int, length: int) -> str | None:
+        """The device whose registered memory covers the whole span, or None."""
+        for device, rs in self.by_device.items():
+            if rs.covers(address, length):
+                return device
+        return None
+
+
+def _check_device(region: MemoryRegion) -> None:
+    d = region.device
+    if d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit()):
+        return
+    raise TransportError(f"ucx transport registers 'cpu' or 'cuda:N' memory, got device {d!r} in {region}")
+
+
+def _coalesce(ops: Sequence[tuple[int, int, int, str, str]]) -> list[tuple[int, int, int, str, str]]:
+    """Merge ops that continue the previous one on both sides (same devices)."""
+    out: list[tuple[int, int, int, str, str]] = []
+    for src, dst, n, sdev, ddev in ops:
+        if out:
+            ps, pd, pn, psd, pdd = out[-1]
+            if ps + pn == src and pd + pn == dst and psd == sdev and pdd == ddev:
+                out[-1] = (ps, pd, pn + n, sdev, ddev)
+                continue
+        out.append((src, dst, n, sdev, ddev))
+    return out
+
+
+# -- descriptor --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Peer:
+    endpoint: str
+    host: str
+    port: int
+    memory: _Memory
+
+    @property
+    def name(self) -> str:
+        return f"ucx://{self.host}:{self.port}/{self.endpoint[:8]}"
+
+
+def _parse_descriptor(blob: bytes) -> _Peer:
+    try:
+        d = msgpack.unpackb(blob, raw=False)
+        if not isinstance(d, dict) or d.get("transport") != UcxTransport.name:
+            raise ValueError("not a ucx descriptor")
+        if d.get("v") != _DESCRIPTOR_VERSION:
+            raise ValueError(f"descriptor version {d.get('v')!r}, this plugin speaks {_DESCRIPTOR_VERSION}")
+        endpoint, host, port = d["endpoint"], d["host"], d["port"]
+        if not (isinstance(endpoint, str) and isinstance(host, str) and host and isinstance(port, int)
+                and 0 < port < 65536):
+            raise ValueError("bad endpoint, host or port")
+        regions = []
+        for a, n, dev in d["regions"]:
+            if not (isinstance(a, int) and isinstance(n, int) and isinstance(dev, str)):
+                raise ValueError("bad region")
+            r = MemoryRegion(a, n, dev)
+            _check_device(r)
+            regions.append(r)
+        return _Peer(endpoint, host, port, _Memory(regions))
+    except Exception as exc:
+        raise TransportError(f"bad ucx descriptor ({len(blob)} bytes): {exc}") from exc
+
+
+# -- transport ---------------------------------------------------------------------------
+
+
+class UcxTransport(Transport):
+    """Endpoint of the UCX transport (asyncio only). Options: see :class:`UcxOptions`."""
+
+    name: ClassVar[str] = "ucx"
+    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+        cuda=True, asyncio_only=True, cross_process=True
+    )
+
+    def __init__(self, options: UcxOptions, ucxx: Any, host: str) -> None:
+        self.id = uuid.uuid4().hex
+        self.options = options
+        self.host = host
+        self.closed = False
+        self._memory = _Memory()
+        self._ucxx = ucxx
+        self._errors: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError,)
+        self._listener: Any = None
+        self._loop = asyncio.get_running_loop()
+        self._serving: set[asyncio.Task[None]] = set()
+        self._server_eps: set[Any] = set()
+        self._links: set[UcxLink] = set()
+
+    @property
+    def regions(self) -> RegionSet:
+        """Every registered region (with repeats), for inspection."""
+        return self._memory.all
+
+    @property
+    def port(self) -> int | None:
+        """The listener's port, once ``descriptor()`` has started it."""
+        return None if self._listener is None else int(self._listener.port)
+
+    @classmethod
+    async def open(cls, options: Mapping[str, Any]) -> Self:
+        try:
+            lib: str | None = sniffio.current_async_library()
+        except sniffio.AsyncLibraryNotFoundError:
+            lib = None
+        if lib != "asyncio":
+            raise ConfigError(
+                f"transport 'ucx' works only under asyncio (ucxx drives UCX from an asyncio event loop), "
+                f"but this code runs under {lib or 'no async library'}; run under asyncio (or uvloop), "
+                "or choose another transport"
+            )
+        opts = UcxOptions.parse(options)
+        ucxx = ensure_context(opts)
+        host = opts.host
+        try:
+            socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+        except OSError:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise ConfigError(f"transport_options.host={host!r} does not resolve: {exc}") from exc
+            infos.sort(key=lambda i: i[0] != socket.AF_INET)
+            host = str(infos[0][4][0])
+        return cls(opts, ucxx, host)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TransportError(f"ucx endpoint {self.id[:8]} is closed")
+
+    async def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self._check_open()
+        for r in regions:
+            _check_device(r)
+        self._memory.add(list(regions))
+        await asyncio.sleep(0)
+
+    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self._check_open()
+        self._memory.remove(list(regions))
+        await asyncio.sleep(0)
+
+    def descriptor(self) -> bytes:
+        self._check_open()
+        self._ensure_listener()
+        return msgpack.packb({
+            "transport": self.name,
+            "v": _DESCRIPTOR_VERSION,
+            "endpoint": self.id,
+            "host": self.host,
+            "port": self.port,
+            "regions": [[r.address, r.length, r.device] for r in self._memory.all],
+        })
+
+    def _ensure_listener(self) -> None:
+        if self._listener is not None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise TransportError("ucx: descriptor() must be called on the event loop the endpoint was opened on")
+        try:
+            # A huge connect_timeout: ucxx's timeout path frees buffers UCX still writes into (see
+            # _create_endpoint); a connecting peer that dies instead fails the exchange at once.
+            self._listener = self._ucxx.create_listener(self._accept, port=self.options.port,
+                                                        endpoint_error_handling=True, connect_timeout=1e9)
+        except Exception as exc:
+            raise TransportError(f"ucx endpoint {self.id[:8]} cannot listen on port {self.options.port}: "
+                                 f"{exc!r}") from exc
+        log.info("ucx endpoint %s listening on 0.0.0.0:%s, announced as %s", self.id[:8], self.port, self.host)
+
+    async def connect(self, peer_descriptor: bytes) -> UcxLink:
+        self._check_open()
+        peer = _parse_descriptor(peer_descriptor)
+        ep = await self._open_endpoint(peer)
+        link = UcxLink(self, peer, ep)
+        self._links.add(link)
+        return link
+
+    async def _open_endpoint(self, peer: _Peer) -> Any:
+        """A UCX endpoint to ``peer`` whose listener confirmed that it is ``peer.endpoint``."""
+        timeout = self.options.connect_timeout
+        ep: Any = None
+        try:
+            async with asyncio.timeout(timeout):
+                ep = await _create_endpoint(self._ucxx, peer.host, peer.port)
+                body = msgpack.packb({"endpoint": peer.endpoint})
+                await ep.send(w.PREFIX.pack(w.MAGIC, w.VERSION, w.KIND_HELLO, 0, len(body)), tag=w.T_PREFIX)
+                await ep.send(body, tag=w.t_body(0))
+                reply = bytearray(w.REPLY_SIZE)
+                await ep.recv(reply, tag=w.t_reply(0))
+                status, message = w.decode_reply(reply)
+        except TimeoutError:
+            _abort(ep)
+            raise TransportError(f"cannot connect to {peer.name}: no answer within "
+                                 f"connect_timeout={timeout} s") from None
+        except self._errors as exc:
+            _abort(ep)
+            raise TransportError(f"cannot connect to {peer.name}: {exc!r} (is the peer running and "
+                                 f"reachable on that address?)") from exc
+        except BaseException:
+            _abort(ep)
+            raise
+        if status != w.OK:
+            _abort(ep)
+            raise TransportError(f"{peer.name} refused the connection: {message}")
+        return ep
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for link in list(self._links):
+            await link.aclose()
+        tasks = list(self._serving)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for ep in list(self._server_eps):
+            _abort(ep)
+        self._server_eps.clear()
+        if self._listener is not None:
+            await asyncio.sleep(0)  # let ucxx retire its handler futures first
+            self._listener.close()
+            self._listener = None
+        self._memory = _Memory()
+
+    # -- the owning side -----------------------------------------------------------------
+
+    async def _accept(self, ep: Any) -> None:
+        """Listener callback (on our loop): serve one connection until it ends or we close."""
+        task = asyncio.current_task()
+        if self.closed or task is None:
+            _abort(ep)
+            return
+        self._serving.add(task)
+        self._server_eps.add(ep)
+        try:
+            await self._serve(ep)
+        except asyncio.CancelledError:
+            pass
+        except self._errors as exc:
+            log.debug("ucx endpoint %s: connection ended: %r", self.id[:8], exc)
+        except Exception:
+            log.exception("ucx endpoint %s: connection handler failed", self.id[:8])
+        finally:
+            self._serving.discard(task)
+            self._server_eps.discard(ep)
+            _abort(ep)
+
+    async def _serve(self, ep: Any) -> None:
+        writes: set[asyncio.Task[None]] = set()
+        progress = _Progress()
+        try:
+            while True:
+                prefix = bytearray(w.PREFIX.size)
+                await ep.recv(prefix, tag=w.T_PREFIX)
+                progress.tick()
+                magic, version, kind, wid, body_len = w.PREFIX.unpack(prefix)
+                if magic != w.MAGIC or version != w.VERSION or kind not in (w.KIND_HELLO, w.KIND_WRITE) \
+                        or body_len > w.MAX_BODY:
+                    log.warning("ucx endpoint %s: dropping a connection that sent a bad header "
+                                "(magic %r, version %d, kind %d, body %d bytes)",
+                                self.id[:8], bytes(magic), version, kind, body_len)
+                    return
+                t = asyncio.create_task(self._serve_one(ep, progress, kind, wid, body_len))
+                writes.add(t)
+                t.add_done_callback(writes.discard)
+        finally:
+            for t in writes:
+                t.cancel()
+            if writes:
+                await asyncio.gather(*writes, return_exceptions=True)
+
+    async def _serve_one(self, ep: Any, progress: _Progress, kind: int, wid: int, body_len: int) -> None:
+        timeout = self.options.write_timeout
+        steps = asyncio.ensure_future(self._receive_write(ep, progress, kind, wid, body_len))
+        try:
+            await _await_with_stall_timeout(steps, progress, timeout)
+        except TimeoutError:
+            # The writer is frozen or gone: its data may never come. Abort the connection, which
+            # cancels our receives into the pool (the writer's write fails on its own timeout).
+            log.warning("ucx endpoint %s: write %d made no progress within write_timeout=%s s; "
+                        "aborting the connection", self.id[:8], wid, timeout)
+            _abort(ep)
+        except self._errors as exc:
+            log.debug("ucx endpoint %s: write %d failed: %r", self.id[:8], wid, exc)
+        finally:
+            if not steps.done():
+                steps.cancel()
+                with contextlib.suppress(BaseException):
+                    await steps
+
+    async def _receive_write(self, ep: Any, progress: _Progress, kind: int, wid: int, body_len: int) -> None:
+        pending: list[asyncio.Future[Any]] = []
+        try:
+            body = bytearray(body_len)
+            if body_len:
+                await ep.recv(body, tag=w.t_body(wid))
+                progress.tick()
+            if kind == w.KIND_HELLO:
+                await self._answer_hello(ep, wid, body)
+                return
+            try:
+                direct, inline = self._plan_receive(body)
+            except TransportError as exc:
+                log.warning("ucx endpoint %s: refused write %d: %s", self.id[:8], wid, exc)
+                await ep.send(w.encode_reply(w.REFUSED, str(exc)), tag=w.t_reply(wid))
+                return
+            # Post every receive straight into the pool before telling the writer to go.
+            pending = [asyncio.ensure_future(ep.recv(buf, tag=w.t_data(wid, i))) for i, buf in enumerate(direct)]
+            blob = None
+            if inline:
+                blob = bytearray(sum(n for _, n in inline))
+                pending.append(asyncio.ensure_future(ep.recv(blob, tag=w.t_data(wid, len(direct)))))
+            for f in pending:
+                f.add_done_callback(progress.tick)
+            await ep.send(w.encode_reply(w.OK), tag=w.t_reply(wid))
+            await asyncio.gather(*pending)
+            if blob is not None:
+                off = 0
+                for dst, n in inline:
+                    ctypes.memmove(dst, (ctypes.c_char * n).from_buffer(blob, off), n)
+                    off += n
+            await ep.send(w.encode_reply(w.OK), tag=w.t_ack(wid))
+        finally:
+            for f in pending:
+                f.cancel()
+
+    async def _answer_hello(self, ep: Any, wid: int, body: bytearray) -> None:
+        try:
+            want = msgpack.unpackb(bytes(body), raw=False).get("endpoint")
+        except Exception:
+            want = None
+        if want != self.id:
+            await ep.send(w.encode_reply(w.REFUSED, f"this listener is ucx endpoint {self.id[:8]}, not "
+                                                    f"{str(want)[:8]} (did the peer restart?)"),
+                          tag=w.t_reply(wid))
+            return
+        await ep.send(w.encode_reply(w.OK, self.id), tag=w.t_reply(wid))
+
+    def _plan_receive(self, body: bytearray) -> tuple[list[object], list[tuple[int, int]]]:
+        """Check every destination against registered memory *before* receiving anything."""
+        if self.closed:
+            raise TransportError(f"ucx endpoint {self.id[:8]} is closing")
+        try:
+            direct, inline = w.decode_ops(body)
+        except ValueError as exc:
+            raise TransportError(f"malformed write header: {exc}") from exc
+        bufs = []
+        for dst, n in direct:
+            device = self._memory.device_of(dst, n) if n > 0 else None
+            if device is None:
+                raise TransportError(f"destination [{dst:#x}, +{n}) is outside the memory registered "
+                                     f"at ucx endpoint {self.id[:8]}")
+            bufs.append(_buffer(dst, n, device))
+        for dst, n in inline:
+            if n <= 0 or self._memory.by_device.get("cpu") is None or not self._memory.by_device["cpu"].covers(dst, n):
+                raise TransportError(f"inline destination [{dst:#x}, +{n}) is outside the CPU memory "
+                                     f"registered at ucx endpoint {self.id[:8]}")
+        return bufs, inline
+
+
+class _Progress:
+    """When a connection last showed that its peer is alive (a message of it completed)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def tick(self, _: object = None) -> None:
+        self.last = time.monotonic()
+
+
+async def _await_with_stall_timeout(fut: asyncio.Future[Any], progress: _Progress, timeout: float) -> Any:
+    """Await ``fut``; raise ``TimeoutError`` once neither it nor anything else on the connection
+    has made progress for ``timeout`` seconds. (Writes queued behind others on a busy but live
+    connection do not time out; a frozen peer fails every pending write after ``timeout``.)"""
+    start = time.monotonic()
+    while True:
+        remaining = max(start, progress.last) + timeout - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        done, _ = await asyncio.wait({fut}, timeout=remaining)
+        if done:
+            return fut.result()
+
+
+# ucxx's create_endpoint() frees its peer-info buffers when its connect timeout fires, while
+# UCX still has a stream receive posted into them: a peer that was frozen and wakes up later
+# then corrupts the heap (reproduced with ucxx 0.52: segfault after SIGSTOP/SIGCONT). So we
+# do the same steps ourselves and, on failure, keep the buffers and the endpoint alive.
+_GRAVEYARD: list[object] = []
+
+
+async def _create_endpoint(ucxx: Any, host: str, port: int) -> Any:
+    """``ucxx.create_endpoint`` without its use-after-free on timeout (cancel this freely)."""
+    import importlib
+    import os
+    import struct
+
+    # ucxx internals (untyped), as used by ApplicationContext.create_endpoint in ucxx 0.52
+    ucx_api = importlib.import_module("ucxx._lib.libucxx")
+    Array = importlib.import_module("ucxx._lib.arr").Array
+    Endpoint = importlib.import_module("ucxx._lib_async.endpoint").Endpoint
+    hash64bits = importlib.import_module("ucxx._lib_async.utils").hash64bits
+
+    ctx = ucxx.core._get_ctx()
+    ctx.continuous_ucx_progress()
+    ucx_ep = ucx_api.UCXEndpoint.create(ctx.worker, host, port, True)
+    if not ctx.progress_mode.startswith("thread"):
+        ctx.worker.progress()
+    msg_tag = hash64bits("msg_tag", os.urandom(16), ucx_ep.handle)
+    mine = struct.pack("QQ", msg_tag, hash64bits(msg_tag))
+    theirs = bytearray(16)
+    mine_arr, theirs_arr = Array(mine), Array(theirs)
+    try:
+        await ucx_ep.stream_recv(theirs_arr).wait()
+        await ucx_ep.stream_send(mine_arr).wait()
+    except BaseException:
+        _GRAVEYARD.append((ucx_ep, mine, theirs, mine_arr, theirs_arr))
+        with contextlib.suppress(Exception):
+            ucx_ep.close_blocking(period=10**8, max_attempts=1)
+        raise
+    peer_tag, checksum = struct.unpack("QQ", theirs)
+    if checksum != hash64bits(peer_tag):
+        ucx_ep.close_blocking(period=10**8, max_attempts=1)
+        raise TransportError(f"UCX peer-info checksum mismatch from {host}:{port}")
+    return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer_tag, "msg_recv": msg_tag})
+
+
+def _abort(ep: Any) -> None:
+    if ep is None:
+        return
+    with contextlib.suppress(Exception):
+        ep.abort()
+
+
+class _Refused(TransportError):
+    """The owning side refused a write before any byte moved."""
+
+
+class UcxLink(Link):
+    """Writes into one peer's announced memory over one UCX endpoint (reopened after a failure)."""
+
+    def __init__(self, local: UcxTransport, peer: _Peer, ep: Any) -> None:
+        self._local = local
+        self._peer = peer
+        self._ep: Any = ep
+        self._closed = False
+        self._wids = itertools.count(1)
+        self._reconnect = asyncio.Lock()
+        self._progress = _Progress()
+
+    @property
+    def peer(self) -> str:
+        return self._peer.name
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._local._links.discard(self)
+        ep, self._ep = self._ep, None
+        _abort(ep)
+        await asyncio.sleep(0)
+
+    def _drop(self, holder: list[Any]) -> None:
+        """Abort the endpoint a failed write used; the next write opens a new one."""
+        for ep in holder:
+            if self._ep is ep:
+                self._ep = None
+            _abort(ep)
+
+    async def _endpoint(self) -> Any:
+        if self._ep is not None:
+            return self._ep
+        async with self._reconnect:
+            if self._ep is None:
+                if self._closed or self._local.closed:
+                    raise TransportError(f"write on a closed link to {self.peer}")
+                self._ep = await self._local._open_endpoint(self._peer)
+                self._progress.tick()
+                log.info("ucx link to %s reconnected", self.peer)
+            return self._ep
+
+    async def write(self, ops: Sequence[WriteOp]) -> None:
+        local = self._local
+        if self._closed or local.closed:
+            raise TransportError(f"write on a closed link to {self.peer}")
+        checked: list[tuple[int, int, int, str, str]] = []
+        for op in ops:
+            if op.length <= 0:
+                raise TransportError(f"write op with non-positive length: {op}")
+            sdev = local._memory.device_of(op.src, op.length)
+            if sdev is None:
+                raise TransportError(f"write source [{op.src:#x}, +{op.length}) is outside every region "
+                                     f"registered at this ucx endpoint")
+            ddev = self._peer.memory.device_of(op.dst, op.length)
+            if ddev is None:
+                raise TransportError(f"write destination [{op.dst:#x}, +{op.length}) is outside the regions "
+                                     f"{self.peer} announced")
+            checked.append((op.src, op.dst, op.length, sdev, ddev))
+        if not checked:
+            await asyncio.sleep(0)
+            return
+        merged = _coalesce(checked)
+        limit = local.options.inline_bytes
+        direct = [(s, d, n, sd) for s, d, n, sd, dd in merged if not (n <= limit and sd == dd == "cpu")]
+        inline = [(s, d, n) for s, d, n, sd, dd in merged if n <= limit and sd == dd == "cpu"]
+        total = sum(o.length for o in ops)
+        timeout = local.options.write_timeout
+        holder: list[Any] = []
+        steps = asyncio.ensure_future(self._write_steps(holder, direct, inline))
+        try:
+            await _await_with_stall_timeout(steps, self._progress, timeout)
+        except _Refused:
+            raise
+        except TransportError:
+            self._drop(holder)
+            raise
+        except TimeoutError:
+            self._drop(holder)
+            raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} did not complete: "
+                                 f"no progress on the link within write_timeout={timeout} s; the UCX endpoint "
+                                 "was aborted") from None
+        except local._errors as exc:
+            self._drop(holder)
+            raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} failed: "
+                                 f"{exc!r}") from exc
+        except BaseException:
+            # Cancelled (or worse) mid-write: the wire state is unknown, so abort the endpoint,
+            # which also cancels the owning side's receives into its pool.
+            self._drop(holder)
+            raise
+        finally:
+            if not steps.done():
+                steps.cancel()
+                with contextlib.suppress(BaseException):
+                    await steps
+
+    async def _write_steps(self, holder: list[Any], direct: Sequence[tuple[int, int, int, str]],
+                           inline: Sequence[tuple[int, int, int]]) -> None:
+        ep = await self._endpoint()
+        holder.append(ep)
+        await self._write_on(ep, direct, inline)
+
+    async def _write_on(self, ep: Any, direct: Sequence[tuple[int, int, int, str]],
+                        inline: Sequence[tuple[int, int, int]]) -> None:
+        wid = next(self._wids)
+        body = w.encode_ops([(d, n) for _, d, n, _ in direct], [(d, n) for _, d, n in inline])
+        await ep.send(w.PREFIX.pack(w.MAGIC, w.VERSION, w.KIND_WRITE, wid, len(body)), tag=w.T_PREFIX)
+        await ep.send(body, tag=w.t_body(wid))
+        reply = bytearray(w.REPLY_SIZE)
+        await ep.recv(reply, tag=w.t_reply(wid))
+        self._progress.tick()
+        status, message = w.decode_reply(reply)
+        if status != w.OK:
+            raise _Refused(f"{self.peer} refused the write: {message}")
+        ack = bytearray(w.REPLY_SIZE)
+        ack_recv = asyncio.ensure_future(ep.recv(ack, tag=w.t_ack(wid)))
+        try:
+            sends = [ep.send(_buffer(s, n, sd), tag=w.t_data(wid, i)) for i, (s, _, n, sd) in enumerate(direct)]
+            if inline:
+                blob = bytearray(sum(n for _, _, n in inline))
+                off = 0
+                for s, _, n in inline:
+                    ctypes.memmove((ctypes.c_char * n).from_buffer(blob, off), s, n)
+                    off += n
+                sends.append(ep.send(blob, tag=w.t_data(wid, len(direct))))
+            await asyncio.gather(*sends)
+            await ack_recv
+            self._progress.tick()
+        finally:
+            ack_recv.cancel()
+        status, message = w.decode_reply(ack)
+        if status != w.OK:
+            raise TransportError(f"{self.peer} could not complete the write: {message}")

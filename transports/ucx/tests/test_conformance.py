@@ -1,0 +1,28 @@
+"""The core transport conformance suite, on UCX over TCP on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from aioembed.testing import TransportConformance
+
+from .conftest import UCX_OPTIONS
+
+
+class TestUcxConformance(TransportConformance):
+    transport_name = "ucx"
+    transport_options = UCX_OPTIONS
+    backends = ("asyncio",)
+    large_bytes = 32 << 20
+    peer_gone_timeout = 10.0
+
+
+class TestUcxConformanceInline(TransportConformance):
+    """Small ops batched into one message and copied into place by the owning side."""
+
+    transport_name = "ucx"
+    transport_options: ClassVar[Mapping[str, Any]] = dict(UCX_OPTIONS, inline_bytes=2048)
+    backends = ("asyncio",)
+    large_bytes = 8 << 20
+    peer_gone_timeout = 10.0

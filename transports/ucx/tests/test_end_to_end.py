@@ -1,0 +1,93 @@
+"""EmbeddingSender / EmbeddingReceiver over UCX: one process, then separate processes."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
+
+from .conftest import UCX_OPTIONS
+
+pytestmark = pytest.mark.anyio
+
+LAYOUT = Layout(
+    embeddings=Field((64,), torch.bfloat16),
+    token_ids=Field((), torch.int32),
+    mrope_positions=Field((3,), torch.int64),
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def make_request(num_tokens: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, f in LAYOUT.items():
+        raw = torch.randint(0, 256, (num_tokens * f.row_bytes,), dtype=torch.uint8, generator=g)
+        out[name] = raw.view(f.dtype).reshape(num_tokens, *f.shape).clone()
+    return out
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, b in want.items():
+        a = got[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
+def config(**kw: Any) -> TransferConfig:
+    return TransferConfig(transport="ucx", transport_options=UCX_OPTIONS, **kw)
+
+
+async def test_three_rounds_in_one_process() -> None:
+    """20000 tokens into an 8192-token default reservation, 8192 per round: three rounds."""
+    cfg = config(default_tokens=8192, max_round_tokens=8192, pool_tokens=16384)
+    async with EmbeddingSender(LAYOUT, cfg) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address) as receiver:
+        await receiver.wait_connected(timeout=10)
+        src = make_request(20000, seed=5)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "big", src, {"tokens": 20000})
+            got = await receiver.receive("big")
+        assert got.num_tokens == 20000 and got.rounds == 3
+        assert got.metadata == {"tokens": 20000}
+        assert_same(got.tensors, src)
+        st = receiver.allocator.stats
+        assert st.free == st.total and receiver.rooms_in_flight == 0
+        assert len(sender._transport.regions) == 0  # type: ignore[union-attr]
+
+
+async def test_concurrent_rooms_and_ranks_in_one_process() -> None:
+    cfg = config(default_tokens=1024, pool_tokens=8192)
+    async with AsyncExitStack() as stack:
+        sender = await stack.enter_async_context(EmbeddingSender(LAYOUT, cfg))
+        receivers = [
+            await stack.enter_async_context(
+                EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, rank=rank, world=2))
+            for rank in range(2)
+        ]
+        for r in receivers:
+            await r.wait_connected(timeout=10)
+        sizes = {i: 1 + (i * 977) % 3000 for i in range(20)}
+        got: dict[tuple[int, int], Any] = {}
+
+        async def recv(rank: int, room: int) -> None:
+            got[rank, room] = await receivers[rank].receive(room)
+
+        async with anyio.create_task_group() as tg:
+            for room, n in sizes.items():
+                tg.start_soon(sender.send, room, make_request(n, room), None)
+                for rank in range(2):
+                    tg.start_soon(recv, rank, room)
+        assert len(got) == 40
+        for (_rank, room), res in got.items():
+            assert res.rounds == (1 if sizes[room] <= 1024 else 2)  # the rest fits one round
+            assert_same(res.tensors, make_request(sizes[room], room))

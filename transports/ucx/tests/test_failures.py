@@ -1,0 +1,168 @@
+"""Peer gone (SIGKILL), peer frozen (SIGSTOP), refusals by the owning side."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from aioembed.errors import TransportError
+from aioembed.testing import region_of
+from aioembed.transports.base import MemoryRegion, Transport, WriteOp
+from aioembed.transports.registry import open_transport
+
+from .conftest import UCX_OPTIONS
+
+pytestmark = pytest.mark.anyio
+
+OWNER = Path(__file__).with_name("_owner.py")
+SIZE = 1 << 20
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@contextmanager
+def owner_process() -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    proc = subprocess.Popen([sys.executable, str(OWNER), json.dumps(UCX_OPTIONS), str(SIZE)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        yield proc, info
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+
+
+@asynccontextmanager
+async def writer(**options: Any) -> AsyncIterator[tuple[Transport, torch.Tensor]]:
+    t = await open_transport("ucx", dict(UCX_OPTIONS, **options))
+    src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8)
+    await t.register([region_of(src)])
+    try:
+        yield t, src
+    finally:
+        await t.aclose()
+
+
+async def test_owner_killed_fails_the_next_write_quickly() -> None:
+    with owner_process() as (proc, info):
+        async with writer(write_timeout=30.0) as (t, src):
+            link = await t.connect(bytes.fromhex(info["descriptor"]))
+            await link.write([WriteOp(src.data_ptr(), info["address"], SIZE)])
+            proc.kill()
+            proc.wait()
+            start = time.monotonic()
+            with pytest.raises(TransportError):
+                for _ in range(3):  # the first write may race the reset; none may succeed for long
+                    await link.write([WriteOp(src.data_ptr(), info["address"], SIZE)])
+            elapsed = time.monotonic() - start
+            print(f"write to a killed owner failed after {elapsed * 1000:.0f} ms")
+            assert elapsed < 5.0  # far below write_timeout: the endpoint error is seen
+
+
+async def test_owner_killed_during_a_write() -> None:
+    with owner_process() as (proc, info):
+        async with writer(write_timeout=30.0) as (t, src):
+            link = await t.connect(bytes.fromhex(info["descriptor"]))
+            os.kill(proc.pid, signal.SIGSTOP)  # the write hangs in flight ...
+            task = asyncio.ensure_future(link.write([WriteOp(src.data_ptr(), info["address"], SIZE)]))
+            await asyncio.sleep(0.3)
+            proc.kill()  # ... until the peer dies
+            start = time.monotonic()
+            with pytest.raises(TransportError):
+                await task
+            elapsed = time.monotonic() - start
+            print(f"write in flight failed {elapsed * 1000:.0f} ms after its owner was killed")
+            assert elapsed < 5.0
+
+
+async def test_frozen_owner_fails_within_write_timeout() -> None:
+    with owner_process() as (proc, info):
+        async with writer(write_timeout=1.0) as (t, src):
+            link = await t.connect(bytes.fromhex(info["descriptor"]))
+            await link.write([WriteOp(src.data_ptr(), info["address"], 4096)])
+            os.kill(proc.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(TransportError, match="write_timeout"):
+                await link.write([WriteOp(src.data_ptr(), info["address"], SIZE)])
+            assert 0.9 < time.monotonic() - start < 3.0
+            # the next write reconnects, and still fails in bounded time while the peer is frozen
+            start = time.monotonic()
+            with pytest.raises(TransportError):
+                await link.write([WriteOp(src.data_ptr(), info["address"], 4096)])
+            assert time.monotonic() - start < 3.0
+            os.kill(proc.pid, signal.SIGCONT)
+            # thawed: writes work again on a fresh endpoint
+            await link.write([WriteOp(src.data_ptr(), info["address"], 4096)])
+
+
+async def test_owner_refuses_memory_it_no_longer_registers() -> None:
+    """The owning side checks its *current* registrations before receiving a byte."""
+    async with await open_transport("ucx", UCX_OPTIONS) as owner, writer() as (t, src):
+        dst = torch.zeros(SIZE, dtype=torch.uint8)
+        await owner.register([region_of(dst)])
+        link = await t.connect(owner.descriptor())
+        await owner.unregister([region_of(dst)])
+        with pytest.raises(TransportError, match=r"refused the write.*outside the memory registered"):
+            await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SIZE)])
+        assert int(dst.sum()) == 0
+        await owner.register([region_of(dst)])  # the link is still usable after a refusal
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SIZE)])
+        assert torch.equal(dst, src)
+
+
+async def test_forged_descriptor_cannot_reach_outside_registered_memory() -> None:
+    """A writer that lies about the owner's regions is refused by the owner, not trusted."""
+    async with await open_transport("ucx", UCX_OPTIONS) as owner, writer() as (t, src):
+        dst = torch.zeros(2 * SIZE, dtype=torch.uint8)
+        await owner.register([region_of(dst[:SIZE])])
+        desc = msgpack.unpackb(owner.descriptor())
+        desc["regions"] = [[dst.data_ptr(), 2 * SIZE, "cpu"]]  # claims twice the registered span
+        link = await t.connect(msgpack.packb(desc))
+        with pytest.raises(TransportError, match="refused"):
+            await link.write([WriteOp(src.data_ptr(), dst.data_ptr() + SIZE, 4096)])
+        with pytest.raises(TransportError, match="refused"):  # one bad op refuses the whole write
+            await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096),
+                              WriteOp(src.data_ptr(), dst.data_ptr() + SIZE - 10, 20)])
+        assert int(dst.sum()) == 0
+
+
+async def test_descriptor_of_another_endpoint_is_refused() -> None:
+    async with await open_transport("ucx", UCX_OPTIONS) as owner, writer() as (t, _):
+        desc = msgpack.unpackb(owner.descriptor())
+        desc["endpoint"] = "f" * 32  # a restarted peer that reuses the port
+        with pytest.raises(TransportError, match="refused the connection"):
+            await t.connect(msgpack.packb(desc))
+
+
+async def test_nobody_listening() -> None:
+    async with writer(connect_timeout=3.0) as (t, _):
+        desc = {"transport": "ucx", "v": 1, "endpoint": "0" * 32, "host": "127.0.0.1", "port": 9,
+                "regions": [[4096, 4096, "cpu"]]}
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="cannot connect"):
+            await t.connect(msgpack.packb(desc))
+        assert time.monotonic() - start < 4.0
+
+
+async def test_unregistered_region_objects() -> None:
+    async with writer() as (t, _):
+        with pytest.raises(TransportError):
+            await t.unregister([MemoryRegion(4096, 4096)])

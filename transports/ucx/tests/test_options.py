@@ -1,0 +1,108 @@
+"""Options, per-process settings, the entry point, the missing-extra error and trio refusal."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+from aioembed import EmbeddingSender, Field, Layout, TransferConfig
+from aioembed.errors import ConfigError, TransportError
+from aioembed.transports.registry import available_transports, open_transport, resolve_transport
+
+import aioembed_ucx
+from aioembed_ucx import UcxOptions, UcxTransport
+
+from .conftest import UCX_OPTIONS
+
+pytestmark = pytest.mark.anyio
+
+
+def test_entry_point_resolves_to_the_plugin() -> None:
+    assert "ucx" in available_transports()
+    assert resolve_transport("ucx") is UcxTransport
+    caps = UcxTransport.capabilities
+    assert caps.asyncio_only and caps.cuda and caps.cross_process
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"protocol": "tcp"}, "protocol"),
+        ({"tls": ""}, "tls"),
+        ({"tls": 5}, "tls"),
+        ({"tls": "tcp,carrier_pigeon"}, "carrier_pigeon"),
+        ({"host": ""}, "host"),
+        ({"host": "0.0.0.0"}, "host"),
+        ({"host": "not a host!"}, "host"),
+        ({"port": -1}, "port"),
+        ({"port": 70000}, "port"),
+        ({"port": True}, "port"),
+        ({"progress_mode": "fast"}, "progress_mode"),
+        ({"write_timeout": 0}, "write_timeout"),
+        ({"write_timeout": "5"}, "write_timeout"),
+        ({"write_timeout": float("nan")}, "write_timeout"),
+        ({"connect_timeout": -1.0}, "connect_timeout"),
+        ({"inline_bytes": -1}, "inline_bytes"),
+        ({"ucx_options": {"UCX_TLS": "tcp"}}, "ucx_options"),
+        ({"ucx_options": {"TLS": "tcp"}}, "tls"),
+        ({"ucx_options": {"rndv_scheme": "put_zcopy"}}, "ucx_options"),
+        ({"ucx_options": "RNDV_SCHEME=put_zcopy"}, "ucx_options"),
+    ],
+)
+def test_bad_options_name_the_option(options: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        UcxOptions.parse(options)
+
+
+def test_good_options_parse() -> None:
+    o = UcxOptions.parse({"tls": "TCP, cuda_copy", "host": "localhost", "port": 0, "progress_mode": "polling",
+                          "write_timeout": 2, "ucx_options": {"RNDV_SCHEME": "put_zcopy", "TCP_KEEPIDLE": 5}})
+    assert o.tls == "tcp,cuda_copy" and o.write_timeout == 2.0
+    assert o.ucx_options == {"RNDV_SCHEME": "put_zcopy", "TCP_KEEPIDLE": "5"}
+    assert UcxOptions.parse({}).tls is None  # leave UCX_TLS to UCX by default
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_per_process_settings_must_agree(anyio_backend: str) -> None:
+    async with await open_transport("ucx", UCX_OPTIONS):
+        other = dict(UCX_OPTIONS, progress_mode="thread" if UCX_OPTIONS["progress_mode"] != "thread" else "polling")
+        with pytest.raises(ConfigError, match="once per process"):
+            await open_transport("ucx", other)
+        # per-endpoint settings may differ
+        async with await open_transport("ucx", dict(UCX_OPTIONS, write_timeout=1.0, host="localhost")) as t:
+            assert t.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_missing_ucxx_names_the_extra(anyio_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.import_module
+
+    def fake(name: str, package: str | None = None) -> Any:
+        if name == "ucxx":
+            raise ImportError("No module named 'ucxx'")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    with pytest.raises(ConfigError, match=r"aioembed-ucx\[cu12\]"):
+        await open_transport("ucx", UCX_OPTIONS)
+    assert aioembed_ucx.UcxTransport is UcxTransport  # the package itself imports without ucxx
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_trio_is_refused_clearly(anyio_backend: str) -> None:
+    with pytest.raises(ConfigError, match=r"only under asyncio.*trio"):
+        await open_transport("ucx", UCX_OPTIONS)
+    layout = Layout(x=Field((4,), torch.float32))
+    with pytest.raises(ConfigError, match="asyncio"):
+        async with EmbeddingSender(layout, TransferConfig(transport="ucx", transport_options=UCX_OPTIONS)):
+            pass
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_descriptor_errors(anyio_backend: str) -> None:
+    async with await open_transport("ucx", UCX_OPTIONS) as t:
+        with pytest.raises(TransportError, match="cpu' or 'cuda:N"):
+            from aioembed.transports.base import MemoryRegion
+            await t.register([MemoryRegion(4096, 16, "tpu:0")])
