@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -148,6 +149,8 @@ class EmbeddingReceiver:
         self._closed = False
         self._closing_hard = False
         self._reconnect = anyio.Event()
+        self._ping_nonces: deque[int] = deque(maxlen=8)
+        self._nonce_base = uuid.uuid4().int & ((1 << 62) - 1)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -297,8 +300,13 @@ class EmbeddingReceiver:
                 self._welcome_or_reject.set()
         elif isinstance(msg, Reject) and msg.code == "unknown_peer":
             # The sender does not know us: it restarted. Re-handshake at once; a room it refused
-            # before any data arrived is opened again rather than failed.
-            r = self._rooms.get(msg.room) if msg.room is not None else None
+            # before any data arrived is opened again rather than failed. Believed only when it
+            # names a room of ours (a real restarted sender answers our INIT/RESUME/ABORT so).
+            if msg.room is None or (msg.room not in self._rooms and msg.room not in self._orphans):
+                log.warning("receiver[%d]: ignored an unknown_peer REJECT naming no room of ours: %r",
+                            self.rank, msg.room)
+                return
+            r = self._rooms.get(msg.room)
             if r is not None and r.machine.received == 0:
                 r.reopen = True
                 self._deliver(r, msg)
@@ -328,7 +336,9 @@ class EmbeddingReceiver:
                 return
             self._deliver(r, msg)
         elif isinstance(msg, Pong):
-            if self._sender_id is not None and msg.peer_id != self._sender_id:
+            if msg.nonce not in self._ping_nonces:
+                log.debug("receiver[%d]: PONG %d answers no PING of ours, ignored", self.rank, msg.nonce)
+            elif self._sender_id is not None and msg.peer_id != self._sender_id:
                 self._sender_lost(f"sender {self.connect_to} restarted (new peer id)")
         elif isinstance(msg, Ping):
             self._send(Pong(nonce=msg.nonce, peer_id=self.peer_id))
@@ -400,7 +410,9 @@ class EmbeddingReceiver:
             last_tick = anyio.current_time()
             while not self._reconnect.is_set():
                 nonce += 1
-                self._send(Ping(nonce=nonce))
+                ping = (self._nonce_base + nonce) & ((1 << 62) - 1)  # unguessable, so PONGs can be checked
+                self._ping_nonces.append(ping)
+                self._send(Ping(nonce=ping))
                 with anyio.move_on_after(cfg.heartbeat_interval):
                     await self._reconnect.wait()
                 now = anyio.current_time()
