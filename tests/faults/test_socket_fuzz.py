@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.lowlevel
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -34,8 +35,8 @@ blocks = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=40, un
 tokens = st.integers(min_value=0, max_value=2**40)
 small = st.integers(min_value=0, max_value=2**31)
 text = st.text(max_size=50)
-metadata = st.one_of(st.none(), st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5),
-                                                 max_size=4))
+metadata = st.one_of(st.none(), st.dictionaries(
+    st.text(max_size=5), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5), max_size=4))
 
 messages = st.one_of(
     st.builds(m.Init, room=rooms, blocks=blocks, allocated_tokens=tokens, expected_ranks=st.integers(1, 4)),
@@ -96,11 +97,11 @@ async def _fuzz_sender(junk: list[bytes]) -> None:
                 half = len(junk) // 2
                 for data in junk[:half]:  # before the handshake
                     raw.send_raw(data)
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
                 raw.send(raw.hello(LAYOUT, CFG, peer_id="fuzzer"))
                 for data in junk[half:]:  # after it: frames reach the room logic
                     raw.send_raw(data)
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
                 # end whatever the fuzzer opened, as a well-behaved client would
                 for data in junk:
                     try:
@@ -165,7 +166,7 @@ async def _fuzz_receiver(junk: list[bytes]) -> None:
                     async def pound() -> None:
                         for data in junk:
                             front.send([identity[0], data])
-                            await anyio.sleep(0)
+                            await anyio.lowlevel.checkpoint()
 
                     tg.start_soon(pound)
                     await _valid_rooms(sender, receiver, 6, seed=len(junk) + 1)
