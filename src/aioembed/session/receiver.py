@@ -41,6 +41,7 @@ from aioembed.errors import (
 from aioembed.layout import Layout
 from aioembed.memory.allocator import BlockAllocator
 from aioembed.memory.pool import BlockPool
+from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
     Abort,
     AbortAck,
@@ -104,6 +105,7 @@ class _Room:
         self.zero_copy = False
         self.reopen = False  # refused by a restarted sender before any data: will be opened again
         self.kept: list[tuple[list[int], int]] = []  # zero-copy: finished rounds' blocks and token counts
+        self.round_started = 0.0
 
 
 class EmbeddingReceiver:
@@ -120,8 +122,10 @@ class EmbeddingReceiver:
         connect: str,
         rank: int = 0,
         world: int = 1,
+        observer: TransferObserver | None = None,
     ) -> None:
         self.layout = layout
+        self.observer = observer or TransferObserver()
         self.config = config or TransferConfig()
         if not isinstance(world, int) or not 1 <= world <= 1 << 16:
             raise InvalidRequest(f"world={world!r} must be an int in [1, 65536]")
@@ -476,6 +480,7 @@ class EmbeddingReceiver:
         m.resume_sent(blocks=len(r.blocks), allocated_tokens=tokens)
         self._send(Resume(room=m.room, round=m.round, sent_tokens=m.received, blocks=tuple(r.blocks),
                           allocated_tokens=tokens))
+        r.round_started = time.perf_counter()
         log.debug("receiver[%d]: room=%r: RESUME round %d, %d/%s tokens in, %d reserved",
                   self.rank, m.room, m.round, m.received, m.total, tokens)
 
@@ -514,6 +519,7 @@ class EmbeddingReceiver:
                 break
             self._free(r)  # the sender went away while we waited for blocks: meet the next one first
         self._send(Init(room=room, blocks=tuple(r.blocks), allocated_tokens=tokens, expected_ranks=self.world))
+        r.round_started = time.perf_counter()
         r.announced = True
         m.init_sent(blocks=len(r.blocks), allocated_tokens=tokens)
         r.handle._set_status(TransferStatus.WAITING_FOR_INPUT)
@@ -579,6 +585,8 @@ class EmbeddingReceiver:
                                 cls = TransferAborted if m.state is TransferStatus.ABORTED else TransferFailed
                                 raise cls(f"room {room!r}: sender reported {m.state.name}: {m.error}", room=room)
                             h._set_status(TransferStatus.TRANSFERRING)
+                            self.observer.round_finished(side="receiver",
+                                                         seconds=time.perf_counter() - r.round_started)
                             done_blocks, r.blocks = r.blocks, []  # written and announced: safe to read
                             if arrived.complete:
                                 r.sender_ended = True
@@ -654,6 +662,10 @@ class EmbeddingReceiver:
                 self._rooms.pop(room, None)
                 r.inbox_send.close()
                 r.inbox.close()
+                self.observer.room_finished(
+                    side="receiver", outcome=outcome_of(error if result is None else None),
+                    nbytes=(m.total or 0) * self.layout.bytes_per_token, rounds=m.round + 1,
+                    seconds=time.perf_counter() - t_start)
                 if result is not None:
                     h._finish(result=result, status=TransferStatus.SUCCESS)
                     log.debug("receiver[%d]: room=%r: done, %d tokens in %d rounds",

@@ -10,6 +10,7 @@ The tensors must not be modified until ``send`` returns.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from aioembed.errors import (
 )
 from aioembed.layout import Layout
 from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
+from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -120,8 +122,10 @@ class EmbeddingSender:
     concrete one from :attr:`address`).
     """
 
-    def __init__(self, layout: Layout, config: TransferConfig | None = None, *, bind: str = "tcp://127.0.0.1:0"):
+    def __init__(self, layout: Layout, config: TransferConfig | None = None, *, bind: str = "tcp://127.0.0.1:0",
+                 observer: TransferObserver | None = None) -> None:
         self.layout = layout
+        self.observer = observer or TransferObserver()
         self.config = config or TransferConfig()
         self.bind = bind
         self.peer_id = uuid.uuid4().hex
@@ -255,6 +259,8 @@ class EmbeddingSender:
         r.metadata = meta
         regions = [self._region(t) for t in sources]
         assert self._transport is not None
+        t_start = time.perf_counter()
+        error: BaseException | None = None
         try:
             r.machine.on_input(num_tokens)
             with anyio.CancelScope(shield=True):  # a registration must never be lost to a cancel
@@ -269,8 +275,18 @@ class EmbeddingSender:
                     with anyio.CancelScope(shield=True):
                         await self._transport.unregister(regions)
         except ProtocolError as exc:
-            raise TransferFailed(str(exc), room=room) from None
+            error = TransferFailed(str(exc), room=room)
+            raise error from None
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            rounds = max((p.round + 1 for p in r.machine.ranks.values()), default=0)
+            ok = r.machine.state is TransferStatus.SUCCESS
+            self.observer.room_finished(
+                side="sender", outcome="success" if ok else outcome_of(error or TransferFailed("failed")),
+                nbytes=num_tokens * self.layout.bytes_per_token * len(r.machine.ranks), rounds=rounds,
+                seconds=time.perf_counter() - t_start)
             if r.machine.state is not TransferStatus.SUCCESS:
                 # A rank that asks later learns at once that this room is over.
                 self._remember_ended(room, "sender", r.machine.error or "send() did not complete")
@@ -364,8 +380,10 @@ class EmbeddingSender:
             for t, reg, f in zip(r.sources, peer.regions, self.layout.values(), strict=True)
         ]
         ops = plan_writes(runs, spans)
+        t0 = time.perf_counter()
         try:
             await peer.link.write(ops)
+            self.observer.round_finished(side="sender", seconds=time.perf_counter() - t0)
         except TransportError as exc:
             log.warning("sender: room=%r: write of %d tokens to %s failed: %s", room, task.count, peer, exc)
             assert self._transport is not None

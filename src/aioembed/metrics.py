@@ -1,0 +1,107 @@
+"""Observability: a small observer interface the sessions call, and a Prometheus exporter.
+
+The sessions never import ``prometheus_client``: they report to a :class:`TransferObserver`
+(no-op by default). :class:`PrometheusMetrics` is one implementation, available with the
+``aioembed[prometheus]`` extra; a server can write its own (e.g. for OpenTelemetry).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aioembed.errors import ConfigError
+
+if TYPE_CHECKING:
+    from aioembed.session.receiver import EmbeddingReceiver
+    from aioembed.session.sender import EmbeddingSender
+
+__all__ = ["PrometheusMetrics", "TransferObserver"]
+
+
+class TransferObserver:
+    """Receives one call per finished room and per finished round. Methods must not block."""
+
+    def room_finished(self, *, side: str, outcome: str, nbytes: int, rounds: int, seconds: float) -> None:
+        """A room ended. ``side`` is ``sender`` or ``receiver``; ``outcome`` is ``success``,
+        ``failed``, ``aborted``, ``timeout`` or ``peer_dead``; ``nbytes`` counts payload bytes moved."""
+
+    def round_finished(self, *, side: str, seconds: float) -> None:
+        """One round of one room ended: on the receiver from INIT/RESUME to STATUS, on the sender
+        the write of the round."""
+
+
+def outcome_of(error: BaseException | None) -> str:
+    """The ``outcome`` label for a room that ended with ``error`` (``None``: success)."""
+    from aioembed.errors import PeerDead, TransferAborted, TransferTimeout
+
+    if error is None:
+        return "success"
+    if isinstance(error, PeerDead):
+        return "peer_dead"
+    if isinstance(error, TransferTimeout):
+        return "timeout"
+    if isinstance(error, TransferAborted):
+        return "aborted"
+    return "failed"
+
+
+class PrometheusMetrics(TransferObserver):
+    """Prometheus counters, histograms and gauges for aioembed.
+
+    Pass it as ``observer=`` to senders and receivers, and call :meth:`watch_receiver` /
+    :meth:`watch_sender` for the live gauges (free blocks, waiters, fenced blocks, peers).
+    """
+
+    def __init__(self, registry: Any = None, *, namespace: str = "aioembed") -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError as exc:
+            raise ConfigError("PrometheusMetrics needs prometheus-client: pip install 'aioembed[prometheus]'") from exc
+        reg = registry if registry is not None else prom.REGISTRY
+        self.registry = reg
+        self.transfers = prom.Counter("transfers", "Rooms finished, by side and outcome",
+                                      ["side", "outcome"], namespace=namespace, registry=reg)
+        self.bytes = prom.Counter("bytes", "Payload bytes moved by finished rooms", ["side"],
+                                  namespace=namespace, registry=reg)
+        self.rounds = prom.Histogram("rounds", "Rounds per successful room", ["side"], namespace=namespace,
+                                     registry=reg, buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+        self.round_seconds = prom.Histogram("round_seconds", "Latency of one round", ["side"],
+                                            namespace=namespace, registry=reg,
+                                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                     0.25, 0.5, 1, 2.5, 5, 10))
+        self.transfer_seconds = prom.Histogram("transfer_seconds", "Duration of a whole room", ["side"],
+                                               namespace=namespace, registry=reg,
+                                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60))
+        self.free_blocks = prom.Gauge("free_blocks", "Free blocks in a receiver's pool", ["rank"],
+                                      namespace=namespace, registry=reg)
+        self.waiters = prom.Gauge("allocator_waiters", "Reservations waiting for free blocks", ["rank"],
+                                  namespace=namespace, registry=reg)
+        self.fenced = prom.Gauge("fenced_blocks", "Blocks a peer may still write, kept from reuse", ["rank"],
+                                 namespace=namespace, registry=reg)
+        self.rooms = prom.Gauge("rooms_in_flight", "Rooms in flight", ["side"], namespace=namespace,
+                                registry=reg)
+        self.peers = prom.Gauge("peers_alive", "Receivers connected to a sender", namespace=namespace,
+                                registry=reg)
+
+    def room_finished(self, *, side: str, outcome: str, nbytes: int, rounds: int, seconds: float) -> None:
+        self.transfers.labels(side=side, outcome=outcome).inc()
+        self.transfer_seconds.labels(side=side).observe(seconds)
+        if outcome == "success":
+            self.bytes.labels(side=side).inc(nbytes)
+            self.rounds.labels(side=side).observe(rounds)
+
+    def round_finished(self, *, side: str, seconds: float) -> None:
+        self.round_seconds.labels(side=side).observe(seconds)
+
+    def watch_receiver(self, receiver: EmbeddingReceiver) -> None:
+        """Live gauges read from ``receiver`` at scrape time."""
+        rank = str(receiver.rank)
+        self.free_blocks.labels(rank=rank).set_function(lambda: receiver.allocator.stats.free)
+        self.waiters.labels(rank=rank).set_function(lambda: receiver.allocator.stats.waiters)
+        self.fenced.labels(rank=rank).set_function(lambda: receiver.allocator.stats.fenced)
+        self.rooms.labels(side="receiver").set_function(lambda: receiver.rooms_in_flight)
+
+    def watch_sender(self, sender: EmbeddingSender) -> None:
+        """Live gauges read from ``sender`` at scrape time."""
+        self.peers.set_function(lambda: len(sender.peers))
+        self.rooms.labels(side="sender").set_function(lambda: sender.rooms_in_flight)

@@ -1,0 +1,73 @@
+"""Observability: per-transfer stats, the observer hooks, and the Prometheus exporter."""
+
+from __future__ import annotations
+
+import anyio
+import prometheus_client
+import pytest
+
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferTimeout
+from aioembed.metrics import PrometheusMetrics, TransferObserver
+
+from .conftest import LAYOUT, assert_same, make_request
+
+pytestmark = pytest.mark.anyio
+
+
+class Recorder(TransferObserver):
+    def __init__(self) -> None:
+        self.rooms: list[dict[str, object]] = []
+        self.rounds: list[tuple[str, float]] = []
+
+    def room_finished(self, *, side: str, outcome: str, nbytes: int, rounds: int, seconds: float) -> None:
+        self.rooms.append({"side": side, "outcome": outcome, "nbytes": nbytes, "rounds": rounds})
+
+    def round_finished(self, *, side: str, seconds: float) -> None:
+        self.rounds.append((side, seconds))
+
+
+async def test_observer_sees_rooms_and_rounds() -> None:
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, input_timeout=0.5)
+    rec = Recorder()
+    async with EmbeddingSender(LAYOUT, cfg, observer=rec) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, observer=rec) as receiver:
+        src = make_request(3000, 1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "m", src)
+            got = await receiver.receive("m")
+        assert_same(got.tensors, src)
+        with pytest.raises(TransferTimeout):
+            await receiver.receive("never")
+    nbytes = 3000 * LAYOUT.bytes_per_token
+    assert {"side": "sender", "outcome": "success", "nbytes": nbytes, "rounds": 2} in rec.rooms
+    assert {"side": "receiver", "outcome": "success", "nbytes": nbytes, "rounds": 2} in rec.rooms
+    assert any(r["side"] == "receiver" and r["outcome"] == "timeout" for r in rec.rooms)
+    assert sum(1 for side, _ in rec.rounds if side == "receiver") == 2
+    assert sum(1 for side, _ in rec.rounds if side == "sender") == 2
+    assert got.stats.rounds == 2 and got.stats.bytes == nbytes and got.stats.seconds > 0
+
+
+async def test_prometheus_exporter() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096)
+    async with EmbeddingSender(LAYOUT, cfg, observer=metrics) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, observer=metrics) as receiver:
+        metrics.watch_sender(sender)
+        metrics.watch_receiver(receiver)
+        await receiver.wait_connected()
+        src = make_request(2500, 2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "p", src)
+            await receiver.receive("p")
+        text = prometheus_client.generate_latest(registry).decode()
+        value = registry.get_sample_value
+        assert value("aioembed_transfers_total", {"side": "receiver", "outcome": "success"}) == 1
+        assert value("aioembed_transfers_total", {"side": "sender", "outcome": "success"}) == 1
+        assert value("aioembed_bytes_total", {"side": "receiver"}) == 2500 * LAYOUT.bytes_per_token
+        assert value("aioembed_rounds_count", {"side": "receiver"}) == 1
+        assert value("aioembed_round_seconds_count", {"side": "receiver"}) == 2
+        assert value("aioembed_free_blocks", {"rank": "0"}) == receiver.allocator.stats.total
+        assert value("aioembed_allocator_waiters", {"rank": "0"}) == 0
+        assert value("aioembed_peers_alive") == 1
+        assert "aioembed_fenced_blocks" in text
