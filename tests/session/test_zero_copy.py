@@ -6,7 +6,7 @@ import anyio
 import pytest
 import torch
 
-from aioembed import Lease, TransferConfig, TransferFailed
+from aioembed import InvalidRequest, Lease, TransferConfig, TransferFailed
 
 from .conftest import assert_pools_free, assert_same, make_request, running
 
@@ -75,4 +75,26 @@ async def test_copying_and_leased_rooms_share_the_pool() -> None:
         assert_same(got.tensors, b)
         with lease:
             assert_same(_joined(lease), a)
+        assert_pools_free(sender, receiver)
+
+
+async def test_receive_into_caller_buffers() -> None:
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096)
+    async with running(cfg) as (sender, [receiver]):
+        buffers = receiver.layout.empty(5000)
+        src = make_request(3000, seed=9)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "o", src)
+            got = await receiver.receive("o", out=buffers)
+        assert_same(got.tensors, src)
+        for name, t in got.tensors.items():
+            assert t.data_ptr() == buffers[name].data_ptr()  # the caller's memory, no new allocation
+        too_small = receiver.layout.empty(100)
+        async with anyio.create_task_group() as tg:
+            # the rows reach the pool (the sender succeeds); the receiver's copy-out is refused
+            tg.start_soon(sender.send, "small", make_request(300, seed=10))
+            with pytest.raises(TransferFailed, match="out= holds only"):
+                await receiver.receive("small", out=too_small)
+        with pytest.raises(InvalidRequest, match="fields"):
+            receiver.start("bad", out={"embeddings": buffers["embeddings"]})
         assert_pools_free(sender, receiver)

@@ -7,6 +7,7 @@ registered with a transport once, as ``len(layout)`` regions.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -97,6 +98,17 @@ class BlockPool:
             if out_start + num_tokens > o.shape[0]:
                 raise PlanError(f"field {name!r}: output has {o.shape[0]} tokens, "
                                 f"cannot hold [{out_start}, {out_start + num_tokens})")
+            if o.dtype != t.dtype or tuple(o.shape[1:]) != tuple(t.shape[1:]):
+                raise LayoutError(f"field {name!r}: output is {o.dtype} {tuple(o.shape)}, the pool holds "
+                                  f"{t.dtype} rows of shape {tuple(t.shape[1:])}")
+            if o.device.type == "cpu" and t.device.type == "cpu" and o.is_contiguous() and o.dtype == t.dtype:
+                # One memmove per run: on few cores it beats torch's threaded copy_ (no pool hop).
+                row = self.layout[name].row_bytes
+                obase = o.data_ptr() + out_start * row
+                tbase = t.data_ptr()
+                for r in runs:
+                    ctypes.memmove(obase + r.src_row * row, tbase + r.dst_row * row, r.count * row)
+                continue
             for r in runs:
                 o[out_start + r.src_row:out_start + r.src_row + r.count].copy_(t[r.dst_row:r.dst_row + r.count])
 

@@ -70,7 +70,7 @@ __all__ = ["EmbeddingReceiver"]
 log = logging.getLogger(__name__)
 
 _INBOX = 16
-_COPY_INLINE_BYTES = 1 << 20
+_COPY_INLINE_BYTES = 4 << 20  # below this a copy-out runs on the loop: a thread hop costs more
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +106,7 @@ class _Room:
         self.reopen = False  # refused by a restarted sender before any data: will be opened again
         self.kept: list[tuple[list[int], int]] = []  # zero-copy: finished rounds' blocks and token counts
         self.round_started = 0.0
+        self.out: Mapping[str, torch.Tensor] | None = None  # caller's buffers for copy-out
 
 
 class EmbeddingReceiver:
@@ -226,12 +227,25 @@ class EmbeddingReceiver:
 
     # -- public API ----------------------------------------------------------------------
 
-    def start(self, room: RoomId, *, expected_tokens: int | None = None, zero_copy: bool = False) -> ReceiveHandle:
+    def start(self, room: RoomId, *, expected_tokens: int | None = None, zero_copy: bool = False,
+              out: Mapping[str, torch.Tensor] | None = None) -> ReceiveHandle:
         """Begin receiving ``room``; returns at once with a handle.
 
         With ``zero_copy`` the result is a :class:`Lease` on pool blocks (``handle.lease()``)
-        instead of freshly allocated tensors (``handle.result()``).
+        instead of freshly allocated tensors (``handle.result()``). With ``out``, rows are copied
+        into the caller's tensors (one per field, enough rows, contiguous; reusing buffers saves
+        the page faults of fresh allocations) and ``result().tensors`` are views of them.
         """
+        if out is not None:
+            if zero_copy:
+                raise InvalidRequest("out= and zero_copy=True exclude each other")
+            if set(out) != set(self.layout):
+                raise InvalidRequest(f"out= needs exactly the fields {list(self.layout)}, got {list(out)}")
+            for name, f in self.layout.items():
+                t = out[name]
+                if t.dtype != f.dtype or tuple(t.shape[1:]) != f.shape or not t.is_contiguous():
+                    raise InvalidRequest(f"out[{name!r}] must be contiguous {f.dtype} of shape (n, "
+                                         f"{', '.join(map(str, f.shape))}), got {t.dtype} {tuple(t.shape)}")
         if self._tg is None or self._closed:
             raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")
         try:
@@ -249,14 +263,19 @@ class EmbeddingReceiver:
         machine = ReceiverRoom(room, block_size=self.config.block_size, max_tokens=self.config.max_request_tokens)
         r = _Room(handle, machine, expected_tokens)
         r.zero_copy = zero_copy
+        r.out = out
         self._rooms[room] = r
         handle._scope = anyio.CancelScope()
         self._tg.start_soon(self._run_room, r)
         return handle
 
-    async def receive(self, room: RoomId, *, expected_tokens: int | None = None) -> Received:
-        """Receive ``room`` completely. Cancelling this call aborts the room on both sides."""
-        handle = self.start(room, expected_tokens=expected_tokens)
+    async def receive(self, room: RoomId, *, expected_tokens: int | None = None,
+                      out: Mapping[str, torch.Tensor] | None = None) -> Received:
+        """Receive ``room`` completely. Cancelling this call aborts the room on both sides.
+
+        ``out``: optional preallocated tensors to copy into (see :meth:`start`).
+        """
+        handle = self.start(room, expected_tokens=expected_tokens, out=out)
         try:
             return await handle.result()
         except anyio.get_cancelled_exc_class():
@@ -475,6 +494,15 @@ class EmbeddingReceiver:
         phases["allocate"] = phases.get("allocate", 0.0) + time.perf_counter() - t0
         return blocks  # empty if the wait was interrupted by the end of the room (now in the inbox)
 
+    def _output(self, r: _Room, total: int) -> dict[str, torch.Tensor]:
+        if r.out is None:
+            return self.layout.empty(total, device=self.pool.device)
+        short = {n: int(t.shape[0]) for n, t in r.out.items() if t.shape[0] < total}
+        if short:
+            raise TransferFailed(f"room {r.handle.room!r}: the request has {total} tokens but out= holds only "
+                                 f"{short}", room=r.handle.room)
+        return {n: t[:total] for n, t in r.out.items()}
+
     def _send_resume(self, r: _Room, tokens: int) -> None:
         m = r.machine
         m.resume_sent(blocks=len(r.blocks), allocated_tokens=tokens)
@@ -608,7 +636,7 @@ class EmbeddingReceiver:
                                 r.kept.append((done_blocks, arrived.count))
                             else:
                                 if out is None:
-                                    out = self.layout.empty(arrived.total, device=self.pool.device)
+                                    out = self._output(r, arrived.total)
                                 t0 = time.perf_counter()
                                 try:
                                     await self._copy_out(done_blocks, out, arrived.start, arrived.count)

@@ -87,12 +87,13 @@ class RegionSet:
     kept merged so that a span crossing two abutting registrations still counts as covered.
     """
 
-    __slots__ = ("_counts", "_ends", "_starts")
+    __slots__ = ("_counts", "_dirty", "_ends", "_starts")
 
     def __init__(self, regions: Iterable[MemoryRegion] = ()) -> None:
         self._counts: Counter[MemoryRegion] = Counter()
         self._starts: list[int] = []
         self._ends: list[int] = []
+        self._dirty = False
         self.add(regions)
 
     def __len__(self) -> int:
@@ -107,8 +108,8 @@ class RegionSet:
         for r in regions:
             if self._counts[r] == 0:
                 new.append(r)
+                self._dirty = True
             self._counts[r] += 1
-        self._rebuild()
         return new
 
     def remove(self, regions: Iterable[MemoryRegion]) -> list[MemoryRegion]:
@@ -127,10 +128,12 @@ class RegionSet:
             if self._counts[r] == 0:
                 del self._counts[r]
                 gone.append(r)
-        self._rebuild()
+                self._dirty = True
         return gone
 
     def _rebuild(self) -> None:
+        """Merge the spans; done lazily, at the first check after a change (registration is hot)."""
+        self._dirty = False
         spans = sorted((r.address, r.end) for r in self._counts)
         starts: list[int] = []
         ends: list[int] = []
@@ -146,6 +149,8 @@ class RegionSet:
         """True if ``[address, address + length)`` lies inside registered memory."""
         if length <= 0:
             return False
+        if self._dirty:
+            self._rebuild()
         i = bisect.bisect_right(self._starts, address) - 1
         return i >= 0 and address + length <= self._ends[i]
 
@@ -156,6 +161,13 @@ class RegionSet:
                 f"{what} [{address:#x}, +{length}) is outside every registered region "
                 f"({len(self._starts)} registered spans)"
             )
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The merged (start, end) spans now covered."""
+        if self._dirty:
+            self._rebuild()
+        return list(zip(self._starts, self._ends, strict=True))
 
 
 class Link(ABC):
