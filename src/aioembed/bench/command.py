@@ -20,7 +20,14 @@ import anyio
 from aioembed.bench.baselines import ENTRY_POINT_GROUP, available_baselines, resolve_baseline
 from aioembed.bench.measure import WORKLOADS, BenchOptions, Measurer, has_zero_copy, plan_steps
 from aioembed.bench.report import PLOT_HINT, evaluate_targets, render, write_plot
-from aioembed.bench.workloads import FULL_CONCURRENCY, FULL_SIZES, QUICK_CONCURRENCY, QUICK_SIZES, REQUEST_MIXES
+from aioembed.bench.workloads import (
+    FULL_CONCURRENCY,
+    FULL_SIZES,
+    QUICK_CONCURRENCY,
+    QUICK_SIZES,
+    REQUEST_MIXES,
+    bench_layout,
+)
 from aioembed.config import TransferConfig
 from aioembed.errors import ConfigError
 
@@ -88,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of each idle CPU measurement (default 10, quick 1.5)")
     parser.add_argument("--idle-rooms", type=int, default=1000, help="pending rooms of the idle workload")
     parser.add_argument("--memory-tokens", type=int, default=50000, help="request size of the memory workload")
+    parser.add_argument("--process-model", choices=("auto", "one", "two"), default="auto",
+                        help="'two': the receiver in a child process, the sender (and the raw baseline's source) "
+                             "here; 'one': both in this process; auto (default): two where the transport crosses "
+                             "processes (every plugin transport), one for loopback")
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
@@ -118,7 +129,19 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         idle_rooms=args.idle_rooms,
         idle_seconds=idle_s,
         memory_tokens=args.memory_tokens,
+        process_model=_process_model(args.process_model, base.transport),
     )
+
+
+def _process_model(choice: str, transport: str) -> str:
+    from aioembed.transports.registry import resolve_transport
+
+    cross = resolve_transport(transport).capabilities.cross_process
+    if choice == "two" and not cross:
+        raise ConfigError(f"--process-model two: transport {transport!r} cannot cross processes")
+    if choice == "auto":
+        return "two" if cross else "one"
+    return choice
 
 
 def _machine(transport: str) -> dict[str, Any]:
@@ -204,9 +227,19 @@ def run(args: argparse.Namespace) -> int:
 
     resolve_transport(opts.transport)  # unknown transport: a clear ConfigError before anything runs
     factory = resolve_baseline(opts.transport)
+    if opts.process_model == "two":
+        process_note = (
+            "process model 'two': sender here, receiver (EmbeddingReceiver) in a child process "
+            "(python -m aioembed.bench.peer), started per workload; a transfer is timed from just before the "
+            "receive command goes to the child until send() here has returned and the child has the rows "
+            "(time.monotonic in both processes); workloads idle and memory still run both sides in one process"
+        )
+    else:
+        process_note = ("process model 'one': sender and receiver run in this process"
+                        + (" (loopback cannot cross processes)" if opts.transport == "loopback" else
+                           " (--process-model one)"))
     notes: list[str] = [
-        "sender and receiver run in one process for every transport: loopback cannot cross processes, and the "
-        "two-process mode for plugin transports is not implemented yet",
+        process_note,
         "variants of a point run alternately (order rotated each repetition) after one untimed warm-up each; "
         "spread = [min-max] of the timed repetitions",
         "aioembed MB/s = request bytes / (time from receiver start() + sender send() until both return, the rows "
@@ -214,6 +247,16 @@ def run(args: argparse.Namespace) -> int:
         "the copying receive() moves every byte twice (transport write into the pool, copy-out into the output) "
         "where the raw baseline moves it once",
     ]
+    if factory is not None:
+        b = factory(bench_layout(opts.hidden), opts.base_config)
+        baseline_info: dict[str, Any] = {
+            "available": True, "entry_point_group": ENTRY_POINT_GROUP, "description": b.description,
+            "methods": list(b.methods), "cross_process": b.cross_process,
+        }
+        notes.append(f"raw baseline ({'destination in another process' if b.cross_process else 'in this process'}): "
+                     f"{b.description}")
+    else:
+        baseline_info = {"available": False, "entry_point_group": ENTRY_POINT_GROUP}
     if factory is None:
         notes.append(f"no raw baseline for transport {opts.transport!r}: a plugin adds one in the entry-point group "
                      f"{ENTRY_POINT_GROUP!r}; raw and ratio columns are empty")
@@ -242,10 +285,6 @@ def run(args: argparse.Namespace) -> int:
         anyio.run(main)
 
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    baseline_info: dict[str, Any] = {"available": factory is not None, "entry_point_group": ENTRY_POINT_GROUP}
-    if factory is not None:
-        b = factory(measurer.layout, opts.base_config)
-        baseline_info.update(description=b.description, methods=list(b.methods), cross_process=b.cross_process)
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "started_at": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(),
@@ -261,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
             "trace_requests": opts.trace_requests, "trace_concurrency": opts.trace_concurrency,
             "idle_rooms": opts.idle_rooms, "idle_seconds": opts.idle_seconds, "memory_tokens": opts.memory_tokens,
         },
-        "process_model": "one process",
+        "process_model": opts.process_model,
         "raw_baseline": baseline_info,
         "zero_copy": {"available": zero_copy},
         "workloads": workloads,

@@ -9,17 +9,25 @@ one untimed warm-up of each), so slow drifts of a noisy machine hit all variants
   the lease is in hand; the lease is released after the clock stops;
 * ``raw:<method>``: the transport's raw baseline moving the same source bytes.
 
-Sender and receiver run in this process: the loopback transport cannot cross processes, and
-the two-process mode for plugin transports is not implemented yet (the output says so).
+Process model: with ``process_model="two"`` (the default for a transport whose
+``capabilities.cross_process`` is true) the sender runs in this process and the receiver in a
+child process (:mod:`aioembed.bench.peer`), as in a real deployment; the child reports when the
+rows are in hand on the shared monotonic clock. With ``"one"`` (loopback, which cannot cross
+processes) both run here. The ``idle`` workload always runs both sides in this process, and
+``memory`` in one child process (see their descriptions).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import itertools
 import json
 import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -27,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.abc
 import torch
 
 from aioembed.bench.baselines import RawBaseline
@@ -103,6 +112,8 @@ class BenchOptions:
     idle_rooms: int = 1000
     idle_seconds: float = 10.0
     memory_tokens: int = 50000
+    process_model: str = "one"
+    """``"one"``: sender and receiver in this process; ``"two"``: the receiver in a child process."""
 
     @property
     def transport(self) -> str:
@@ -197,6 +208,159 @@ def summarize_point(
     return rec
 
 
+class _Pair:
+    """Sender and receiver of one workload: runs one transfer and times it."""
+
+    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+        """One copying transfer (``receive()``); returns (seconds, rounds)."""
+        raise NotImplementedError
+
+    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+        """One zero-copy transfer (``receive_leased()``), timed until the lease is in hand."""
+        raise NotImplementedError
+
+
+class _LocalPair(_Pair):
+    """Both sides in this process."""
+
+    def __init__(self, sender: EmbeddingSender, receiver: EmbeddingReceiver) -> None:
+        self.sender = sender
+        self.receiver = receiver
+
+    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        handle = self.receiver.start(room, expected_tokens=expected)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.sender.send, room, data)
+            got = await handle.result()
+        dt = time.perf_counter() - t0
+        rounds = got.rounds
+        del got
+        return dt, rounds
+
+    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+        recv: Any = self.receiver
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.sender.send, room, data)
+            lease = await _maybe_await(recv.receive_leased(room, expected_tokens=expected))
+        dt = time.perf_counter() - t0
+        rounds = int(getattr(lease, "rounds", 0))
+        await _maybe_await(lease.release())
+        return dt, rounds
+
+
+class PeerProcessError(RuntimeError):
+    """The receiver child process failed or reported a failed room."""
+
+
+class _RemotePair(_Pair):
+    """The sender here, the receiver in a child process (:mod:`aioembed.bench.peer`).
+
+    Timed from just before the command goes to the child (on ``time.monotonic``, the clock the
+    child reports on) until both ``send()`` here has returned and the child has the rows.
+    """
+
+    def __init__(self, sender: EmbeddingSender, process: anyio.abc.Process, stderr_path: str) -> None:
+        self.sender = sender
+        self.process = process
+        self.stderr_path = stderr_path
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[anyio.Event, list[dict[str, Any]]]] = {}
+        self._ready = anyio.Event()
+        self._ended: str | None = None
+        self._lock = anyio.Lock()
+
+    def stderr_tail(self) -> str:
+        try:
+            with open(self.stderr_path, errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError:
+            return ""
+
+    async def read_events(self) -> None:
+        """Reader task: dispatch the child's JSON lines until it ends."""
+        assert self.process.stdout is not None
+        buf = b""
+        try:
+            async for chunk in self.process.stdout:
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    ev = json.loads(line)
+                    if ev.get("event") == "ready":
+                        self._ready.set()
+                    elif ev.get("event") == "done":
+                        waiter = self._waiting.pop(int(ev["id"]), None)
+                        if waiter is not None:
+                            waiter[1].append(ev)
+                            waiter[0].set()
+        finally:
+            self._ended = "the receiver child process ended"
+            self._ready.set()
+            for event, _box in self._waiting.values():
+                event.set()
+            self._waiting.clear()
+
+    async def wait_ready(self, timeout: float) -> None:
+        with anyio.fail_after(timeout):
+            await self._ready.wait()
+        if self._ended is not None:
+            await self._fail(self._ended)
+
+    async def _fail(self, why: str) -> None:
+        with anyio.move_on_after(2):
+            await self.process.wait()
+        raise PeerProcessError(f"{why} (exit code {self.process.returncode}); its stderr ends with:\n"
+                               f"{self.stderr_tail()}")
+
+    async def command(self, cmd: Mapping[str, Any]) -> None:
+        assert self.process.stdin is not None
+        async with self._lock:
+            await self.process.stdin.send(json.dumps(cmd).encode() + b"\n")
+
+    async def _transfer(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                        lease: bool) -> tuple[float, int]:
+        if self._ended is not None:
+            await self._fail(self._ended)
+        cid = next(self._ids)
+        done = anyio.Event()
+        box: list[dict[str, Any]] = []
+        self._waiting[cid] = (done, box)
+        send_end = [0.0]
+
+        async def send() -> None:
+            await self.sender.send(room, data)
+            send_end[0] = time.monotonic()
+
+        t0 = time.monotonic()
+        await self.command({"op": "recv", "id": cid, "room": room, "expected": expected, "lease": lease})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            await done.wait()
+        if not box:
+            await self._fail(self._ended or "no answer from the receiver child process")
+        ev = box[0]
+        if "error" in ev:
+            raise PeerProcessError(f"room {room!r} failed in the receiver child process: {ev['error']}")
+        return max(send_end[0], float(ev["t"])) - t0, int(ev.get("rounds") or 0)
+
+    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+        return await self._transfer(room, data, expected, False)
+
+    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+        return await self._transfer(room, data, expected, True)
+
+
+def _config_mapping(cfg: TransferConfig) -> dict[str, Any]:
+    """Every setting of ``cfg`` as plain JSON values (for the child's ``TransferConfig.from_mapping``)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = dict(v) if isinstance(v, Mapping) else v
+    return out
+
+
 class Measurer:
     """Runs the selected workloads; one instance per benchmark run."""
 
@@ -216,11 +380,51 @@ class Measurer:
         return f"bench-{prefix}-{self._room}"
 
     @asynccontextmanager
-    async def _session(self, cfg: TransferConfig) -> AsyncIterator[tuple[EmbeddingSender, EmbeddingReceiver]]:
+    async def _local_session(self, cfg: TransferConfig) -> AsyncIterator[tuple[EmbeddingSender, EmbeddingReceiver]]:
         async with EmbeddingSender(self.layout, cfg) as sender, \
                 EmbeddingReceiver(self.layout, cfg, connect=sender.address) as receiver:
             await receiver.wait_connected()
             yield sender, receiver
+
+    @asynccontextmanager
+    async def _session(self, cfg: TransferConfig) -> AsyncIterator[_Pair]:
+        if self.opts.process_model != "two":
+            async with self._local_session(cfg) as (sender, receiver):
+                yield _LocalPair(sender, receiver)
+            return
+        async with EmbeddingSender(self.layout, cfg) as sender:
+            spec = {"config": _config_mapping(cfg), "hidden": self.opts.hidden, "connect": sender.address}
+            cmd = [sys.executable, "-m", "aioembed.bench.peer", json.dumps(spec)]
+            with tempfile.NamedTemporaryFile("w+b", prefix="aioembed-bench-peer-", suffix=".stderr",
+                                             delete=False) as err:
+                path = err.name
+                process = await anyio.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            pair = _RemotePair(sender, process, path)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(pair.read_events)
+                    try:
+                        await pair.wait_ready(timeout=max(60.0, cfg.handshake_timeout * 4))
+                        yield pair
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            with anyio.move_on_after(10):
+                                try:
+                                    await pair.command({"op": "exit"})
+                                    if process.stdin is not None:
+                                        await process.stdin.aclose()
+                                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                                    pass
+                                await process.wait()
+                            if process.returncode is None:
+                                process.kill()
+                                await process.wait()
+                            tg.cancel_scope.cancel()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await process.aclose()
+                os.unlink(path)
 
     @asynccontextmanager
     async def _baseline(self, cfg: TransferConfig, sources: Mapping[str, torch.Tensor],
@@ -235,35 +439,15 @@ class Measurer:
         finally:
             await b.aclose()
 
-    async def _copy(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], data: Mapping[str, torch.Tensor],
+    async def _copy(self, pair: _Pair, data: Mapping[str, torch.Tensor],
                     expected: int | None) -> tuple[float, int]:
         """One copying transfer; returns (seconds, rounds). The output is dropped after the clock stops."""
-        sender, receiver = pair
-        room = self._next_room("c")
-        t0 = time.perf_counter()
-        handle = receiver.start(room, expected_tokens=expected)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, room, data)
-            got = await handle.result()
-        dt = time.perf_counter() - t0
-        rounds = got.rounds
-        del got
-        return dt, rounds
+        return await pair.copy(self._next_room("c"), data, expected)
 
-    async def _lease(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], data: Mapping[str, torch.Tensor],
+    async def _lease(self, pair: _Pair, data: Mapping[str, torch.Tensor],
                      expected: int | None) -> tuple[float, int]:
         """One zero-copy transfer: timed until the lease is in hand; released after."""
-        sender, receiver = pair
-        room = self._next_room("z")
-        recv: Any = receiver
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, room, data)
-            lease = await _maybe_await(recv.receive_leased(room, expected_tokens=expected))
-        dt = time.perf_counter() - t0
-        rounds = int(getattr(lease, "rounds", 0))
-        await _maybe_await(lease.release())
-        return dt, rounds
+        return await pair.lease(self._next_room("z"), data, expected)
 
     @staticmethod
     def _slice(src: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
@@ -320,7 +504,7 @@ class Measurer:
             "points": points,
         }
 
-    async def _run_variant(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], baseline: RawBaseline | None,
+    async def _run_variant(self, pair: _Pair, baseline: RawBaseline | None,
                            variant: str, *, data: Mapping[str, torch.Tensor], n: int,
                            expected: int | None) -> tuple[float, int | None]:
         if variant.startswith("raw:"):
@@ -387,7 +571,7 @@ class Measurer:
 
     # -- concurrency and trace: batches of transfers -------------------------------------
 
-    async def _batch(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], src: Mapping[str, torch.Tensor],
+    async def _batch(self, pair: _Pair, src: Mapping[str, torch.Tensor],
                      sizes: Sequence[int], concurrency: int, *, lease: bool, expected: bool,
                      latencies: list[float] | None, rounds: list[int] | None) -> float:
         """Run ``sizes`` with ``concurrency`` rooms in flight; returns the makespan."""
@@ -416,7 +600,7 @@ class Measurer:
             await baseline.transfer(method, n)
         return time.perf_counter() - t0
 
-    async def _batch_point(self, pair: tuple[EmbeddingSender, EmbeddingReceiver], baseline: RawBaseline | None, *,
+    async def _batch_point(self, pair: _Pair, baseline: RawBaseline | None, *,
                            src: Mapping[str, torch.Tensor], sizes: Sequence[int], concurrency: int,
                            reps: int, expected: bool) -> tuple[_Series, list[float], list[float], list[int]]:
         series = _Series()
@@ -492,14 +676,21 @@ class Measurer:
             "points": points,
         }
 
-    def trace_config(self) -> TransferConfig:
-        return self.opts.base_config.replace(block_size=128, default_tokens=8192, pool_tokens=65536,
+    def trace_config(self, largest: int = 0) -> TransferConfig:
+        """65536 tokens; with zero-copy measured, at least ``trace_concurrency`` x the largest request:
+        a lease needs the whole request in the pool at once, so rooms that each hold part of the pool
+        while waiting for the rest would otherwise block one another until ``round_timeout``."""
+        pool = 65536
+        if self.zero_copy and largest:
+            pool = max(pool, _round_up(self.opts.trace_concurrency * largest, 128))
+        return self.opts.base_config.replace(block_size=128, default_tokens=8192, pool_tokens=pool,
                                              max_round_tokens=None)
 
     async def run_trace(self) -> dict[str, Any]:
-        opts, cfg = self.opts, self.trace_config()
+        opts = self.opts
         trace = generate_trace(opts.trace_requests, seed=opts.seed)
         sizes = [r.tokens for r in trace if r.tokens > 0]
+        cfg = self.trace_config(max(sizes, default=0))
         self.tick(f"trace: {len(trace)} requests")
         if not sizes:
             self.tick("")
@@ -530,6 +721,8 @@ class Measurer:
                 f"nothing and are skipped), replayed in order with {opts.trace_concurrency} rooms in flight; "
                 "the receiver does not know lengths (default reservation; videos resume); throughput = all "
                 "bytes / makespan; raw = the same requests copied one after another"
+                + (f"; pool_tokens={cfg.pool_tokens} (>= {opts.trace_concurrency} x the largest request, so "
+                   "concurrent zero-copy leases cannot starve one another)" if cfg.pool_tokens > 65536 else "")
             ),
             "config": config_dict(cfg),
             "points": [point],
@@ -549,7 +742,7 @@ class Measurer:
             max_rooms_per_peer=max(4096, rooms),
         )
         self.tick(f"idle: {rooms} pending rooms, {secs:g} s")
-        async with self._session(cfg) as (sender, receiver):
+        async with self._local_session(cfg) as (sender, receiver):
             await anyio.sleep(0.3)
             empty = await _cpu_over(secs)
             handles = [receiver.start(f"idle-{i}") for i in range(rooms)]
@@ -571,7 +764,8 @@ class Measurer:
         self.tick("")
         return {
             "description": (
-                f"CPU seconds per wall second of this process (sender and receiver together, all threads) over "
+                f"CPU seconds per wall second of one process running sender and receiver together (all threads; "
+                f"this workload keeps both sides in the benchmark process in every process model) over "
                 f"{secs:g} s with no rooms, then with {rooms} rooms reserved (INIT sent) and no data arriving; "
                 "the receiver's share is at most the total"
             ),
@@ -607,8 +801,8 @@ class Measurer:
             self.tick("")
         return {
             "description": (
-                "peak RSS of a child process running sender and receiver (one process: loopback cannot cross "
-                "processes) for one request; the source tensors are resident before the measurement starts and "
+                "peak RSS of a child process running sender and receiver (both in that one process, whatever "
+                "the process model) for one request; the source tensors are resident before the measurement starts and "
                 "are subtracted; receiver_bytes = peak - RSS with the source ready (so the sender's own overhead "
                 "is counted against the receiver: an upper bound); budget = pool + output; ratio = receiver_bytes "
                 "/ budget"

@@ -635,13 +635,13 @@ class EmbeddingReceiver:
                             if r.zero_copy:
                                 r.kept.append((done_blocks, arrived.count))
                             else:
-                                if out is None:
-                                    out = self._output(r, arrived.total)
                                 t0 = time.perf_counter()
                                 try:
+                                    if out is None:
+                                        out = self._output(r, arrived.total)
                                     await self._copy_out(done_blocks, out, arrived.start, arrived.count)
                                 finally:
-                                    self.allocator.free(done_blocks)
+                                    self.allocator.free(done_blocks)  # announced and read (or given up)
                                 phases["copy"] = phases.get("copy", 0.0) + time.perf_counter() - t0
                             if arrived.complete:
                                 break
