@@ -44,7 +44,7 @@ demo: install
 	$(VENV)/bin/aioembed demo
 
 lint: install
-	$(VENV)/bin/ruff check src tests tools transports
+	$(VENV)/bin/ruff check src tests tools transports examples
 
 typecheck: install-plugins
 	$(VENV)/bin/mypy src

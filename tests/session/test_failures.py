@@ -242,3 +242,16 @@ async def test_receiver_world_and_rank_validation() -> None:
         EmbeddingReceiver(LAYOUT, FAST, connect="tcp://127.0.0.1:1", rank=2, world=2)
     with pytest.raises(InvalidRequest):
         EmbeddingReceiver(LAYOUT, FAST, connect="tcp://127.0.0.1:1", rank=0, world=0)
+
+
+async def test_sender_abort_tells_receivers_before_and_after_they_ask() -> None:
+    async with running(FAST.replace(input_timeout=30.0)) as (sender, [receiver]):
+        early = receiver.start("asked")
+        await _until(lambda: sender.rooms_in_flight == 1)
+        sender.abort("asked", "encoder could not decode the image")
+        with anyio.fail_after(2), pytest.raises(TransferAborted, match="could not decode"):
+            await early.result()
+        sender.abort("later", "encoder out of memory")
+        with anyio.fail_after(2), pytest.raises(TransferAborted, match="out of memory"):
+            await receiver.receive("later")
+        assert_pools_free(sender, receiver)

@@ -309,6 +309,29 @@ class EmbeddingSender:
                     await self._transport.unregister(regions)
             del sources
 
+    def abort(self, room: RoomId, reason: str = "aborted by the sender") -> None:
+        """End ``room`` without sending it (e.g. the encoder failed on the request).
+
+        Ranks that already asked for it are told at once (their ``receive()`` raises
+        ``TransferAborted`` with ``reason``); ranks that ask later within ``input_timeout`` are
+        told when they ask. A ``send()`` in progress for the room is aborted too.
+        """
+        try:
+            validate_room("room", room)
+        except ProtocolError as exc:
+            raise InvalidRequest(str(exc)) from None
+        r = self._rooms.get(room)
+        if r is not None:
+            r.machine.fail(reason, aborted=True)
+            if r.active:
+                r.poke()  # the driver tells the ranks once its writes are over
+                return
+            self._notify_end(r)
+            del self._rooms[room]
+            for p in r.rank_peer.values():
+                p.rooms.discard(room)
+        self._remember_ended(room, "sender", reason)
+
     @staticmethod
     def _region(t: torch.Tensor) -> MemoryRegion:
         dev = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"

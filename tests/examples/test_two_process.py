@@ -1,0 +1,121 @@
+"""encoder_server and language_server as two processes over a cross-process transport, as in the README."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from .conftest import ServerProcess, assert_clean_exit, clean_env, server_processes
+
+pytestmark = pytest.mark.anyio
+
+# transport -> (module its plugin needs, AIOEMBED_TRANSPORT_OPTIONS for the language server)
+TRANSPORTS = {
+    "mooncake": ("mooncake", '{protocol = "tcp", hostname = "127.0.0.1"}'),
+    "ucx": ("ucxx", '{tls = "tcp", host = "127.0.0.1"}'),
+}
+SIZES = [(100, 60, 8, 1), (224, 224, 64, 1), (672, 448, 384, 2)]  # width, height, tokens, rounds
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+async def test_two_processes(transport: str, tmp_path: Path) -> None:
+    module, options = TRANSPORTS[transport]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"the {transport} transport needs {module!r}, not installed")
+    from tiny_vit import build_model, checksum, encode, test_pattern
+
+    with server_processes() as procs:
+        # The encoder reads the transport from the example config file ...
+        encoder = ServerProcess("encoder", ["encoder_server.py", "--config", f"examples/config.{transport}.toml",
+                                            "--port", "0"], clean_env(), tmp_path)
+        procs.append(encoder)
+        encoder_url = await encoder.wait_ready()
+        control = encoder.line(r"control address (tcp://\S+)")
+        # ... the language server from the environment, with a 128-token first reservation so
+        # that the largest image (384 tokens) needs a resume round.
+        env = clean_env(AIOEMBED_TRANSPORT=transport, AIOEMBED_TRANSPORT_OPTIONS=options,
+                        AIOEMBED_DEFAULT_TOKENS="128", AIOEMBED_POOL_TOKENS="4096")
+        language = ServerProcess("language", ["language_server.py", "--port", "0", "--encoder-url", encoder_url],
+                                 env, tmp_path)
+        procs.append(language)
+        # Meanwhile, a language server left on loopback (no config) cannot use this encoder: it
+        # must say so and exit 1, not hang or print a traceback (checked once, to save time).
+        wrong = None
+        if transport == "mooncake":
+            wrong = ServerProcess("wrong", ["language_server.py", "--port", "0", "--control-address", control],
+                                  clean_env(), tmp_path)
+            procs.append(wrong)
+        language_url = await language.wait_ready()
+        assert f"receiving from {control}" in language.stdout
+
+        model = build_model()
+        async with httpx.AsyncClient(timeout=60) as client:
+            health = await client.get(f"{language_url}/healthz")
+            assert health.status_code == 200 and health.json()["transport"] == transport, health.text
+            health = await client.get(f"{encoder_url}/healthz")
+            assert health.status_code == 200 and health.json()["peers"] == 1, health.text
+
+            async def generate(image: Any) -> dict[str, Any]:
+                resp = await client.post(f"{language_url}/generate", json={"image": image.to_json()})
+                assert resp.status_code == 200, resp.text
+                body: dict[str, Any] = resp.json()
+                return body
+
+            for i, (w, h, tokens, rounds) in enumerate(SIZES):
+                image = test_pattern(w, h, seed=i)
+                body = await generate(image)
+                assert (body["tokens"], body["rounds"]) == (tokens, rounds), body
+                assert body["metadata"]["image_size"] == [w, h]
+                assert body["image_pad_tokens"] == tokens
+                assert body["sha256"] == checksum(encode(model, image))  # bit for bit, across processes
+
+            image = test_pattern(224, 224, seed=1)
+            results: list[dict[str, Any]] = []
+
+            async def one() -> None:
+                results.append(await generate(image))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(one)
+            assert len({r["sha256"] for r in results}) == 1 and len({r["room"] for r in results}) == 3
+
+            stats = (await client.get(f"{encoder_url}/healthz")).json()
+            assert (stats["sent"], stats["failed"], stats["rooms_in_flight"]) == (6, 0, 0)
+            pool = (await client.get(f"{language_url}/healthz")).json()["pool_blocks"]
+            assert pool["free"] == pool["total"]
+
+            if wrong is not None:
+                with anyio.fail_after(30):
+                    while wrong.process.poll() is None:
+                        await anyio.sleep(0.05)
+                assert wrong.process.returncode == 1, wrong.stderr
+                assert "language_server: error:" in wrong.stderr and "Traceback" not in wrong.stderr
+                assert f"transport 'loopback' != sender's '{transport}'" in wrong.stderr
+
+            # Stop both while a request is in flight: each side drains before it closes, so the
+            # request is answered in full, then both exit 0 without a traceback.
+            big = test_pattern(1344, 896, seed=9)
+            late: list[dict[str, Any]] = []
+
+            async def in_flight() -> None:
+                late.append(await generate(big))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(in_flight)
+                with anyio.fail_after(20):
+                    # once the encoder has accepted the room (before that, it would refuse it: 503)
+                    while not late and (await client.get(f"{encoder_url}/healthz")).json()["rooms_in_flight"] == 0:
+                        await anyio.sleep(0.01)
+                language.process.send_signal(signal.SIGTERM)
+                encoder.process.send_signal(signal.SIGINT)
+            assert late[0]["tokens"] == big.num_tokens == 1536 and late[0]["rounds"] == 2
+
+        for proc in (language, encoder):
+            assert_clean_exit(proc, await proc.wait_exit())
