@@ -7,6 +7,13 @@ same source bytes, and reports the median and spread of each and the ratio aioem
 Workloads: ``sizes``, ``concurrency``, ``resume``, ``trace`` (the seeded mixed multimodal trace
 of :func:`aioembed.bench.workloads.generate_trace`), ``idle`` and ``memory``.
 
+Process model (``--process-model``, default ``auto``): for a transport that crosses processes
+(``capabilities.cross_process``, every plugin transport) the sender runs in the benchmark
+process and the receiver in a child process (:mod:`aioembed.bench.peer`, JSON lines on its
+stdin/stdout), as deployed; loopback runs both in one process. ``idle`` and ``memory`` keep
+both sides in one process in every model. A plugin's raw baseline should likewise put its
+destination in a peer process of its own (``cross_process = True``).
+
 Raw baselines of plugin transports
 ----------------------------------
 A transport plugin adds its raw baseline with an entry point in the group

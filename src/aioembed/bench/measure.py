@@ -522,8 +522,9 @@ class Measurer:
         opts = self.opts
         n = opts.resume_tokens
         default = _round_up(max(128, n // 2), 128)
+        # No resume reserve: the pool is exactly the request, so the expected_tokens run fits in one round.
         cfg = opts.base_config.replace(block_size=128, default_tokens=default, pool_tokens=_round_up(n, 128),
-                                       max_round_tokens=None)
+                                       max_round_tokens=None, resume_reserve_tokens=0)
         src = make_source(self.layout, n, seed=opts.seed)
         nbytes = n * self.layout.bytes_per_token
         self.tick(f"resume: {n} tokens")
