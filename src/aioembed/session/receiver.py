@@ -8,6 +8,7 @@ its ABORT_ACK, or once the sender is declared dead.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -527,9 +528,21 @@ class EmbeddingReceiver:
                 await anyio.to_thread.run_sync(torch.cuda.synchronize, self.pool.device,
                                                limiter=self._copy_limiter)
         else:
-            await anyio.to_thread.run_sync(
-                lambda: self.pool.copy_out(blocks, count, out, out_start=start), limiter=self._copy_limiter
-            )
+            # Split by whole blocks across the copy threads: a large copy-out into fresh memory is
+            # dominated by page faults and memory bandwidth, which several cores share out.
+            bs = self.pool.block_size
+            parts = max(1, min(self.config.copy_threads, nbytes // _COPY_INLINE_BYTES))
+            per = -(-len(blocks) // parts)
+
+            def part(b0: int) -> None:
+                n = min(count - b0 * bs, per * bs)
+                self.pool.copy_out(blocks[b0:b0 + per], n, out, out_start=start + b0 * bs)
+
+            async with anyio.create_task_group() as tg:
+                for b0 in range(0, len(blocks), per):
+                    if count - b0 * bs > 0:
+                        tg.start_soon(functools.partial(anyio.to_thread.run_sync, part, b0,
+                                                        limiter=self._copy_limiter))
 
     async def _open(self, r: _Room, phases: dict[str, float]) -> None:
         """Handshake (if needed), first reservation, INIT."""

@@ -8,6 +8,7 @@ memory on both sides, and a closed peer fails writes. CPU memory only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import uuid
 import weakref
@@ -166,8 +167,26 @@ class LoopbackLink(Link):
         if total <= self._local._inline_bytes:
             _copy_all(ops)
             await anyio.lowlevel.checkpoint()
-        else:
-            await anyio.to_thread.run_sync(_copy_all, list(ops), limiter=self._local._limiter)
+            return
+        # Large writes are cut into pieces copied by several threads (bandwidth shared across cores).
+        piece = max(self._local._inline_bytes, 4 << 20)
+        chunks: list[list[WriteOp]] = [[]]
+        size = 0
+        for op in ops:
+            for off in range(0, op.length, piece):
+                n = min(piece, op.length - off)
+                if size >= piece:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(WriteOp(op.src + off, op.dst + off, n))
+                size += n
+        if len(chunks) == 1:
+            await anyio.to_thread.run_sync(_copy_all, chunks[0], limiter=self._local._limiter)
+            return
+        async with anyio.create_task_group() as tg:
+            for chunk in chunks:
+                tg.start_soon(functools.partial(anyio.to_thread.run_sync, _copy_all, chunk,
+                                                limiter=self._local._limiter))
 
     async def aclose(self) -> None:
         self._closed = True
