@@ -115,6 +115,6 @@ async def test_two_processes_four_ranks_fifty_rooms() -> None:
                 assert done["pool_free"], done
         assert all(ev["ok"] for ev in sent), [ev for ev in sent if not ev["ok"]][:3]
         for rank, evs in results.items():
-            bad = [ev for ev in evs if not ev["ok"] or ev["rounds"] != ROUNDS or ev["tokens"] != TOKENS]
+            bad = [ev for ev in evs if not ev["ok"] or ev["rounds"] < ROUNDS or ev["tokens"] != TOKENS]
             assert not bad, (rank, bad[:3])
             assert sorted(ev["room"] for ev in evs) == list(range(50))

@@ -89,5 +89,7 @@ async def test_concurrent_rooms_and_ranks_in_one_process() -> None:
                     tg.start_soon(recv, rank, room)
         assert len(got) == 40
         for (_rank, room), res in got.items():
-            assert res.rounds == (1 if sizes[room] <= 1024 else 2)  # the rest fits one round
+            # the rest fits one round when the pool has room; with rooms sharing the pool a resume
+            # round shrinks to what is free, so it may take more
+            assert res.rounds == 1 if sizes[room] <= 1024 else res.rounds >= 2
             assert_same(res.tensors, make_request(sizes[room], room))
