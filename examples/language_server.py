@@ -38,9 +38,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from aioembed import AioembedError, EmbeddingReceiver, Received, ReceiveHandle, TransferError, TransferTimeout
+from aioembed.samples import checksum
 
 from app_common import StopSignal, describe, load_config, run_main, serving
-from tiny_vit import IMAGE_PAD_ID, LAYOUT, Image, checksum, summarize_embeddings
+from tiny_vit import IMAGE_PAD_ID, LAYOUT, Image, summarize_embeddings
 
 log = logging.getLogger("language_server")
 

@@ -14,7 +14,6 @@ patches into one token with an MLP that projects to the LM's hidden size.
 from __future__ import annotations
 
 import base64
-import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -187,15 +186,6 @@ def encode(model: TinyViT, image: Image) -> dict[str, torch.Tensor]:
         "token_ids": torch.full((n,), IMAGE_PAD_ID, dtype=torch.int32),
         "mrope_positions": positions.to(torch.int64).contiguous(),
     }
-
-
-def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over every field's raw bytes, fields in name order: equal hashes, equal rows."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def summarize_embeddings(emb: torch.Tensor) -> dict[str, Any]:

@@ -19,9 +19,9 @@ __all__ = ["main"]
 async def _demo(args: argparse.Namespace) -> int:
     import torch
 
+    from aioembed.samples import checksum, deterministic_request, standard_layout
     from aioembed.session.receiver import EmbeddingReceiver
     from aioembed.session.sender import EmbeddingSender
-    from aioembed.testing.processes import checksum, deterministic_request, standard_layout
 
     config = TransferConfig.from_toml(args.config) if args.config else TransferConfig.from_env()
     layout = standard_layout(args.hidden)

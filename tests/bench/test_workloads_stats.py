@@ -14,12 +14,12 @@ from aioembed.bench.workloads import (
     REQUEST_MIXES,
     TRACE_KINDS,
     VIDEO_TOKENS,
-    bench_layout,
     concurrency_sizes,
     generate_trace,
     make_source,
     trace_summary,
 )
+from aioembed.samples import standard_layout
 
 # -- trace generator ------------------------------------------------------------------
 
@@ -87,14 +87,14 @@ def test_concurrency_sizes_seeded_and_bounded() -> None:
 
 
 def test_make_source_matches_layout() -> None:
-    layout = bench_layout(64)
+    layout = standard_layout(64)
     src = make_source(layout, 1000, seed=1)
     assert layout.validate(src) == 1000
     assert all(t.is_contiguous() for t in src.values())
     again = make_source(layout, 1000, seed=1)
     assert all(bool((src[n].view(-1).view(__import__("torch").uint8)
                      == again[n].view(-1).view(__import__("torch").uint8)).all()) for n in src)
-    assert bench_layout().bytes_per_token == 3584 * 2 + 4 + 3 * 8
+    assert standard_layout().bytes_per_token == 3584 * 2 + 4 + 3 * 8
 
 
 # -- statistics -----------------------------------------------------------------------

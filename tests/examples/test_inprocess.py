@@ -26,8 +26,10 @@ async def _generate(client: httpx.AsyncClient, url: str, image: Any) -> dict[str
 
 
 async def test_inprocess_servers_deliver_the_encoders_rows() -> None:
+    from aioembed.samples import checksum
+
     from disaggregated_inprocess import running_inprocess
-    from tiny_vit import HIDDEN, MODEL_NAME, build_model, checksum, encode, test_pattern
+    from tiny_vit import HIDDEN, MODEL_NAME, build_model, encode, test_pattern
 
     config = TransferConfig(default_tokens=128, pool_tokens=4096)
     model = build_model()

@@ -28,7 +28,9 @@ async def test_two_processes(transport: str, tmp_path: Path) -> None:
     module, options = TRANSPORTS[transport]
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"the {transport} transport needs {module!r}, not installed")
-    from tiny_vit import build_model, checksum, encode, test_pattern
+    from aioembed.samples import checksum
+
+    from tiny_vit import build_model, encode, test_pattern
 
     with server_processes() as procs:
         # The encoder reads the transport from the example config file ...

@@ -26,10 +26,10 @@ from aioembed.bench.workloads import (
     QUICK_CONCURRENCY,
     QUICK_SIZES,
     REQUEST_MIXES,
-    bench_layout,
 )
 from aioembed.config import TransferConfig
 from aioembed.errors import ConfigError
+from aioembed.samples import standard_layout
 
 __all__ = ["SCHEMA", "add_arguments", "run"]
 
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         "where the raw baseline moves it once",
     ]
     if factory is not None:
-        b = factory(bench_layout(opts.hidden), opts.base_config)
+        b = factory(standard_layout(opts.hidden), opts.base_config)
         baseline_info: dict[str, Any] = {
             "available": True, "entry_point_group": ENTRY_POINT_GROUP, "description": b.description,
             "methods": list(b.methods), "cross_process": b.cross_process,

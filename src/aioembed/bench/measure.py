@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -43,7 +44,6 @@ from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
     REQUEST_MIXES,
     TRACE_KINDS,
-    bench_layout,
     concurrency_sizes,
     generate_trace,
     make_source,
@@ -52,6 +52,7 @@ from aioembed.bench.workloads import (
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
 from aioembed.protocol.room import TransferStatus
+from aioembed.samples import standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 
@@ -208,16 +209,16 @@ def summarize_point(
     return rec
 
 
-class _Pair:
+class _Pair(ABC):
     """Sender and receiver of one workload: runs one transfer and times it."""
 
+    @abstractmethod
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
         """One copying transfer (``receive()``); returns (seconds, rounds)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
         """One zero-copy transfer (``receive_leased()``), timed until the lease is in hand."""
-        raise NotImplementedError
 
 
 class _LocalPair(_Pair):
@@ -367,7 +368,7 @@ class Measurer:
     def __init__(self, opts: BenchOptions, baseline_factory: Callable[[Layout, TransferConfig], RawBaseline] | None,
                  tick: Tick) -> None:
         self.opts = opts
-        self.layout = bench_layout(opts.hidden)
+        self.layout = standard_layout(opts.hidden)
         self.baseline_factory = baseline_factory
         self.tick = tick
         self.zero_copy = has_zero_copy()

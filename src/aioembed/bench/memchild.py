@@ -20,8 +20,9 @@ from typing import Any
 
 import anyio
 
-from aioembed.bench.workloads import bench_layout, make_source
+from aioembed.bench.workloads import make_source
 from aioembed.config import TransferConfig
+from aioembed.samples import standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 
@@ -69,7 +70,7 @@ async def _maybe_await(value: Any) -> Any:
 async def _run(spec: dict[str, Any]) -> dict[str, Any]:
     tokens = int(spec["tokens"])
     mode = str(spec.get("mode", "copy"))
-    layout = bench_layout(int(spec.get("hidden", 3584)))
+    layout = standard_layout(int(spec.get("hidden", 3584)))
     pool_tokens = max(65536, -(-tokens // 128) * 128)
     cfg = TransferConfig(transport=str(spec.get("transport", "loopback")),
                          transport_options=spec.get("transport_options") or {},

@@ -27,8 +27,8 @@ import sys
 import time
 from typing import Any
 
-from aioembed.bench.workloads import bench_layout
 from aioembed.config import TransferConfig
+from aioembed.samples import standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 
 __all__ = ["main"]
@@ -60,7 +60,7 @@ async def _one(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
 
 
 async def _run(spec: dict[str, Any]) -> None:
-    layout = bench_layout(int(spec["hidden"]))
+    layout = standard_layout(int(spec["hidden"]))
     config = TransferConfig.from_mapping(spec["config"], source="bench peer spec")
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from aioembed.layout import Field, Layout
+from aioembed.layout import Layout
 
 __all__ = [
     "FULL_CONCURRENCY",
@@ -42,7 +42,6 @@ __all__ = [
     "TRACE_KINDS",
     "VIDEO_TOKENS",
     "TraceRequest",
-    "bench_layout",
     "concurrency_sizes",
     "generate_trace",
     "make_source",
@@ -62,15 +61,6 @@ TRACE_KINDS: tuple[tuple[str, float], ...] = (("text", 0.35), ("image", 0.40), (
 IMAGE_TOKENS = (256, 2700)
 MULTI_IMAGE_COUNT = (2, 6)
 VIDEO_TOKENS = (10_000, 50_000)
-
-
-def bench_layout(hidden: int = 3584) -> Layout:
-    """The benchmarked row: ``hidden`` bf16 values, an int32 token id, a 3 x int64 mrope position."""
-    return Layout(
-        embeddings=Field((hidden,), torch.bfloat16),
-        token_ids=Field((), torch.int32),
-        mrope_positions=Field((3,), torch.int64),
-    )
 
 
 def make_source(layout: Layout, num_tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:

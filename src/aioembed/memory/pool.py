@@ -48,10 +48,7 @@ class BlockPool:
 
     def regions(self) -> list[MemoryRegion]:
         """One memory region per field, in layout order, for transport registration."""
-        dev = "cpu" if self.device.type == "cpu" else f"cuda:{self.device.index or 0}"
-        return [
-            MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), dev) for t in self.tensors.values()
-        ]
+        return [MemoryRegion.of_tensor(t) for t in self.tensors.values()]
 
     def runs(self, blocks: Sequence[int], num_tokens: int, *, start: int = 0) -> list[RowRun]:
         """Row runs of tokens ``[start, start + num_tokens)`` of ``blocks``; ``src_row`` is the
@@ -101,7 +98,7 @@ class BlockPool:
             if o.dtype != t.dtype or tuple(o.shape[1:]) != tuple(t.shape[1:]):
                 raise LayoutError(f"field {name!r}: output is {o.dtype} {tuple(o.shape)}, the pool holds "
                                   f"{t.dtype} rows of shape {tuple(t.shape[1:])}")
-            if o.device.type == "cpu" and t.device.type == "cpu" and o.is_contiguous() and o.dtype == t.dtype:
+            if o.device.type == "cpu" and t.device.type == "cpu" and o.is_contiguous():
                 # One memmove per run: on few cores it beats torch's threaded copy_ (no pool hop).
                 row = self.layout[name].row_bytes
                 obase = o.data_ptr() + out_start * row

@@ -403,14 +403,15 @@ class EmbeddingReceiver:
         self._reconnect.set()
 
     async def _connection_loop(self) -> None:
-        cfg = self.config
+        cfg, transport = self.config, self._transport
+        assert transport is not None
         while True:
             self._reconnect = anyio.Event()
             # Handshake: HELLO until WELCOME or REJECT (the sender may not be up yet).
             self.peer_id = uuid.uuid4().hex  # a new session id tells the sender to drop the old one
             hello = Hello(
                 peer_id=self.peer_id, fingerprint=self.layout.fingerprint, transport=cfg.transport,
-                descriptor=self._transport_descriptor(), block_size=cfg.block_size,
+                descriptor=transport.descriptor(), block_size=cfg.block_size,
                 num_blocks=cfg.pool_blocks, rank=self.rank, world=self.world,
                 regions=tuple((reg.address, reg.length) for reg in self.pool.regions()),
             )
@@ -446,10 +447,6 @@ class EmbeddingReceiver:
                 last_tick = now
                 if now - self._last_heard > limit:
                     self._sender_lost(f"sender {self.connect_to} silent for more than {limit:.1f} s")
-
-    def _transport_descriptor(self) -> bytes:
-        assert self._transport is not None
-        return self._transport.descriptor()
 
     # -- one room ------------------------------------------------------------------------
 
@@ -717,12 +714,12 @@ class EmbeddingReceiver:
                     h._finish(error=error, status=status)
                     log.info("receiver[%d]: room=%r: %s: %s", self.rank, room, status.name, error)
 
-    def _orphan(self, r: _Room, why: str) -> None:
+    def _orphan(self, r: _Room, why: str, *, fenced: bool = False, level: int = logging.WARNING) -> None:
         """Keep the room's blocks fenced until the sender is gone: a write may still land in them."""
         if r.blocks:
-            log.warning("receiver[%d]: room=%r: %d blocks stay fenced until the sender is gone (%s)",
-                        self.rank, r.handle.room, len(r.blocks), why)
-            if any(self.allocator._state[b] == 1 for b in r.blocks):
+            log.log(level, "receiver[%d]: room=%r: %d blocks stay fenced until the sender is gone (%s)",
+                    self.rank, r.handle.room, len(r.blocks), why)
+            if not fenced:
                 self.allocator.fence(r.blocks)
             self._orphans[r.handle.room] = r.blocks
             r.blocks = []
@@ -751,7 +748,7 @@ class EmbeddingReceiver:
                 except (anyio.EndOfStream, anyio.ClosedResourceError):
                     break
                 if isinstance(event, Status) and event.fence:
-                    self._orphan(r, "the sender's failed write may still land")
+                    self._orphan(r, "the sender's failed write may still land", fenced=True)
                     return
                 if isinstance(event, (AbortAck, _PeerGone, Abort)) or (
                     isinstance(event, Status) and event.state in ("SUCCESS", "FAILED", "ABORTED")
@@ -762,10 +759,7 @@ class EmbeddingReceiver:
                     return
         # No acknowledgement: the sender may still write. Keep the blocks fenced until it answers
         # late or is declared dead; never hand them to another room before that.
-        log.error("receiver[%d]: room=%r: no ABORT_ACK from sender within %s s; %d blocks stay fenced",
-                  self.rank, room, self.config.round_timeout, len(r.blocks))
-        self._orphans[room] = r.blocks
-        r.blocks = []
+        self._orphan(r, f"no ABORT_ACK within {wait} s", fenced=True, level=logging.ERROR)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -773,13 +767,4 @@ class EmbeddingReceiver:
     def rooms_in_flight(self) -> int:
         """Rooms started and not yet ended."""
         return len(self._rooms)
-
-    def debug_state(self) -> Mapping[str, Any]:
-        """Counters for tests and metrics."""
-        return {
-            "rooms": len(self._rooms),
-            "orphaned_rooms": len(self._orphans),
-            "allocator": self.allocator.stats,
-            "connected": self.connected,
-        }
 

@@ -257,7 +257,7 @@ class EmbeddingSender:
         r.created = now
         r.sources = sources
         r.metadata = meta
-        regions = [self._region(t) for t in sources]
+        regions = [MemoryRegion.of_tensor(t) for t in sources]
         assert self._transport is not None
         t_start = time.perf_counter()
         error: BaseException | None = None
@@ -287,7 +287,7 @@ class EmbeddingSender:
                 side="sender", outcome="success" if ok else outcome_of(error or TransferFailed("failed")),
                 nbytes=num_tokens * self.layout.bytes_per_token * len(r.machine.ranks), rounds=rounds,
                 seconds=time.perf_counter() - t_start)
-            if r.machine.state is not TransferStatus.SUCCESS:
+            if not ok:
                 # A rank that asks later learns at once that this room is over.
                 self._remember_ended(room, "sender", r.machine.error or "send() did not complete")
             r.active = False
@@ -295,19 +295,16 @@ class EmbeddingSender:
             if self._active_sends == 0:
                 self._idle.set()
             r.sources = []
-            if self._rooms.get(room) is r:
-                del self._rooms[room]
-            for p in r.rank_peer.values():
-                p.rooms.discard(room)
+            self._drop_room(r)
 
     async def _release_later(self, regions: list[MemoryRegion], sources: list[torch.Tensor], delay: float) -> None:
+        """Unregister ``regions`` after ``delay``; holding ``sources`` keeps their memory alive until then."""
         try:
             await anyio.sleep(delay)
         finally:
             with anyio.CancelScope(shield=True):
                 if self._transport is not None:
                     await self._transport.unregister(regions)
-            del sources
 
     def abort(self, room: RoomId, reason: str = "aborted by the sender") -> None:
         """End ``room`` without sending it (e.g. the encoder failed on the request).
@@ -327,15 +324,15 @@ class EmbeddingSender:
                 r.poke()  # the driver tells the ranks once its writes are over
                 return
             self._notify_end(r)
-            del self._rooms[room]
-            for p in r.rank_peer.values():
-                p.rooms.discard(room)
+            self._drop_room(r)
         self._remember_ended(room, "sender", reason)
 
-    @staticmethod
-    def _region(t: torch.Tensor) -> MemoryRegion:
-        dev = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"
-        return MemoryRegion(t.data_ptr(), max(1, t.numel() * t.element_size()), dev)
+    def _drop_room(self, r: _OutRoom) -> None:
+        """Forget ``r``: out of the room table and out of every peer's room set."""
+        if self._rooms.get(r.room) is r:
+            del self._rooms[r.room]
+        for p in r.rank_peer.values():
+            p.rooms.discard(r.room)
 
     # -- driving one room ----------------------------------------------------------------
 
@@ -435,16 +432,14 @@ class EmbeddingSender:
             if rank in r.finished or not peer.alive:
                 continue
             r.finished.add(rank)
-            if rank in r.poisoned:  # no ABORT_ACK: we cannot promise that nothing lands any more
-                self._send_to(peer, Status(room=r.room, state="FAILED", total_tokens=m.total or 0, sent_tokens=0,
-                                           round=0, error=(m.error or "write failed")[:4000], fence=True))
-            elif rank in r.abort_from:
+            poisoned = rank in r.poisoned  # then no ABORT_ACK: we cannot promise nothing lands any more
+            if rank in r.abort_from and not poisoned:
                 self._send_to(peer, AbortAck(room=r.room))
             elif m.state is not TransferStatus.SUCCESS:
-                self._send_to(peer, Status(
-                    room=r.room, state="ABORTED" if m.state is TransferStatus.ABORTED else "FAILED",
-                    total_tokens=m.total or 0, sent_tokens=0, round=0, error=(m.error or "failed")[:4000],
-                ))
+                aborted = m.state is TransferStatus.ABORTED and not poisoned
+                self._send_to(peer, Status(room=r.room, state="ABORTED" if aborted else "FAILED",
+                                           total_tokens=m.total or 0, sent_tokens=0, round=0,
+                                           error=(m.error or "failed")[:4000], fence=poisoned))
 
     # -- control messages ----------------------------------------------------------------
 
@@ -597,9 +592,7 @@ class EmbeddingSender:
             r.poke()  # the driver acknowledges once this room's writes are over
         else:
             self._notify_end(r)  # nothing was written: acknowledge at once
-            del self._rooms[msg.room]
-            for p in r.rank_peer.values():
-                p.rooms.discard(msg.room)
+            self._drop_room(r)
             self._remember_ended(msg.room, "receiver", msg.reason)
 
     def _on_reject(self, peer: _Peer, msg: Reject) -> None:
@@ -653,7 +646,7 @@ class EmbeddingSender:
             r.poke()
             if not r.active:
                 self._notify_end(r)
-                del self._rooms[room]
+                self._drop_room(r)
         peer.rooms.clear()
         if self._tg is not None:
             self._tg.start_soon(peer.link.aclose)

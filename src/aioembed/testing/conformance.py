@@ -32,10 +32,8 @@ __all__ = ["TransportConformance", "region_of"]
 
 
 def region_of(t: torch.Tensor) -> MemoryRegion:
-    """The memory region covering a contiguous tensor."""
-    assert t.is_contiguous()
-    device = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"
-    return MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), device)
+    """The memory region covering a contiguous tensor (``MemoryRegion.of_tensor``)."""
+    return MemoryRegion.of_tensor(t)
 
 
 def _random_bytes(n: int, seed: int) -> torch.Tensor:

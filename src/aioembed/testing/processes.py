@@ -16,13 +16,11 @@ Run as ``python -m aioembed.testing.processes send|receive --spec JSON``; from a
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import zlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +31,7 @@ import torch
 
 from aioembed.config import TransferConfig
 from aioembed.errors import AioembedError
-from aioembed.layout import Field, Layout
+from aioembed.samples import checksum, deterministic_request, standard_layout
 
 __all__ = [
     "ProcessSide",
@@ -44,35 +42,6 @@ __all__ = [
     "spawn",
     "standard_layout",
 ]
-
-
-def standard_layout(hidden: int = 256) -> Layout:
-    """An embedding of ``hidden`` bf16 values, a token id and a 3-D mrope position per token."""
-    return Layout(
-        embeddings=Field((hidden,), torch.bfloat16),
-        token_ids=Field((), torch.int32),
-        mrope_positions=Field((3,), torch.int64),
-    )
-
-
-def deterministic_request(layout: Layout, num_tokens: int, room: int | str) -> dict[str, torch.Tensor]:
-    """Rows derived from ``room`` alone: the same in every process."""
-    seed = zlib.crc32(repr(room).encode()) ^ num_tokens
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, f in layout.items():
-        raw = torch.randint(0, 256, (num_tokens * f.row_bytes,), dtype=torch.uint8, generator=g)
-        out[name] = raw.view(f.dtype).reshape(num_tokens, *f.shape)
-    return out
-
-
-def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over every field's bytes, in key order."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 @dataclass

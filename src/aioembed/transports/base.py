@@ -24,9 +24,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from aioembed.errors import TransportError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Link",
@@ -54,6 +57,14 @@ class MemoryRegion:
     def end(self) -> int:
         """One past the last byte."""
         return self.address + self.length
+
+    @classmethod
+    def of_tensor(cls, t: torch.Tensor) -> MemoryRegion:
+        """The region of a contiguous tensor's storage (``cpu`` or ``cuda:N``)."""
+        if not t.is_contiguous():
+            raise TransportError(f"only a contiguous tensor is one memory region, got strides {t.stride()}")
+        device = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or 0}"
+        return cls(t.data_ptr(), t.numel() * t.element_size(), device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,13 +172,6 @@ class RegionSet:
                 f"{what} [{address:#x}, +{length}) is outside every registered region "
                 f"({len(self._starts)} registered spans)"
             )
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        """The merged (start, end) spans now covered."""
-        if self._dirty:
-            self._rebuild()
-        return list(zip(self._starts, self._ends, strict=True))
 
 
 class Link(ABC):

@@ -168,25 +168,23 @@ class LoopbackLink(Link):
             _copy_all(ops)
             await anyio.lowlevel.checkpoint()
             return
-        # Large writes are cut into pieces copied by several threads (bandwidth shared across cores).
-        piece = max(self._local._inline_bytes, 4 << 20)
-        chunks: list[list[WriteOp]] = [[]]
-        size = 0
+        # Large writes go to the worker threads in about equal parts (bandwidth shared across cores).
+        limiter = self._local._limiter
+        parts = max(1, min(int(limiter.total_tokens), total // (4 << 20)))
+        share = -(-total // parts)
+        chunks: list[list[WriteOp]] = [[] for _ in range(parts)]
+        done = 0
         for op in ops:
-            for off in range(0, op.length, piece):
-                n = min(piece, op.length - off)
-                if size >= piece:
-                    chunks.append([])
-                    size = 0
-                chunks[-1].append(WriteOp(op.src + off, op.dst + off, n))
-                size += n
-        if len(chunks) == 1:
-            await anyio.to_thread.run_sync(_copy_all, chunks[0], limiter=self._local._limiter)
-            return
+            off = 0
+            while off < op.length:
+                i = done // share
+                n = min(op.length - off, (i + 1) * share - done)
+                chunks[i].append(WriteOp(op.src + off, op.dst + off, n))
+                off += n
+                done += n
         async with anyio.create_task_group() as tg:
             for chunk in chunks:
-                tg.start_soon(functools.partial(anyio.to_thread.run_sync, _copy_all, chunk,
-                                                limiter=self._local._limiter))
+                tg.start_soon(functools.partial(anyio.to_thread.run_sync, _copy_all, chunk, limiter=limiter))
 
     async def aclose(self) -> None:
         self._closed = True
