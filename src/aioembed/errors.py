@@ -71,7 +71,16 @@ class ProtocolError(AioembedError):
 
 
 class TransportError(AioembedError):
-    """A transport failed to register memory, connect, or write."""
+    """A transport failed to register memory, connect, or write.
+
+    ``may_land`` says whether a failed write may still reach its destination later: ``True``
+    (unknown failure: fence), ``False`` (it never will), ``None`` (as the transport's
+    ``cancel_safe_writes`` capability says).
+    """
+
+    def __init__(self, message: str, *, may_land: bool | None = None) -> None:
+        super().__init__(message)
+        self.may_land = may_land
 
 
 class TransferError(AioembedError):

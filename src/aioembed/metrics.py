@@ -29,6 +29,15 @@ class TransferObserver:
         """One round of one room ended: on the receiver from INIT/RESUME to STATUS, on the sender
         the write of the round."""
 
+    def blocks_fenced(self, *, reason: str, blocks: int, sender: str) -> None:
+        """A receiver fenced ``blocks`` because a write of ``sender`` may still reach them;
+        ``reason``: ``abort_unacked``, ``write_failed``, ``peer_silent``, ``session_dropped``,
+        ``writer_gone``."""
+
+    def fence_released(self, *, proof: str, blocks: int, sender: str) -> None:
+        """Fenced blocks went back to the pool; ``proof`` says why that is safe (``status``,
+        ``abort_ack``, ``fence_release``, ``drained``, ``revoked``, ``writer_gone``, ...)."""
+
 
 def outcome_of(error: BaseException | None) -> str:
     """The ``outcome`` label for a room that ended with ``error`` (``None``: success)."""
@@ -82,6 +91,10 @@ class PrometheusMetrics(TransferObserver):
                                 registry=reg)
         self.peers = prom.Gauge("peers_alive", "Receivers connected to a sender", namespace=namespace,
                                 registry=reg)
+        self.fences = prom.Counter("blocks_fenced", "Blocks fenced because a write may still reach them",
+                                   ["reason", "sender"], namespace=namespace, registry=reg)
+        self.fence_releases = prom.Counter("blocks_unfenced", "Fenced blocks released, by the proof that made it safe",
+                                           ["proof", "sender"], namespace=namespace, registry=reg)
 
     def room_finished(self, *, side: str, outcome: str, nbytes: int, rounds: int, seconds: float) -> None:
         self.transfers.labels(side=side, outcome=outcome).inc()
@@ -92,6 +105,12 @@ class PrometheusMetrics(TransferObserver):
 
     def round_finished(self, *, side: str, seconds: float) -> None:
         self.round_seconds.labels(side=side).observe(seconds)
+
+    def blocks_fenced(self, *, reason: str, blocks: int, sender: str) -> None:
+        self.fences.labels(reason=reason, sender=sender).inc(blocks)
+
+    def fence_released(self, *, proof: str, blocks: int, sender: str) -> None:
+        self.fence_releases.labels(proof=proof, sender=sender).inc(blocks)
 
     def watch_receiver(self, receiver: EmbeddingReceiver) -> None:
         """Live gauges read from ``receiver`` at scrape time."""

@@ -31,7 +31,7 @@ from aioembed.protocol.messages import (
 )
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-ALL_TYPES = (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, Ping, Pong)
+ALL_TYPES = (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, Ping, Pong, m.FenceRelease, m.Drained)
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ROUNDTRIP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -59,7 +59,8 @@ metadata = st.dictionaries(texts(max_size=12), metadata_values, max_size=6)
 
 hellos = st.builds(
     Hello,
-    peer_id=texts(max_size=64),
+    receiver_id=texts(max_size=64),
+    epoch=st.integers(1, INT64_MAX),
     fingerprint=texts(max_size=128),
     transport=texts(max_size=64),
     descriptor=st.binary(max_size=200),
@@ -72,8 +73,9 @@ hellos = st.builds(
     ).map(tuple),
 )
 welcomes = st.builds(
-    Welcome, peer_id=texts(max_size=64),
+    Welcome, sender_id=texts(max_size=64), epoch=st.integers(1, INT64_MAX),
     heartbeat_interval=st.floats(min_value=1e-6, max_value=86400.0, allow_nan=False),
+    writer_id=texts(max_size=256),
 )
 rejects = st.builds(Reject, reason=texts(max_size=300), room=st.none() | room_ids)
 inits = st.builds(Init, room=room_ids, blocks=block_lists, allocated_tokens=tokens,
@@ -81,16 +83,19 @@ inits = st.builds(Init, room=room_ids, blocks=block_lists, allocated_tokens=toke
 resumes = st.builds(Resume, room=room_ids, round=rounds, sent_tokens=tokens, blocks=block_lists,
                     allocated_tokens=tokens)
 statuses = st.builds(
-    Status, room=room_ids, state=st.sampled_from(m.STATES), total_tokens=tokens, sent_tokens=tokens,
+    Status, room=room_ids, state=st.sampled_from(list(m.TransferStatus)), total_tokens=tokens, sent_tokens=tokens,
     round=rounds, metadata=st.none() | metadata, error=st.none() | texts(max_size=300),
 )
 aborts = st.builds(Abort, room=room_ids, reason=texts(max_size=300))
 abort_acks = st.builds(AbortAck, room=room_ids)
 pings = st.builds(Ping, nonce=st.integers(0, INT64_MAX))
 pongs = st.builds(Pong, nonce=st.integers(0, INT64_MAX), peer_id=texts(max_size=64))
+fence_releases = st.builds(m.FenceRelease, room=room_ids)
+drains = st.builds(m.Drained, below_epoch=st.integers(1, INT64_MAX))
 STRATEGIES = {
     Hello: hellos, Welcome: welcomes, Reject: rejects, Init: inits, Resume: resumes, Status: statuses,
-    Abort: aborts, AbortAck: abort_acks, Ping: pings, Pong: pongs,
+    Abort: aborts, AbortAck: abort_acks, Ping: pings, Pong: pongs, m.FenceRelease: fence_releases,
+    m.Drained: drains,
 }
 messages = st.one_of(*STRATEGIES.values())
 
@@ -122,9 +127,9 @@ def expect_protocol_error(data: Any) -> ProtocolError:
 
 
 SAMPLES: list[Any] = [
-    Hello(peer_id="r0", fingerprint="v1-abc", transport="loopback", descriptor=b"\x00\x01", block_size=128,
+    Hello(receiver_id="r0", epoch=3, fingerprint="v1-abc", transport="loopback", descriptor=b"\x00\x01", block_size=128,
           num_blocks=64, rank=0, world=2, regions=((4096, 8192), (1 << 40, 1 << 20))),
-    Welcome(peer_id="s0", heartbeat_interval=1.5),
+    Welcome(sender_id="s0", epoch=3, heartbeat_interval=1.5, writer_id="w"),
     Reject(reason="bad layout", room=None),
     Reject(reason="bad block", room="req-1"),
     Init(room=7, blocks=(3, 1, 2), allocated_tokens=300, expected_ranks=2),
@@ -136,6 +141,8 @@ SAMPLES: list[Any] = [
     AbortAck(room=INT64_MIN),
     Ping(nonce=0),
     Pong(nonce=INT64_MAX, peer_id="p"),
+    m.FenceRelease(room="r"),
+    m.Drained(below_epoch=7),
 ]
 SAMPLE_IDS = [f"{type(s).__name__}-{i}" for i, s in enumerate(SAMPLES)]
 
@@ -214,16 +221,16 @@ def test_room_id_edges_round_trip() -> None:
         lambda: Status(room=1, state="SUCCESS", total_tokens=1, sent_tokens=1, round=0, metadata=[1]),
         lambda: Status(room=1, state="SUCCESS", total_tokens=1, sent_tokens=1, round=0, metadata={"i": 1 << 64}),
         lambda: Status(room=1, state="SUCCESS", total_tokens=1, sent_tokens=1, round=0, metadata={"x": object()}),
-        lambda: Welcome(peer_id="p", heartbeat_interval=0),
-        lambda: Welcome(peer_id="p", heartbeat_interval=float("nan")),
-        lambda: Welcome(peer_id="p", heartbeat_interval=float("inf")),
-        lambda: Hello(peer_id="p", fingerprint="f", transport="t", descriptor=b"", block_size=1, num_blocks=1,
+        lambda: Welcome(sender_id="p", epoch=1, heartbeat_interval=0),
+        lambda: Welcome(sender_id="p", epoch=1, heartbeat_interval=float("nan")),
+        lambda: Welcome(sender_id="p", epoch=1, heartbeat_interval=float("inf")),
+        lambda: Hello(receiver_id="p", epoch=1, fingerprint="f", transport="t", descriptor=b"", block_size=1, num_blocks=1,
                       rank=0, world=1, regions=()),
-        lambda: Hello(peer_id="p", fingerprint="f", transport="t", descriptor="str", block_size=1,
+        lambda: Hello(receiver_id="p", epoch=1, fingerprint="f", transport="t", descriptor="str", block_size=1,
                       num_blocks=1, rank=0, world=1, regions=((1, 1),)),
-        lambda: Hello(peer_id="p" * 65, fingerprint="f", transport="t", descriptor=b"", block_size=1,
+        lambda: Hello(receiver_id="p" * 65, epoch=1, fingerprint="f", transport="t", descriptor=b"", block_size=1,
                       num_blocks=1, rank=0, world=1, regions=((1, 1),)),
-        lambda: Hello(peer_id="p", fingerprint="f", transport="t", descriptor=b"x" * ((1 << 20) + 1),
+        lambda: Hello(receiver_id="p", epoch=1, fingerprint="f", transport="t", descriptor=b"x" * ((1 << 20) + 1),
                       block_size=1, num_blocks=1, rank=0, world=1, regions=((1, 1),)),
         lambda: Ping(nonce=-1),
         lambda: Pong(nonce=1, peer_id=None),
@@ -259,7 +266,7 @@ def test_random_bytes_only_protocol_error(data: bytes) -> None:
     "data",
     [b"", b"\xc1", b"\x80", b"\x90", b"\xa3abc", b"\x01", b"\xc0", b"\xc3", b"\xcb" + b"\x00" * 8,
      b"\x81\xa4type", b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",
-     pack({"type": "PING", "v": 1, "nonce": 1}) + b"\x00", b"\x91" * 5000 + b"\x00"],
+     pack({"type": "PING", "v": PROTOCOL_VERSION, "nonce": 1}) + b"\x00", b"\x91" * 5000 + b"\x00"],
 )
 def test_garbage_frames(data: bytes) -> None:
     expect_protocol_error(data)
@@ -374,14 +381,14 @@ def test_structural_mutations_only_protocol_error(msg: Any, data: st.DataObject)
 
 
 def _init_body(**changes: Any) -> dict[str, Any]:
-    body = {"type": "INIT", "v": 1, "room": "req-9", "blocks": [4, 2, 7], "allocated_tokens": 300,
+    body = {"type": "INIT", "v": PROTOCOL_VERSION, "room": "req-9", "blocks": [4, 2, 7], "allocated_tokens": 300,
             "expected_ranks": 1}
     body.update(changes)
     return body
 
 
 def _status_body(**changes: Any) -> dict[str, Any]:
-    body = {"type": "STATUS", "v": 1, "room": 42, "state": "SUCCESS", "total_tokens": 3, "sent_tokens": 3,
+    body = {"type": "STATUS", "v": PROTOCOL_VERSION, "room": 42, "state": "SUCCESS", "total_tokens": 3, "sent_tokens": 3,
             "round": 0, "metadata": {"k": 1}, "error": None}
     body.update(changes)
     return body
@@ -442,9 +449,9 @@ def test_deeply_nested_frame_is_protocol_error() -> None:
 def test_non_str_keys_refused() -> None:
     for body in (
         _status_body(metadata={1: "int key"}),
-        {"type": "PING", "v": 1, "nonce": 1, 5: 5},
-        {b"type": "PING", "v": 1, "nonce": 1},
-        {"type": "PING", "v": 1, "nonce": 1, b"x": 1},
+        {"type": "PING", "v": PROTOCOL_VERSION, "nonce": 1, 5: 5},
+        {b"type": "PING", "v": PROTOCOL_VERSION, "nonce": 1},
+        {"type": "PING", "v": PROTOCOL_VERSION, "nonce": 1, b"x": 1},
     ):
         data = msgpack.packb(body, use_bin_type=True, strict_types=False)
         expect_protocol_error(data)
@@ -456,7 +463,7 @@ def test_ext_types_refused() -> None:
         _status_body(metadata={"x": ext}),
         _init_body(room=ext),
         _init_body(blocks=[1, ext]),
-        {"type": ext, "v": 1},
+        {"type": ext, "v": PROTOCOL_VERSION},
         ext,
     ):
         expect_protocol_error(pack(body))
@@ -464,7 +471,7 @@ def test_ext_types_refused() -> None:
     ts = msgpack.Timestamp(1, 0)
     expect_protocol_error(pack(_status_body(metadata={"t": ts})))
     expect_protocol_error(pack(_init_body(room=ts)))
-    expect_protocol_error(pack({"type": "WELCOME", "v": 1, "peer_id": "p", "heartbeat_interval": ts}))
+    expect_protocol_error(pack({"type": "WELCOME", "v": PROTOCOL_VERSION, "sender_id": "p", "epoch": 1, "heartbeat_interval": ts}))
 
 
 @pytest.mark.parametrize("top", [[1, 2], 1, "PING", None, b"x", 1.5, True])
@@ -473,7 +480,7 @@ def test_top_level_not_a_map(top: Any) -> None:
     assert err.room is None
 
 
-@pytest.mark.parametrize("version", [0, 2, -1, 1 << 40, 99])
+@pytest.mark.parametrize("version", [0, 1, -1, 1 << 40, 99])
 def test_version_mismatch_sets_peer_version(version: int) -> None:
     body = _init_body(v=version)
     err = expect_protocol_error(pack(body))
@@ -505,7 +512,7 @@ def test_version_must_be_an_int(version: Any) -> None:
     "tag", ["ping", "HELLO ", "", "UNKNOWN", None, 1, b"PING", ["PING"]],
 )
 def test_wrong_type_tag(tag: Any) -> None:
-    err = expect_protocol_error(pack({"type": tag, "v": 1, "room": 5, "nonce": 1}))
+    err = expect_protocol_error(pack({"type": tag, "v": PROTOCOL_VERSION, "room": 5, "nonce": 1}))
     assert err.room == 5
 
 
@@ -517,7 +524,7 @@ def test_bad_room_no_room_on_error(room: Any) -> None:
 
 
 def test_reject_room_optional() -> None:
-    body = {"type": "REJECT", "v": 1, "reason": "no"}
+    body = {"type": "REJECT", "v": PROTOCOL_VERSION, "reason": "no"}
     assert decode(pack(body)) == Reject(reason="no", room=None)
     body["room"] = "r"
     assert decode(pack(body)) == Reject(reason="no", room="r")
@@ -531,8 +538,8 @@ def test_defaults_may_be_omitted_on_the_wire() -> None:
 
 
 def test_welcome_int_interval_accepted_as_float() -> None:
-    msg = decode(pack({"type": "WELCOME", "v": 1, "peer_id": "p", "heartbeat_interval": 2}))
-    assert msg == Welcome(peer_id="p", heartbeat_interval=2.0)
+    msg = decode(pack({"type": "WELCOME", "v": PROTOCOL_VERSION, "sender_id": "p", "epoch": 1, "heartbeat_interval": 2}))
+    assert msg == Welcome(sender_id="p", epoch=1, heartbeat_interval=2.0)
     assert isinstance(msg.heartbeat_interval, float)  # type: ignore[union-attr]
 
 

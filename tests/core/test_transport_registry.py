@@ -125,8 +125,8 @@ async def test_loopback_bad_options(anyio_backend: str, options: Mapping[str, An
 async def test_loopback_good_options(anyio_backend: str) -> None:
     t = await open_transport("loopback", {"threads": 1, "inline_bytes": 0})
     async with t:
-        assert isinstance(t, LoopbackTransport)
-        assert not t.closed
+        assert isinstance(t.inner, LoopbackTransport)  # behind the plugin boundary
+        assert t.name == "loopback" and not t.closed
     assert t.closed
 
 

@@ -13,7 +13,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from aioembed import Layout, TransferConfig
 from aioembed.control.channel import ControlSocket
 from aioembed.memory.pool import BlockPool
-from aioembed.protocol.messages import Hello, Message, Ping, Pong, decode, encode
+from aioembed.protocol.messages import Hello, Message, Ping, Pong, Welcome, decode, encode
 from aioembed.transports.loopback import LoopbackTransport
 
 
@@ -46,9 +46,9 @@ class RawReceiver:
                 if isinstance(msg, kind):
                     return msg
 
-    def hello(self, layout: Layout, config: TransferConfig, *, peer_id: str = "raw-receiver", rank: int = 0,
-              world: int = 1) -> Hello:
-        return Hello(peer_id=peer_id, fingerprint=layout.fingerprint, transport="loopback",
+    def hello(self, layout: Layout, config: TransferConfig, *, receiver_id: str = "raw-receiver", epoch: int = 1,
+              rank: int = 0, world: int = 1) -> Hello:
+        return Hello(receiver_id=receiver_id, epoch=epoch, fingerprint=layout.fingerprint, transport="loopback",
                      descriptor=self.transport.descriptor(), block_size=config.block_size,
                      num_blocks=self.pool.num_blocks, rank=rank, world=world,
                      regions=tuple((r.address, r.length) for r in self.pool.regions()))
@@ -120,6 +120,13 @@ class RawSender:
     def send(self, msg: Message) -> None:
         assert self.identity is not None
         self.chan.send([self.identity, encode(msg)])
+
+    def welcome(self, hello: Message, heartbeat_interval: float) -> Welcome:
+        """Answer ``hello`` (a HELLO this raw sender received) with a WELCOME, like a real sender."""
+        assert isinstance(hello, Hello)
+        msg = Welcome(sender_id=self.peer_id, epoch=hello.epoch, heartbeat_interval=heartbeat_interval)
+        self.send(msg)
+        return msg
 
     def send_raw(self, payload: bytes) -> None:
         assert self.identity is not None

@@ -19,7 +19,7 @@ from aioembed.memory.allocator import _FREE
 from aioembed.transports.base import WriteOp
 from aioembed.transports.loopback import LoopbackLink
 
-from ..session.conftest import LAYOUT, assert_pools_free, assert_same, make_request, running
+from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
 
 pytestmark = pytest.mark.anyio
 
@@ -127,7 +127,7 @@ async def storm(transfers: int, seed: int, monkeypatch: pytest.MonkeyPatch) -> N
         assert guard.writes > 0
         assert outcomes["ok"] > transfers // 3, outcomes
         assert outcomes["failed"] == 0, outcomes  # uncancelled transfers never fail
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_abort_storm_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

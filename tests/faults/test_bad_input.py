@@ -22,7 +22,7 @@ from aioembed.protocol.messages import (
     Welcome,
 )
 
-from ..session.conftest import LAYOUT, assert_pools_free, assert_same, make_request, running
+from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
 from .rawpeer import pool_guard, raw_receiver
 
 pytestmark = pytest.mark.anyio
@@ -61,7 +61,7 @@ async def test_garbage_and_unknown_frames_are_rejected_and_valid_rooms_go_on() -
                 tg.start_soon(sender.send, "ok", src)
                 got = await receiver.receive("ok")
             assert_same(got.tensors, src)
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_incompatible_hello_is_rejected_with_what_differs() -> None:

@@ -1,51 +1,36 @@
-"""A failed write on a transport that cannot cancel writes may land later: its blocks stay fenced
-until the sender is gone, and the sender keeps the source registered for a grace period."""
+"""A failed write on a transport that cannot cancel writes may land later: its blocks are fenced at
+once, stay fenced while the write may land, and come back (FENCE_RELEASE) once the transport's
+write lifetime has passed, with the sender alive and serving throughout."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar
+import time
 
 import anyio
 import pytest
 
-from aioembed import TransferConfig, TransferFailed, TransportError
-from aioembed.transports import registry
-from aioembed.transports.base import TransportCapabilities, WriteOp
-from aioembed.transports.loopback import LoopbackLink, LoopbackTransport
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferFailed, TransportError
+from aioembed.testing import MockTransport, WriteCall, WriteFault
 
-from ..session.conftest import make_request, running
+from ..session.conftest import LAYOUT, assert_same, make_request, wait_pools_free
 
 pytestmark = pytest.mark.anyio
 
-
-class LateLandingTransport(LoopbackTransport):
-    """Loopback whose second write of each link 'times out' (and is not cancel-safe)."""
-
-    name: ClassVar[str] = "late-landing"
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
-        cross_process=False, cancel_safe_writes=False)
+LIFETIME = 1.0
+CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, round_timeout=2.0, input_timeout=5.0,
+                     resume_reserve_tokens=0)
 
 
-@pytest.fixture
-def late_landing(monkeypatch: pytest.MonkeyPatch) -> None:
-    builtin = registry._builtin
-    monkeypatch.setattr(registry, "_builtin", lambda: {**builtin(), "late-landing": LateLandingTransport})
-    original = LoopbackLink.write
-    calls = {"n": 0}
+async def test_failed_uncancellable_write_is_fenced_then_released_by_fence_release() -> None:
+    late = WriteFault(error=TransportError("write timed out after 5 s; the destination may still be written"),
+                      fail_after=0.05, land_after=0.6)
 
-    async def write(self: LoopbackLink, ops: Sequence[WriteOp]) -> None:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise TransportError("write timed out after 5 s; the destination may still be written")
-        await original(self, ops)
+    def faults(call: WriteCall) -> WriteFault | None:
+        return late if call.index == 1 else None  # the second round of the first room
 
-    monkeypatch.setattr(LoopbackLink, "write", write)
-
-
-async def test_failed_uncancellable_write_fences_blocks(late_landing: None) -> None:
-    cfg = TransferConfig(transport="late-landing", default_tokens=1024, pool_tokens=4096, round_timeout=0.5)
-    async with running(cfg) as (sender, [receiver]):
+    writer = MockTransport(cancel_safe_writes=False, write_lifetime=LIFETIME, faults=faults)
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         failures: list[BaseException] = []
 
         async def send() -> None:
@@ -58,15 +43,28 @@ async def test_failed_uncancellable_write_fences_blocks(late_landing: None) -> N
             tg.start_soon(send)
             with pytest.raises(TransferFailed, match="may still be written"):
                 await receiver.receive("r")
+        t_failed = time.monotonic()
         assert failures and "failed" in str(failures[0])
         st = receiver.allocator.stats
-        assert st.fenced > 0 and st.free < st.total  # not reused while a late write may land
-        assert len(sender._transport.regions) > 0  # type: ignore[union-attr]  # source still registered
-        # another room still works with the rest of the pool
+        assert st.fenced > 0 and st.free < st.total  # at once: a late write may land in them
+        assert receiver.fenced_blocks == {"write_failed": st.fenced}
+        assert len(writer.regions) > 0  # the source stays registered while the write may read it
+
+        # Another room is served meanwhile, and the late write (landing now) does not touch it.
         src = make_request(500, 2)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.send, "next", src)
-            got = await receiver.receive("next")
-        assert got.num_tokens == 500
-        await anyio.sleep(0.7)  # the grace period passes: the sender lets the source go
-        assert len(sender._transport.regions) == 0  # type: ignore[union-attr]
+            lease = await receiver.receive_leased("next")
+        async with lease:
+            assert await anyio.to_thread.run_sync(late.landed.wait, 5.0), "the late write never landed"
+            assert_same(lease.to_tensors(), src)
+
+        # FENCE_RELEASE once the write lifetime passed: back to an empty pool, sender still serving.
+        await wait_pools_free(sender, receiver, timeout=LIFETIME + 3.0)
+        assert time.monotonic() - t_failed < CFG.round_timeout + 3.0
+        assert len(writer.regions) == 0
+        src3 = make_request(2500, 3)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "after", src3)
+            got = await receiver.receive("after")
+        assert_same(got.tensors, src3)

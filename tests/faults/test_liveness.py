@@ -1,5 +1,6 @@
-"""Liveness and restarts: a silent peer is declared dead, its rooms end with the reason, its blocks
-are released; blocks a live peer may still write stay fenced; a restarted sender is used at once."""
+"""Liveness and restarts: a silent peer is declared dead and its rooms end with the reason, but its
+blocks stay fenced (silence proves nothing about the data plane) until the sender confirms, in a
+later session, that its writes ended (DRAINED); a restarted sender is used at once."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from aioembed import (
     TransferFailed,
     TransferStatus,
 )
-from aioembed.protocol.messages import Abort, AbortAck, Init, Status, Welcome
+from aioembed.protocol.messages import Abort, AbortAck, Drained, Hello, Init, Status, Welcome
 
 from ..session.conftest import LAYOUT, assert_same, make_request
 from .rawpeer import raw_receiver, raw_sender
@@ -46,25 +47,43 @@ async def test_silent_receiver_is_declared_dead_and_send_fails() -> None:
         assert sender.rooms_in_flight == 0 and sender.peers == []
 
 
-async def test_silent_sender_is_declared_dead_and_blocks_are_released() -> None:
+def _fenced(receiver: EmbeddingReceiver) -> bool:
+    st = receiver.allocator.stats
+    return st.fenced > 0 and st.free < st.total
+
+
+async def test_silent_sender_fails_the_room_but_its_blocks_stay_fenced_until_it_confirms() -> None:
     async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, HB, connect=raw.address) as receiver:
-        await raw.next()  # HELLO
-        raw.send(Welcome(peer_id=raw.peer_id, heartbeat_interval=HB.heartbeat_interval))
+        hello = await raw.expect(Hello)
+        raw.welcome(hello, HB.heartbeat_interval)
         handle = receiver.start("r")
         assert isinstance(await raw.expect(Init), Init)
         assert receiver.allocator.stats.used > 0
-        raw.pong = False  # the sender hangs
+        raw.pong = False  # the sender hangs: a write of it may still be on its way
         t0 = time.monotonic()
         with pytest.raises(PeerDead, match="silent"):
             await handle.result()
         assert time.monotonic() - t0 < DEAD_WITHIN
-        assert _free(receiver)
+        assert _fenced(receiver) and receiver.fenced_blocks == {"peer_silent": receiver.allocator.stats.fenced}
+        await anyio.sleep(1.0)
+        assert _fenced(receiver)  # silence never frees: a frozen sender writes on when it thaws
+        # The sender thaws: the receiver's new session reaches it, it confirms the old one is drained.
+        raw.pong = True
+        hello2 = await raw.expect(Hello, timeout=5)
+        assert isinstance(hello2, Hello) and hello2.epoch == 2 and hello2.receiver_id == hello.receiver_id
+        raw.welcome(hello2, HB.heartbeat_interval)
+        raw.send(Drained(below_epoch=1))  # says nothing about session 1: nothing freed
+        await anyio.sleep(0.5)
+        assert _fenced(receiver)
+        raw.send(Drained(below_epoch=2))
+        with anyio.fail_after(2):
+            while not _free(receiver):
+                await anyio.sleep(0.01)
 
 
 async def test_protocol_violation_by_sender_aborts_and_frees_after_ack() -> None:
     async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, HB, connect=raw.address) as receiver:
-        await raw.next()
-        raw.send(Welcome(peer_id=raw.peer_id, heartbeat_interval=HB.heartbeat_interval))
+        raw.welcome(await raw.expect(Hello), HB.heartbeat_interval)
         handle = receiver.start("r")
         init = await raw.expect(Init)
         assert isinstance(init, Init)
@@ -82,23 +101,41 @@ async def test_protocol_violation_by_sender_aborts_and_frees_after_ack() -> None
                 await anyio.sleep(0.01)
 
 
-async def test_unacknowledged_abort_keeps_blocks_fenced_until_the_sender_is_dead() -> None:
+async def test_unacknowledged_abort_keeps_blocks_fenced_until_a_late_ack() -> None:
     cfg = HB.replace(round_timeout=0.3)
     async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, cfg, connect=raw.address) as receiver:
-        await raw.next()
-        raw.send(Welcome(peer_id=raw.peer_id, heartbeat_interval=cfg.heartbeat_interval))
+        raw.welcome(await raw.expect(Hello), cfg.heartbeat_interval)
         handle = receiver.start("r")
         await raw.expect(Init)
         handle.cancel("give up")
         await raw.expect(Abort)
-        assert await handle.wait() is TransferStatus.ABORTED
-        await anyio.sleep(0.5)  # past round_timeout without an ABORT_ACK
-        st = receiver.allocator.stats
-        assert st.fenced > 0 and st.free < st.total  # never handed to another room while unsafe
-        raw.pong = False
-        with anyio.fail_after(DEAD_WITHIN):
+        assert await handle.wait() is TransferStatus.ABORTED  # the room ends at once...
+        await anyio.sleep(0.5)
+        assert _fenced(receiver)  # ...but its blocks are never handed to another room while unsafe
+        assert receiver.fenced_blocks == {"abort_unacked": receiver.allocator.stats.fenced}
+        raw.send(AbortAck(room="r"))  # the sender's writes into them ended
+        with anyio.fail_after(2):
             while not _free(receiver):
-                await anyio.sleep(0.02)
+                await anyio.sleep(0.01)
+
+
+async def test_unacknowledged_abort_stays_fenced_through_silence_until_drained() -> None:
+    async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, HB, connect=raw.address) as receiver:
+        raw.welcome(await raw.expect(Hello), HB.heartbeat_interval)
+        handle = receiver.start("r")
+        await raw.expect(Init)
+        handle.cancel("give up")
+        await raw.expect(Abort)
+        raw.pong = False
+        await anyio.sleep(DEAD_WITHIN)  # the sender is declared dead meanwhile
+        assert _fenced(receiver)
+        raw.pong = True
+        hello = await raw.expect(Hello, timeout=5)
+        raw.welcome(hello, HB.heartbeat_interval)
+        raw.send(Drained(below_epoch=hello.epoch))  # type: ignore[union-attr]
+        with anyio.fail_after(2):
+            while not _free(receiver):
+                await anyio.sleep(0.01)
 
 
 async def test_restarted_sender_serves_new_rooms_at_once() -> None:
@@ -120,7 +157,7 @@ async def test_restarted_sender_serves_new_rooms_at_once() -> None:
             assert_same(got.tensors, src)
             stop.set()  # the first sender goes away
             with anyio.fail_after(5):
-                while not first._closed:
+                while not first._closed.is_set():
                     await anyio.sleep(0.01)
             stop = anyio.Event()
             second = await tg.start(serve, address)  # restarted on the same address

@@ -22,7 +22,7 @@ from aioembed import EmbeddingReceiver, TransferConfig
 from aioembed.control.channel import ControlSocket
 from aioembed.protocol import messages as m
 
-from ..session.conftest import LAYOUT, assert_pools_free, assert_same, make_request, running
+from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
 from .rawpeer import raw_receiver
 
 CFG = TransferConfig(default_tokens=512, pool_tokens=4096, input_timeout=3.0, round_timeout=3.0,
@@ -41,14 +41,17 @@ metadata = st.one_of(st.none(), st.dictionaries(
 messages = st.one_of(
     st.builds(m.Init, room=rooms, blocks=blocks, allocated_tokens=tokens, expected_ranks=st.integers(1, 4)),
     st.builds(m.Resume, room=rooms, round=small, sent_tokens=tokens, blocks=blocks, allocated_tokens=tokens),
-    st.builds(m.Status, room=rooms, state=st.sampled_from(m.STATES), total_tokens=tokens, sent_tokens=tokens,
+    st.builds(m.Status, room=rooms, state=st.sampled_from(list(m.TransferStatus)), total_tokens=tokens, sent_tokens=tokens,
               round=small, metadata=metadata, error=st.none() | text, fence=st.booleans()),
     st.builds(m.Abort, room=rooms, reason=text),
     st.builds(m.AbortAck, room=rooms),
     st.builds(m.Ping, nonce=st.integers(0, 2**62)),
     st.builds(m.Pong, nonce=st.integers(0, 2**62), peer_id=st.text(max_size=10)),
     st.builds(m.Reject, reason=text, room=st.none() | rooms, code=st.sampled_from(m.REJECT_CODES)),
-    st.builds(m.Welcome, peer_id=st.text(max_size=10), heartbeat_interval=st.floats(0.01, 100)),
+    st.builds(m.Welcome, sender_id=st.text(max_size=10), epoch=st.integers(1, 5),
+              heartbeat_interval=st.floats(0.01, 100)),
+    st.builds(m.FenceRelease, room=rooms),
+    st.builds(m.Drained, below_epoch=st.integers(1, 5)),
 )
 
 
@@ -98,7 +101,7 @@ async def _fuzz_sender(junk: list[bytes]) -> None:
                 for data in junk[:half]:  # before the handshake
                     raw.send_raw(data)
                     await anyio.lowlevel.checkpoint()
-                raw.send(raw.hello(LAYOUT, CFG, peer_id="fuzzer"))
+                raw.send(raw.hello(LAYOUT, CFG, receiver_id="fuzzer"))
                 for data in junk[half:]:  # after it: frames reach the room logic
                     raw.send_raw(data)
                     await anyio.lowlevel.checkpoint()
@@ -116,7 +119,7 @@ async def _fuzz_sender(junk: list[bytes]) -> None:
         with anyio.fail_after(CFG.input_timeout + 5):
             while sender.rooms_in_flight:
                 await anyio.sleep(0.05)
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 @asynccontextmanager

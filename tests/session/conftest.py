@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import anyio
 import pytest
 import torch
 
@@ -35,6 +36,21 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         a, b = got[name], want[name]
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
+def _pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver) -> bool:
+    regions = getattr(sender._transport, "regions", None)
+    return (all(r.allocator.stats.free == r.allocator.stats.total and r.rooms_in_flight == 0 for r in receivers)
+            and sender.rooms_in_flight == 0 and (regions is None or len(regions) == 0))
+
+
+async def wait_pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver, timeout: float = 5.0) -> None:
+    """After a failure, fenced blocks come back once the writer's answer (ABORT_ACK, FENCE_RELEASE,
+    ...) arrives: wait for that (bounded), then check everything strictly."""
+    with anyio.move_on_after(timeout):
+        while not _pools_free(sender, *receivers):
+            await anyio.sleep(0.005)
+    assert_pools_free(sender, *receivers)
 
 
 def assert_pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver) -> None:

@@ -62,8 +62,9 @@ async def test_many_rounds_with_pool_smaller_than_request() -> None:
             tg.start_soon(recv, "big")
             tg.start_soon(recv, "other")
             tg.start_soon(recv, "third")
-        assert results["big"].rounds == math.ceil(50000 / 8192)
-        assert results["other"].rounds == math.ceil(30000 / 8192)
+        # rounds shrink to what is free while the pool is shared: the count is a lower bound
+        assert results["big"].rounds >= math.ceil(50000 / 8192)
+        assert results["other"].rounds >= math.ceil(30000 / 8192)
         assert_same(results["big"].tensors, big)
         assert_same(results["other"].tensors, other)
         assert_same(results["third"].tensors, third)

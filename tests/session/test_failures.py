@@ -25,7 +25,7 @@ from aioembed import (
     TransferTimeout,
 )
 
-from .conftest import LAYOUT, assert_pools_free, make_request, running
+from .conftest import LAYOUT, make_request, running, wait_pools_free
 
 pytestmark = pytest.mark.anyio
 
@@ -51,7 +51,7 @@ async def test_receiver_cancel_before_send_fails_the_later_send_fast() -> None:
         await _until(lambda: sender.rooms_in_flight == 0)
         with anyio.fail_after(1.0), pytest.raises(TransferAborted, match="ended by the receiver"):
             await sender.send("gone", make_request(10, 1))
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_receiver_cancel_mid_room_aborts_the_sender() -> None:
@@ -76,7 +76,7 @@ async def test_receiver_cancel_mid_room_aborts_the_sender() -> None:
         assert await handle.wait() is TransferStatus.ABORTED
         hog.cancel()  # type: ignore[attr-defined]
         await _until(lambda: receiver.rooms_in_flight == 0 and sender.rooms_in_flight == 0)
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def _stalled_between_rounds(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str) -> object:
@@ -112,7 +112,7 @@ async def test_cancelling_receive_call_aborts_both_sides() -> None:
         assert "receive_leased() was cancelled" in str(outcome[0])
         hog.cancel()  # type: ignore[attr-defined]
         await _until(lambda: receiver.rooms_in_flight == 0 and sender.rooms_in_flight == 0)
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_cancelling_send_aborts_the_receiver_even_while_it_waits_for_memory() -> None:
@@ -127,7 +127,7 @@ async def test_cancelling_send_aborts_the_receiver_even_while_it_waits_for_memor
             await handle.result()
         hog.cancel()  # type: ignore[attr-defined]
         await _until(lambda: receiver.rooms_in_flight == 0 and sender.rooms_in_flight == 0)
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_receiver_input_timeout_names_the_phase() -> None:
@@ -137,7 +137,7 @@ async def test_receiver_input_timeout_names_the_phase() -> None:
         assert info.value.phase == "input"
         assert "input" in str(info.value)
         await _until(lambda: sender.rooms_in_flight == 0)  # the sender dropped the reservation
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_sender_init_timeout_names_the_phase() -> None:
@@ -145,7 +145,7 @@ async def test_sender_init_timeout_names_the_phase() -> None:
         with pytest.raises(TransferTimeout) as info:
             await sender.send("nobody-receives", make_request(100, 5))
         assert info.value.phase == "init"
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_allocation_timeout_when_pool_stays_full() -> None:
@@ -159,7 +159,7 @@ async def test_allocation_timeout_when_pool_stays_full() -> None:
         hog.cancel()
         await hog.wait()
         await _until(lambda: sender.rooms_in_flight == 0)
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_incompatible_layout_is_refused_with_the_difference() -> None:
@@ -198,7 +198,7 @@ async def test_bad_send_arguments() -> None:
             await sender.send("", good)
         with pytest.raises(InvalidRequest, match="tokens"):
             await sender.send("a", make_request(0, 1) if False else {k: v[:0] for k, v in good.items()})
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_bad_receive_arguments() -> None:
@@ -212,7 +212,7 @@ async def test_bad_receive_arguments() -> None:
             receiver.start("dup")
         h.cancel()
         await h.wait()
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)
 
 
 async def test_sender_closing_ends_pending_receiver_rooms() -> None:
@@ -254,4 +254,4 @@ async def test_sender_abort_tells_receivers_before_and_after_they_ask() -> None:
         sender.abort("later", "encoder out of memory")
         with anyio.fail_after(2), pytest.raises(TransferAborted, match="out of memory"):
             await receiver.receive("later")
-        assert_pools_free(sender, receiver)
+        await wait_pools_free(sender, receiver)

@@ -10,6 +10,7 @@ belong to the room state machines.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
@@ -24,6 +25,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
     "AbortAck",
+    "Drained",
+    "FenceRelease",
     "Hello",
     "Init",
     "Message",
@@ -33,13 +36,16 @@ __all__ = [
     "Resume",
     "RoomId",
     "Status",
+    "TransferStatus",
     "Welcome",
+    "check_metadata",
     "decode",
     "encode",
     "validate_room",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership)."""
 MAX_FRAME_BYTES = 16 << 20
 """Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCKS_PER_MESSAGE = 1 << 20
@@ -53,7 +59,27 @@ RoomId: TypeAlias = int | str
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-STATES = ("BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS", "FAILED", "ABORTED")
+
+
+class TransferStatus(enum.StrEnum):
+    """Where a room stands. The last three are terminal. A ``str`` enum: it goes on the wire as its
+    name, and compares equal to it."""
+
+    BOOTSTRAPPING = "BOOTSTRAPPING"
+    WAITING_FOR_INPUT = "WAITING_FOR_INPUT"
+    TRANSFERRING = "TRANSFERRING"
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+    ABORTED = "ABORTED"
+
+    @property
+    def terminal(self) -> bool:
+        """True for SUCCESS, FAILED and ABORTED."""
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({TransferStatus.SUCCESS, TransferStatus.FAILED, TransferStatus.ABORTED})
+_STATE_NAMES = frozenset(m.value for m in TransferStatus)
 
 
 # -- field validators -----------------------------------------------------------------------
@@ -156,6 +182,24 @@ def _metadata(name: str, v: Any) -> dict[str, Any]:
     return v
 
 
+def check_metadata(metadata: Any, max_bytes: int) -> int:
+    """Apply the codec's own metadata rules; returns the encoded size in bytes.
+
+    The one check used by ``send()`` (before any row moves) and by the codec, so that metadata a
+    sender accepts can never fail later inside a STATUS frame. Raises ``ProtocolError`` naming
+    the rule: a map with str keys, plain msgpack values, nesting at most 16 deep, at most
+    ``max_bytes`` encoded.
+    """
+    _metadata("metadata", metadata)
+    try:
+        size = len(msgpack.packb(metadata, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"metadata cannot be encoded: {exc}") from None
+    if size > max_bytes:
+        raise ProtocolError(f"metadata is {size} bytes encoded; at most {max_bytes} allowed")
+    return size
+
+
 _ROOM = validate_room
 _TOKENS = _int(0, MAX_TOKENS)
 _ROUND = _int(0, 1 << 31)
@@ -189,7 +233,11 @@ class Hello(_Base):
     """Receiver -> sender: who I am, what I hold, and where to write."""
 
     TYPE: ClassVar[str] = "HELLO"
-    peer_id: str
+    receiver_id: str
+    """Stable for the life of the receiver object: the sender keys its drain accounting by it."""
+    epoch: int
+    """This session's number, increasing per handshake: a write announced in a session is owned by
+    (sender, epoch), and ``DRAINED`` confirms the end of earlier epochs' writes."""
     fingerprint: str
     transport: str
     descriptor: bytes
@@ -206,8 +254,13 @@ class Welcome(_Base):
     """Sender -> receiver: handshake accepted."""
 
     TYPE: ClassVar[str] = "WELCOME"
-    peer_id: str
+    sender_id: str
+    """The sender process's id; a different one at the same address means the old one is gone."""
+    epoch: int
+    """The HELLO epoch this answers."""
     heartbeat_interval: float
+    writer_id: str = ""
+    """The sender's transport identity, for ``Transport.revoke`` on the receiver ("" if none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,15 +304,20 @@ class Status(_Base):
 
     TYPE: ClassVar[str] = "STATUS"
     room: RoomId
-    state: str
+    state: TransferStatus
     total_tokens: int
     sent_tokens: int
     round: int
     metadata: dict[str, Any] | None = None
     error: str | None = None
     fence: bool = False
-    """With FAILED: a failed write may still land, so the receiver must not reuse the blocks
-    until the sender is gone (set when the transport's writes are not cancel-safe)."""
+    """With FAILED: a failed write may still land, so the receiver keeps the blocks fenced until
+    the sender's ``FENCE_RELEASE`` (or ``DRAINED``) says it can no longer land."""
+
+    def __post_init__(self) -> None:
+        # A state given by name becomes the enum member; an unknown one is refused by encode().
+        if not isinstance(self.state, TransferStatus) and self.state in _STATE_NAMES:
+            object.__setattr__(self, "state", TransferStatus(self.state))
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +335,24 @@ class AbortAck(_Base):
 
     TYPE: ClassVar[str] = "ABORT_ACK"
     room: RoomId
+
+
+@dataclass(frozen=True, slots=True)
+class FenceRelease(_Base):
+    """Sender -> receiver: a failed write into the room's blocks can no longer land (its transport's
+    write lifetime has passed); the blocks fenced by ``STATUS(fence=True)`` may be reused."""
+
+    TYPE: ClassVar[str] = "FENCE_RELEASE"
+    room: RoomId
+
+
+@dataclass(frozen=True, slots=True)
+class Drained(_Base):
+    """Sender -> receiver, in a later session: no write of this sender into memory announced in
+    any of the receiver's sessions numbered below ``below_epoch`` is, or will be, in flight."""
+
+    TYPE: ClassVar[str] = "DRAINED"
+    below_epoch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,18 +390,33 @@ def _bool(name: str, v: Any) -> bool:
     return v
 
 
+def _state(name: str, v: Any) -> TransferStatus:
+    if isinstance(v, TransferStatus):
+        return v
+    if not isinstance(v, str):
+        raise ProtocolError(f"field {name!r}: expected a state name, got {type(v).__name__}")
+    try:
+        return TransferStatus(v)
+    except ValueError:
+        raise ProtocolError(f"field {name!r}: {v[:40]!r} is not one of "
+                            f"{[m.value for m in TransferStatus]}") from None
+
+
 def _seconds(name: str, v: Any) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 86400:
         raise ProtocolError(f"field {name!r}: expected seconds in (0, 86400], got {v!r}")
     return float(v)
 
 
+_EPOCH = _int(1, _INT64_MAX)
+
 Hello.SCHEMA = {
-    "peer_id": _str(64), "fingerprint": _str(128), "transport": _str(64),
+    "receiver_id": _str(64), "epoch": _EPOCH, "fingerprint": _str(128), "transport": _str(64),
     "descriptor": _bytes(MAX_DESCRIPTOR), "block_size": _int(1, 1 << 20),
     "num_blocks": _int(1, 1 << 32), "rank": _RANK, "world": _WORLD, "regions": _regions,
 }
-Welcome.SCHEMA = {"peer_id": _str(64), "heartbeat_interval": _seconds}
+Welcome.SCHEMA = {"sender_id": _str(64), "epoch": _EPOCH, "heartbeat_interval": _seconds,
+                  "writer_id": _str(256)}
 REJECT_CODES = ("bad_frame", "unknown_peer", "incompatible", "refused")
 Reject.SCHEMA = {"reason": _str(MAX_TEXT), "room": _optional(_ROOM), "code": _str(32, choices=REJECT_CODES)}
 Init.SCHEMA = {"room": _ROOM, "blocks": _block_list, "allocated_tokens": _TOKENS, "expected_ranks": _WORLD}
@@ -333,18 +424,23 @@ Resume.SCHEMA = {
     "room": _ROOM, "round": _ROUND, "sent_tokens": _TOKENS, "blocks": _block_list, "allocated_tokens": _TOKENS,
 }
 Status.SCHEMA = {
-    "room": _ROOM, "state": _str(32, choices=STATES), "total_tokens": _TOKENS, "sent_tokens": _TOKENS,
+    "room": _ROOM, "state": _state, "total_tokens": _TOKENS, "sent_tokens": _TOKENS,
     "round": _ROUND, "metadata": _optional(_metadata), "error": _optional(_str(MAX_TEXT)), "fence": _bool,
 }
 Abort.SCHEMA = {"room": _ROOM, "reason": _str(MAX_TEXT)}
 AbortAck.SCHEMA = {"room": _ROOM}
+FenceRelease.SCHEMA = {"room": _ROOM}
+Drained.SCHEMA = {"below_epoch": _EPOCH}
 Ping.SCHEMA = {"nonce": _int(0, _INT64_MAX)}
 Pong.SCHEMA = {"nonce": _int(0, _INT64_MAX), "peer_id": _str(64)}
 
-Message: TypeAlias = Hello | Welcome | Reject | Init | Resume | Status | Abort | AbortAck | Ping | Pong
+Message: TypeAlias = (
+    Hello | Welcome | Reject | Init | Resume | Status | Abort | AbortAck | FenceRelease | Drained | Ping | Pong
+)
 
 _TYPES: dict[str, type[_Base]] = {
-    cls.TYPE: cls for cls in (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, Ping, Pong)
+    cls.TYPE: cls for cls in (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, FenceRelease,
+                              Drained, Ping, Pong)
 }
 
 
@@ -355,7 +451,7 @@ def encode(msg: Message | _Base) -> bytes:
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
         cls.SCHEMA[f.name](f.name, value)
-        body[f.name] = value
+        body[f.name] = value.value if isinstance(value, enum.Enum) else value
     try:
         data: bytes = msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:

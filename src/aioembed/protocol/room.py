@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass
 
 from aioembed.errors import ProtocolError
-from aioembed.protocol.messages import RoomId, Status
+from aioembed.protocol.messages import RoomId, Status, TransferStatus
 
 __all__ = [
     "Arrived",
@@ -26,25 +26,6 @@ __all__ = [
     "TransferStatus",
     "WriteTask",
 ]
-
-
-class TransferStatus(enum.Enum):
-    """Where a room stands. The last three are terminal."""
-
-    BOOTSTRAPPING = "BOOTSTRAPPING"
-    WAITING_FOR_INPUT = "WAITING_FOR_INPUT"
-    TRANSFERRING = "TRANSFERRING"
-    SUCCESS = "SUCCESS"
-    FAILED = "FAILED"
-    ABORTED = "ABORTED"
-
-    @property
-    def terminal(self) -> bool:
-        """True for SUCCESS, FAILED and ABORTED."""
-        return self in _TERMINAL
-
-
-_TERMINAL = frozenset({TransferStatus.SUCCESS, TransferStatus.FAILED, TransferStatus.ABORTED})
 
 
 def _blocks_hold(blocks: int, block_size: int, tokens: int) -> bool:
@@ -128,15 +109,15 @@ class ReceiverRoom:
         """
         if self.state.terminal:
             raise self._illegal("STATUS")
-        if msg.state in ("FAILED", "ABORTED"):
-            self.state = TransferStatus.FAILED if msg.state == "FAILED" else TransferStatus.ABORTED
-            self.error = msg.error or f"sender reported {msg.state}"
+        if msg.state in (TransferStatus.FAILED, TransferStatus.ABORTED):
+            self.state = msg.state
+            self.error = msg.error or f"sender reported {msg.state.name}"
             self._awaiting_status = False
             return None
         if not self._awaiting_status:
             raise self._illegal(f"STATUS {msg.state} (no reservation outstanding)")
-        if msg.state not in ("TRANSFERRING", "SUCCESS"):
-            raise self._bad(f"sender reported state {msg.state} with data", room=self.room)
+        if msg.state not in (TransferStatus.TRANSFERRING, TransferStatus.SUCCESS):
+            raise self._bad(f"sender reported state {msg.state.name} with data", room=self.room)
         if msg.round != self.round:
             raise self._bad(f"STATUS for round {msg.round}, expected round {self.round}",
                                 room=self.room)
@@ -154,9 +135,9 @@ class ReceiverRoom:
                 f"round {self.round} brought {count} tokens, expected {expected} "
                 f"(received {self.received}, reserved {self.allocated}, total {total})", room=self.room)
         complete = msg.sent_tokens == total
-        if complete != (msg.state == "SUCCESS"):
+        if complete != (msg.state is TransferStatus.SUCCESS):
             raise self._bad(
-                f"state {msg.state} with {msg.sent_tokens} of {total} tokens sent",
+                f"state {msg.state.name} with {msg.sent_tokens} of {total} tokens sent",
                 room=self.room)
         start = self.received
         self.total = total
@@ -302,7 +283,8 @@ class SenderRoom:
         done = p.sent == self.total
         p.phase = RankPhase.DONE if done else RankPhase.AWAITING_RESUME
         return Status(
-            room=self.room, state="SUCCESS" if done else "TRANSFERRING", total_tokens=self.total,
+            room=self.room, state=TransferStatus.SUCCESS if done else TransferStatus.TRANSFERRING,
+            total_tokens=self.total,
             sent_tokens=p.sent, round=p.round, metadata=metadata if done else None,
         )
 

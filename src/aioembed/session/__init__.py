@@ -1,6 +1,7 @@
 """Sessions: the sender and receiver that drive rooms over the control channel and a transport."""
 
-from aioembed.session.handle import Lease, Received, ReceiveHandle, TransferStats
+from aioembed.session.handle import Received, ReceiveHandle, TransferStats
+from aioembed.session.lease import Lease
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
 from aioembed.errors import TransferError
-from aioembed.protocol.messages import RoomId
-from aioembed.protocol.room import TransferStatus
+from aioembed.protocol.messages import RoomId, TransferStatus
 
-__all__ = ["Lease", "ReceiveHandle", "Received", "TransferStats"]
+if TYPE_CHECKING:
+    from aioembed.session.lease import Lease
+
+__all__ = ["ReceiveHandle", "Received", "TransferStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,54 +43,6 @@ class Received:
     stats: TransferStats
 
 
-class Lease:
-    """A request received zero-copy: per field, views of pool blocks in token order.
-
-    The views stay valid until :meth:`release`; after it the blocks go to other rooms and the
-    views must not be read. Use ``async with lease:`` (or ``with lease:``) to release on exit.
-    """
-
-    def __init__(self, *, room: RoomId, views: dict[str, list[torch.Tensor]], metadata: dict[str, Any],
-                 num_tokens: int, rounds: int, stats: TransferStats, release: Callable[[], None]) -> None:
-        self.room = room
-        self.views = views
-        self.metadata = metadata
-        self.num_tokens = num_tokens
-        self.rounds = rounds
-        self.stats = stats
-        self._release: Callable[[], None] | None = release
-
-    @property
-    def released(self) -> bool:
-        """True once the blocks went back to the pool."""
-        return self._release is None
-
-    def release(self) -> None:
-        """Give the blocks back to the pool (idempotent)."""
-        if self._release is not None:
-            release, self._release = self._release, None
-            self.views = {name: [] for name in self.views}
-            release()
-
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Contiguous copies of every field (what ``receive()`` would have returned)."""
-        if self._release is None:
-            raise TransferError(f"room {self.room!r}: lease already released", room=self.room)
-        return {name: torch.cat(vs) if len(vs) != 1 else vs[0].clone() for name, vs in self.views.items()}
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    async def __aenter__(self) -> Lease:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
-
 class ReceiveHandle:
     """A room being received. Non-blocking ``status`` for schedulers that poll; awaitables otherwise."""
 
@@ -101,6 +54,7 @@ class ReceiveHandle:
         self._error: TransferError | None = None
         self._scope: anyio.CancelScope | None = None
         self._cancel_reason: str | None = None
+        self._lease_taken = False
 
     @property
     def status(self) -> TransferStatus:
@@ -131,13 +85,19 @@ class ReceiveHandle:
         await self._done.wait()
         if self._error is not None:
             raise self._error
-        if not isinstance(self._result, Lease):
+        if isinstance(self._result, Received) or self._result is None:
             raise TransferError(f"room {self.room!r} was not received zero-copy: use result()", room=self.room)
+        self._lease_taken = True
         return self._result
 
     def cancel(self, reason: str = "cancelled by the receiver") -> None:
-        """Abort the room on both sides. Returns at once; ``wait()`` tells when it is over."""
+        """Abort the room on both sides. Returns at once; ``wait()`` tells when it is over.
+
+        On a room already received zero-copy whose lease nobody took, gives that lease back.
+        """
         if self._done.is_set():
+            if self._result is not None and not isinstance(self._result, Received) and not self._lease_taken:
+                self._result.release()
             return
         self._cancel_reason = reason
         if self._scope is not None:

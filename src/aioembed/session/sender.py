@@ -1,10 +1,15 @@
-"""The encoder side: answers receivers' reservations by writing rows, round after round.
+"""The encoder side's public face: ``EmbeddingSender``.
 
 The sender does not stage rows into a pool of its own: it registers the caller's tensors with
 the transport for the duration of ``send`` and writes straight from them. That saves a full
-copy of every request (the copies, not the network, dominate on fast links) at the price of
-one registration per request, which is cheap on TCP and amortised by large requests on RDMA.
-The tensors must not be modified until ``send`` returns.
+copy of every request at the price of one registration per request, which is cheap on TCP and
+amortised by large requests on RDMA. The tensors must not be modified until ``send`` returns.
+
+The work lives in :mod:`~aioembed.session.send_room` (one room) and
+:mod:`~aioembed.session.peer_sessions` (the receivers' sessions); the
+:class:`~aioembed.protocol.ownership.WriteLedger` decides when a receiver may be told that writes
+into its blocks are over. Like the receiver, the sender can be closed from any task, within
+about ``CLOSE_GRACE`` seconds.
 """
 
 from __future__ import annotations
@@ -13,14 +18,12 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
 import anyio
 import anyio.abc
-import msgpack
 import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -31,21 +34,19 @@ from aioembed.control.sockets import make_router
 from aioembed.errors import (
     AioembedError,
     InvalidRequest,
-    PeerDead,
     ProtocolError,
     TransferAborted,
-    TransferError,
     TransferFailed,
-    TransferTimeout,
     TransportError,
 )
 from aioembed.layout import Layout
-from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
 from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
+    Drained,
+    FenceRelease,
     Hello,
     Init,
     Message,
@@ -55,14 +56,30 @@ from aioembed.protocol.messages import (
     Resume,
     RoomId,
     Status,
+    TransferStatus,
     Welcome,
+    check_metadata,
     decode,
     encode,
     validate_room,
 )
-from aioembed.protocol.room import RankPhase, SenderRoom, TransferStatus, WriteTask
+from aioembed.protocol.ownership import (
+    DrainedSession,
+    ReleaseSource,
+    SendDrained,
+    SendFenceRelease,
+    SessionKey,
+    WriteLedger,
+    WriterAction,
+)
 from aioembed.session.backend import check_backend
-from aioembed.transports.base import Link, MemoryRegion, Transport
+from aioembed.session.copy_out import COPY_INLINE_BYTES
+from aioembed.session.liveness import LoopWatch, PeerClock
+from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
+from aioembed.session.receiver import CLOSE_GRACE
+from aioembed.session.send_room import SendContext, SendRoom
+from aioembed.transports.base import MemoryRegion, Transport
+from aioembed.transports.boundary import GuardedTransport, guard
 from aioembed.transports.registry import open_transport
 
 __all__ = ["EmbeddingSender"]
@@ -72,139 +89,157 @@ log = logging.getLogger(__name__)
 _TOMBSTONES = 4096
 
 
-@dataclass(eq=False)
-class _Peer:
-    """A receiver process that completed the handshake."""
-
-    identity: bytes
-    peer_id: str
-    rank: int
-    world: int
-    num_blocks: int
-    regions: tuple[tuple[int, int], ...]
-    link: Link
-    last_heard: float
-    rooms: set[RoomId] = field(default_factory=set)
-    alive: bool = True
-
-    def __str__(self) -> str:
-        return f"receiver rank {self.rank} ({self.peer_id[:8]})"
-
-
-class _OutRoom:
-    """Sender-side bookkeeping of one room."""
-
-    def __init__(self, room: RoomId, block_size: int, now: float) -> None:
-        self.machine = SenderRoom(room, block_size=block_size)
-        self.rank_peer: dict[int, _Peer] = {}
-        self.wake = anyio.Event()
-        self.active = False
-        self.sources: list[torch.Tensor] = []
-        self.metadata: dict[str, Any] | None = None
-        self.created = now
-        self.status_sent_at: dict[int, float] = {}
-        self.abort_from: set[int] = set()
-        self.poisoned: set[int] = set()  # ranks a failed write may still reach (transport not cancel-safe)
-        self.finished: set[int] = set()  # ranks already told that the room is over
-
-    @property
-    def room(self) -> RoomId:
-        return self.machine.room
-
-    def poke(self) -> None:
-        self.wake.set()
-
-
 class EmbeddingSender:
     """Serves rooms to any number of :class:`~aioembed.EmbeddingReceiver` ranks.
 
     Binds a ZeroMQ ROUTER at ``bind`` (``tcp://127.0.0.1:0`` picks a free port; read the
-    concrete one from :attr:`address`).
+    concrete one from :attr:`address`). ``transport`` injects an endpoint instead of opening
+    ``config.transport`` (the sender closes it).
     """
 
     def __init__(self, layout: Layout, config: TransferConfig | None = None, *, bind: str = "tcp://127.0.0.1:0",
-                 observer: TransferObserver | None = None) -> None:
+                 observer: TransferObserver | None = None, transport: Transport | None = None) -> None:
         self.layout = layout
         self.observer = observer or TransferObserver()
         self.config = config or TransferConfig()
         self.bind = bind
-        self.peer_id = uuid.uuid4().hex
+        self.sender_id = uuid.uuid4().hex
         self.address = ""
-        self._peers: dict[bytes, _Peer] = {}
-        self._rooms: dict[RoomId, _OutRoom] = {}
+        self._peers = PeerDirectory()
+        self._rooms: dict[RoomId, SendRoom] = {}
         # Recently ended rooms, so the other side learns at once: (who ended it, why, when).
         self._ended: OrderedDict[RoomId, tuple[str, str, float]] = OrderedDict()
-        self._transport: Transport | None = None
+        self._ledger = WriteLedger()
+        self._sources: dict[int, tuple[list[MemoryRegion], list[torch.Tensor]]] = {}
+        self._draining: dict[SessionKey, PeerSession] = {}  # dropped sessions whose writes have not ended
+        self._handshaking: set[tuple[str, int]] = set()
+        self._given_transport = transport
+        self._transport: GuardedTransport | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._auth: ThreadAuthenticator | None = None
         self._chan: ControlSocket | None = None
+        self._room_ctx: SendContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._closed = False
+        self._scopes: set[anyio.CancelScope] = set()
+        self._tasks = 0
+        self._tasks_done = anyio.Event()
+        self._closing = False
+        self._closed = anyio.Event()
         self._active_sends = 0
         self._idle = anyio.Event()
         self._idle.set()
+        self._ledger_wake = anyio.Event()
 
-    # -- lifecycle -----------------------------------------------------------------------
+    # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
         cfg = self.config
-        self._transport = await open_transport(cfg.transport, cfg.transport_options)
+        if self._given_transport is not None:
+            self._transport = guard(self._given_transport)
+        else:
+            self._transport = await open_transport(cfg.transport, cfg.transport_options)
         try:
             check_backend(self._transport, torch.device("cpu"))
             self._ctx = zmq.Context()
             sock, self.address, self._auth = make_router(self._ctx, self.bind, cfg)
             self._chan = ControlSocket(sock, self._on_frames, name=f"sender@{self.address}")
+            self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
+                                         transport=self._transport, observer=self.observer, send=self._send_to,
+                                         apply=self._apply)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
         except BaseException:
-            await self._teardown()
+            with anyio.CancelScope(shield=True):
+                await self._teardown()
             raise
-        self._tg.start_soon(self._chan.run)
-        self._tg.start_soon(self._liveness_loop)
-        log.info("sender: listening on %s (transport %s)", self.address, cfg.transport)
+        self._spawn(self._chan.run)
+        self._spawn(self._liveness_loop)
+        self._spawn(self._ledger_timers)
+        log.info("sender: listening on %s (transport %s, id %s)", self.address, self._transport.name,
+                 self.sender_id[:8])
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.aclose()
+        try:
+            await self.aclose()
+        finally:
+            if self._tg is not None:
+                tg, self._tg = self._tg, None
+                await tg.__aexit__(exc_type, exc, tb)
 
     async def aclose(self) -> None:
-        """Fail rooms in flight (telling their receivers), then close everything."""
-        if self._closed:
+        """Fail rooms in flight (telling their receivers), then close everything. Safe from any task,
+        bounded (about ``CLOSE_GRACE`` seconds), idempotent."""
+        if self._closing:
+            with anyio.CancelScope(shield=True):
+                await self._closed.wait()
             return
-        self._closed = True
+        self._closing = True
         with anyio.CancelScope(shield=True):
-            for r in list(self._rooms.values()):
-                r.machine.fail("sender closing", aborted=True)
-                r.poke()
-                if not r.active:
-                    self._notify_end(r)
-            # let active send() calls notify their ranks; their callers see TransferAborted
-            with anyio.move_on_after(self.config.handshake_timeout):
-                await self._idle.wait()
-                if self._chan is not None:
-                    await self._chan.drain()  # the final STATUS / ABORT_ACK frames must leave
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
-        with anyio.CancelScope(shield=True):
-            await self._teardown()
+            try:
+                with anyio.move_on_after(CLOSE_GRACE):
+                    for r in list(self._rooms.values()):
+                        r.machine.fail("sender closing", aborted=True)
+                        r.poke()
+                        if not r.active:
+                            r.notify_end()
+                    await self._idle.wait()  # active send() calls notify their ranks
+                    if self._chan is not None:
+                        await self._chan.drain()  # the final STATUS / ABORT_ACK frames must leave
+                for scope in list(self._scopes):
+                    scope.cancel()
+                if self._tasks:
+                    with anyio.move_on_after(CLOSE_GRACE):
+                        await self._tasks_done.wait()
+                await self._teardown()
+            finally:
+                self._closed.set()
 
     async def _teardown(self) -> None:
-        for p in list(self._peers.values()):
-            await p.link.aclose()
-        self._peers.clear()
+        for p in [*self._peers.sessions(), *self._draining.values()]:
+            try:
+                await p.link.aclose()
+            except TransportError as exc:
+                log.warning("sender: closing the link to %s: %s", p, exc)
+        self._draining.clear()
         if self._chan is not None:
             self._chan.close(linger_ms=200)
         if self._auth is not None:
             self._auth.stop()
         if self._ctx is not None:
-            self._ctx.term()
+            ctx, self._ctx = self._ctx, None
+            await anyio.to_thread.run_sync(ctx.term)  # blocks up to the linger: off the loop
         if self._transport is not None:
             await self._transport.aclose()
 
-    # -- public API ----------------------------------------------------------------------
+    def _spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn`` as a background task owned by this sender (cancelled by ``aclose``)."""
+        if self._tg is None or self._closing:
+            return
+        self._tasks += 1
+        self._tasks_done = anyio.Event() if self._tasks == 1 else self._tasks_done
+        self._tg.start_soon(self._owned, fn, args)
+
+    async def _owned(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        with anyio.CancelScope() as scope:
+            self._scopes.add(scope)
+            try:
+                await fn(*args)
+            except Exception:
+                log.exception("sender: background task %s failed", getattr(fn, "__name__", fn))
+            finally:
+                self._scopes.discard(scope)
+                self._tasks -= 1
+                if self._tasks == 0:
+                    self._tasks_done.set()
+
+    def _check_running(self) -> None:
+        if self._tg is None or self._closing:
+            raise AioembedError("the sender is not running: use `async with EmbeddingSender(...)`")
+
+    # -- public API --------------------------------------------------------------------------
 
     async def send(
         self, room: RoomId, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None
@@ -214,8 +249,7 @@ class EmbeddingSender:
         Returns once every rank holds every token; raises a :class:`TransferError` otherwise.
         The tensors are read in place (not copied) and must stay unchanged until this returns.
         """
-        if self._tg is None or self._closed:
-            raise AioembedError("the sender is not running: use `async with EmbeddingSender(...)`")
+        self._check_running()
         cfg = self.config
         try:
             validate_room("room", room)
@@ -227,53 +261,42 @@ class EmbeddingSender:
                                  "(max_request_tokens)")
         meta = dict(metadata or {})
         try:
-            meta_bytes = len(msgpack.packb(meta, use_bin_type=True))
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidRequest(f"room {room!r}: metadata is not msgpack-serialisable: {exc}") from None
-        if meta_bytes > cfg.max_metadata_bytes:
-            raise InvalidRequest(f"room {room!r}: metadata is {meta_bytes} bytes encoded; "
-                                 f"at most max_metadata_bytes={cfg.max_metadata_bytes}")
+            check_metadata(meta, cfg.max_metadata_bytes)  # the codec's own rules: nothing fails later
+        except ProtocolError as exc:
+            raise InvalidRequest(f"room {room!r}: {exc} (max_metadata_bytes={cfg.max_metadata_bytes})") from None
         tomb = self._tombstone(room)
         if tomb is not None and tomb[0] == "receiver":
             del self._ended[room]
             raise TransferAborted(f"room {room!r} was ended by the receiver before send(): {tomb[1]}", room=room)
-        sources = []
-        for name in self.layout:
-            t = tensors[name]
-            if t.device.type != "cpu" and not (self._transport and self._transport.capabilities.cuda):
-                raise InvalidRequest(f"room {room!r}: field {name!r} is on {t.device}; transport "
-                                     f"{cfg.transport!r} moves CPU memory only")
-            sources.append(t.contiguous())
+        sources = await self._sources_of(room, tensors)
         r = self._rooms.get(room)
         if r is not None and r.active:
             raise InvalidRequest(f"room {room!r} is already being sent")
+        assert self._room_ctx is not None and self._transport is not None
         now = anyio.current_time()
         if r is None:
-            r = _OutRoom(room, cfg.block_size, now)
+            r = SendRoom(room, self._room_ctx, now)
             self._rooms[room] = r
-        r.active = True
+        source = self._ledger.new_source()
+        regions = [MemoryRegion.of_tensor(t) for t in sources]
+        self._sources[source] = (regions, sources)
+        r.take_input(sources, source, meta, now)
         self._active_sends += 1
         self._idle = anyio.Event() if self._active_sends == 1 else self._idle
-        r.created = now
-        r.sources = sources
-        r.metadata = meta
-        regions = [MemoryRegion.of_tensor(t) for t in sources]
-        assert self._transport is not None
         t_start = time.perf_counter()
+        registered = False
         error: BaseException | None = None
         try:
             r.machine.on_input(num_tokens)
-            with anyio.CancelScope(shield=True):  # a registration must never be lost to a cancel
-                await self._transport.register(regions)
             try:
-                await self._drive(r)
-            finally:
-                if r.poisoned and self._tg is not None:
-                    # A failed write may still read the source: keep it registered and alive a while.
-                    self._tg.start_soon(self._release_later, regions, r.sources, self.config.round_timeout)
-                else:
-                    with anyio.CancelScope(shield=True):
-                        await self._transport.unregister(regions)
+                with anyio.CancelScope(shield=True):  # a registration must never be lost to a cancel
+                    await self._transport.register(regions)
+                registered = True
+            except TransportError as exc:
+                r.machine.fail(f"cannot register the source with transport {self._transport.name!r}: {exc}")
+                r.notify_end()
+                raise TransferFailed(f"room {room!r}: {r.machine.error}", room=room) from exc
+            await r.drive()
         except ProtocolError as exc:
             error = TransferFailed(str(exc), room=room)
             raise error from None
@@ -281,30 +304,63 @@ class EmbeddingSender:
             error = exc
             raise
         finally:
-            rounds = max((p.round + 1 for p in r.machine.ranks.values()), default=0)
-            ok = r.machine.state is TransferStatus.SUCCESS
-            self.observer.room_finished(
-                side="sender", outcome="success" if ok else outcome_of(error or TransferFailed("failed")),
-                nbytes=num_tokens * self.layout.bytes_per_token * len(r.machine.ranks), rounds=rounds,
-                seconds=time.perf_counter() - t_start)
-            if not ok:
-                # A rank that asks later learns at once that this room is over.
-                self._remember_ended(room, "sender", r.machine.error or "send() did not complete")
-            r.active = False
-            self._active_sends -= 1
-            if self._active_sends == 0:
-                self._idle.set()
-            r.sources = []
-            self._drop_room(r)
-
-    async def _release_later(self, regions: list[MemoryRegion], sources: list[torch.Tensor], delay: float) -> None:
-        """Unregister ``regions`` after ``delay``; holding ``sources`` keeps their memory alive until then."""
-        try:
-            await anyio.sleep(delay)
-        finally:
             with anyio.CancelScope(shield=True):
-                if self._transport is not None:
-                    await self._transport.unregister(regions)
+                await self._send_finished(r, source=source, registered=registered, num_tokens=num_tokens,
+                                          t_start=t_start, error=error)
+
+    async def _sources_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors to write from, contiguous; large CPU copies run off the loop."""
+        caps = self._transport.capabilities if self._transport is not None else None
+        sources = []
+        for name in self.layout:
+            t = tensors[name]
+            if t.device.type != "cpu" and not (caps is not None and caps.cuda):
+                raise InvalidRequest(f"room {room!r}: field {name!r} is on {t.device}; transport "
+                                     f"{self.config.transport!r} moves CPU memory only")
+            if not t.is_contiguous():
+                if t.device.type == "cpu" and t.numel() * t.element_size() > COPY_INLINE_BYTES:
+                    t = await anyio.to_thread.run_sync(t.contiguous)
+                else:
+                    t = t.contiguous()
+            sources.append(t)
+        return sources
+
+    async def _send_finished(self, r: SendRoom, *, source: int, registered: bool, num_tokens: int,
+                             t_start: float, error: BaseException | None) -> None:
+        room = r.room
+        rounds = max((p.round + 1 for p in r.machine.ranks.values()), default=0)
+        ok = r.machine.state is TransferStatus.SUCCESS
+        self.observer.room_finished(
+            side="sender", outcome="success" if ok else outcome_of(error or TransferFailed("failed")),
+            nbytes=num_tokens * self.layout.bytes_per_token * len(r.machine.ranks), rounds=rounds,
+            seconds=time.perf_counter() - t_start)
+        if not ok:
+            # A rank that asks later learns at once that this room is over.
+            self._remember_ended(room, "sender", r.machine.error or "send() did not complete")
+        r.active = False
+        r.sources = []
+        self._drop_room(r)
+        if not registered:
+            self._sources.pop(source, None)
+        later = []
+        for action in self._ledger.source_done(source):
+            if isinstance(action, ReleaseSource) and action.source == source:
+                await self._release_source(source)
+            else:
+                later.append(action)
+        self._apply(later)
+        self._active_sends -= 1
+        if self._active_sends == 0:
+            self._idle.set()
+
+    async def _release_source(self, source: int) -> None:
+        entry = self._sources.pop(source, None)
+        if entry is None or self._transport is None:
+            return
+        try:
+            await self._transport.unregister(entry[0])
+        except TransportError as exc:
+            log.warning("sender: unregistering a source failed: %s", exc)
 
     def abort(self, room: RoomId, reason: str = "aborted by the sender") -> None:
         """End ``room`` without sending it (e.g. the encoder failed on the request).
@@ -323,128 +379,65 @@ class EmbeddingSender:
             if r.active:
                 r.poke()  # the driver tells the ranks once its writes are over
                 return
-            self._notify_end(r)
+            r.notify_end()
             self._drop_room(r)
         self._remember_ended(room, "sender", reason)
 
-    def _drop_room(self, r: _OutRoom) -> None:
+    def _drop_room(self, r: SendRoom) -> None:
         """Forget ``r``: out of the room table and out of every peer's room set."""
         if self._rooms.get(r.room) is r:
             del self._rooms[r.room]
         for p in r.rank_peer.values():
             p.rooms.discard(r.room)
 
-    # -- driving one room ----------------------------------------------------------------
+    # -- the write ledger's actions ------------------------------------------------------------
 
-    def _next_deadline(self, r: _OutRoom) -> tuple[float, str]:
-        cfg = self.config
-        m = r.machine
-        best = (r.created + cfg.room_timeout, "room")
-        if m.expected_ranks is None or len(m.ranks) < m.expected_ranks:
-            best = min(best, (r.created + cfg.input_timeout, "init"))
-        for rank, p in m.ranks.items():
-            if p.phase is RankPhase.AWAITING_RESUME:
-                best = min(best, (r.status_sent_at.get(rank, r.created) + cfg.round_timeout, "resume"))
-        return best
+    def _apply(self, actions: list[WriterAction]) -> None:
+        for a in actions:
+            if isinstance(a, SendFenceRelease):
+                peer = self._peers.of(a.session.receiver)
+                if peer is not None and peer.key == a.session:
+                    log.info("sender: room=%r: the failed write to %s can no longer land (FENCE_RELEASE)",
+                             a.room, peer)
+                    self._send_to(peer, FenceRelease(room=a.room))
+            elif isinstance(a, SendDrained):
+                peer = self._peers.of(a.session.receiver)
+                if peer is not None and peer.key == a.session:
+                    self._send_to(peer, Drained(below_epoch=a.below_epoch))
+            elif isinstance(a, ReleaseSource):
+                self._spawn(self._release_source, a.source)
+            elif isinstance(a, DrainedSession):
+                old = self._draining.pop(a.session, None)
+                if old is not None:
+                    log.info("sender: the last write into dropped %s ended", old)
+                    self._spawn(old.link.aclose)
+        self._ledger_wake.set()
 
-    async def _drive(self, r: _OutRoom) -> None:
-        m = r.machine
-        room = r.room
-        error: TransferError | None = None
-        try:
-            async with anyio.create_task_group() as tg:
-                while True:
-                    for rank in m.ready_ranks():
-                        tg.start_soon(self._write, r, m.start_write(rank))
-                    if m.state.terminal:
-                        break
-                    deadline, phase = self._next_deadline(r)
-                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                        await r.wake.wait()
-                    r.wake = anyio.Event()
-                    if not m.state.terminal and anyio.current_time() >= deadline:
-                        waiting = {
-                            "init": f"INIT from {m.expected_ranks or 'any'} rank(s), got {sorted(m.ranks)}",
-                            "resume": "RESUME from a rank after a partial round",
-                            "room": "the whole room",
-                        }[phase]
-                        error = TransferTimeout(f"room {room!r}: timed out in phase {phase!r} waiting for {waiting}",
-                                                room=room, phase=phase)
-                        m.fail(str(error))
-                        break
-        finally:
-            # All writes of this room are over here (the task group has exited), so telling the
-            # ranks that the room ended is safe: they may free their blocks at once.
-            if not m.state.terminal:
-                m.fail("send() was cancelled", aborted=True)
-            self._notify_end(r)
-        if m.state is TransferStatus.SUCCESS:
-            log.debug("sender: room=%r: done, %d tokens to %d ranks", room, m.total, m.expected_ranks)
-            return
-        if error is not None:
-            raise error
-        reason = m.error or "failed"
-        if m.state is TransferStatus.ABORTED:
-            raise TransferAborted(f"room {room!r}: aborted: {reason}", room=room)
-        if any(not p.alive for p in r.rank_peer.values()):
-            raise PeerDead(f"room {room!r}: {reason}", room=room)
-        raise TransferFailed(f"room {room!r}: {reason}", room=room)
-
-    async def _write(self, r: _OutRoom, task: WriteTask) -> None:
-        peer = r.rank_peer[task.rank]
-        room = r.room
-        runs = plan_row_runs(num_tokens=task.count, block_size=self.config.block_size,
-                             dst_blocks=task.blocks, src_start=task.start)
-        spans = [
-            FieldSpan(src_base=t.data_ptr(), dst_base=reg[0], row_bytes=f.row_bytes)
-            for t, reg, f in zip(r.sources, peer.regions, self.layout.values(), strict=True)
-        ]
-        ops = plan_writes(runs, spans)
-        t0 = time.perf_counter()
-        try:
-            await peer.link.write(ops)
-            self.observer.round_finished(side="sender", seconds=time.perf_counter() - t0)
-        except TransportError as exc:
-            log.warning("sender: room=%r: write of %d tokens to %s failed: %s", room, task.count, peer, exc)
-            assert self._transport is not None
-            if not self._transport.capabilities.cancel_safe_writes:
-                r.poisoned.add(task.rank)
-            r.machine.fail(f"write of {task.count} tokens ({sum(o.length for o in ops)} bytes) to {peer} "
-                           f"failed: {exc}")
-            r.poke()
-            return
-        if r.machine.failed is not None:
-            r.poke()
-            return
-        status = r.machine.write_done(task, metadata=r.metadata)
-        self._send_to(peer, status)
-        if status.state == "SUCCESS":
-            r.finished.add(task.rank)
-        r.status_sent_at[task.rank] = anyio.current_time()
-        log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
-                  task.count, len(ops))
-        r.poke()
-
-    def _notify_end(self, r: _OutRoom) -> None:
-        """Tell every rank that still holds a reservation that the room is over."""
-        m = r.machine
-        for rank, peer in r.rank_peer.items():
-            if rank in r.finished or not peer.alive:
+    async def _ledger_timers(self) -> None:
+        """Retire poisoned writes once their transport's write lifetime (of our running time) passed."""
+        assert self._transport is not None
+        watch = LoopWatch(min(0.5, self.config.heartbeat_interval / 2))
+        while True:
+            self._ledger_wake = anyio.Event()
+            deadline = self._ledger.next_deadline()
+            if deadline is None:
+                await self._ledger_wake.wait()
                 continue
-            r.finished.add(rank)
-            poisoned = rank in r.poisoned  # then no ABORT_ACK: we cannot promise nothing lands any more
-            if rank in r.abort_from and not poisoned:
-                self._send_to(peer, AbortAck(room=r.room))
-            elif m.state is not TransferStatus.SUCCESS:
-                aborted = m.state is TransferStatus.ABORTED and not poisoned
-                self._send_to(peer, Status(room=r.room, state="ABORTED" if aborted else "FAILED",
-                                           total_tokens=m.total or 0, sent_tokens=0, round=0,
-                                           error=(m.error or "failed")[:4000], fence=poisoned))
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._ledger_wake.wait()
+            if self._ledger_wake.is_set():
+                continue
+            now = anyio.current_time()
+            if watch.woke(now, deadline):
+                self._ledger.loop_stalled(now, self._transport.write_lifetime)
+                continue
+            self._apply(self._ledger.tick(now))
 
-    # -- control messages ----------------------------------------------------------------
+    # -- control messages --------------------------------------------------------------------
 
-    def _send_to(self, peer: _Peer, msg: Message) -> None:
-        self._send_identity(peer.identity, msg)
+    def _send_to(self, peer: PeerSession, msg: Message) -> None:
+        if peer.alive:  # never a frame for a session after it ended
+            self._send_identity(peer.identity, msg)
 
     def _send_identity(self, identity: bytes, msg: Message) -> None:
         assert self._chan is not None
@@ -462,18 +455,16 @@ class EmbeddingSender:
             msg = decode(payload)
         except ProtocolError as exc:
             log.warning("sender: bad frame from %r (room=%s): %s", identity, exc.room, exc)
-            self._send_identity(identity, Reject(reason=f"bad frame: {exc}"[:4000], room=exc.room,
-                                                       code="bad_frame"))
+            self._send_identity(identity, Reject(reason=f"bad frame: {exc}"[:4000], room=exc.room, code="bad_frame"))
             return
-        peer = self._peers.get(identity)
+        peer = self._peers.at(identity)
         if peer is not None:
-            peer.last_heard = anyio.current_time()
+            peer.clock.heard(anyio.current_time())
         if isinstance(msg, Hello):
-            assert self._tg is not None
-            self._tg.start_soon(self._handshake, identity, msg)
+            self._spawn(self._handshake, identity, msg)
             return
         if isinstance(msg, Ping):
-            self._send_identity(identity, Pong(nonce=msg.nonce, peer_id=self.peer_id))
+            self._send_identity(identity, Pong(nonce=msg.nonce, peer_id=self.sender_id))
             return
         if peer is None:
             room = getattr(msg, "room", None)
@@ -481,7 +472,7 @@ class EmbeddingSender:
                 self._send_identity(identity, AbortAck(room=msg.room))
             elif not isinstance(msg, (Pong, AbortAck, Reject)):
                 self._send_identity(identity, Reject(reason="unknown peer: send HELLO first", room=room,
-                                                           code="unknown_peer"))
+                                                     code="unknown_peer"))
             return
         try:
             if isinstance(msg, Init):
@@ -502,56 +493,69 @@ class EmbeddingSender:
 
     async def _handshake(self, identity: bytes, hello: Hello) -> None:
         cfg = self.config
-        problems = []
-        if hello.fingerprint != self.layout.fingerprint:
-            problems.append(f"layout fingerprint {hello.fingerprint} != sender's {self.layout.fingerprint} "
-                            f"(sender layout {self.layout!r})")
-        if hello.block_size != cfg.block_size:
-            problems.append(f"block_size {hello.block_size} != sender's {cfg.block_size}")
-        if hello.transport != cfg.transport:
-            problems.append(f"transport {hello.transport!r} != sender's {cfg.transport!r}")
-        if len(hello.regions) != len(self.layout):
-            problems.append(f"{len(hello.regions)} pool regions for {len(self.layout)} layout fields")
-        else:
-            rows = hello.num_blocks * hello.block_size
-            for (name, f), (_, length) in zip(self.layout.items(), hello.regions, strict=True):
-                if length != rows * f.row_bytes:
-                    problems.append(f"pool region of field {name!r} is {length} bytes, expected {rows * f.row_bytes}")
+        assert self._transport is not None
+        problems = handshake_problems(hello, self.layout, cfg, self._transport.name)
         if problems:
             reason = f"incompatible receiver (protocol v{PROTOCOL_VERSION}): " + "; ".join(problems)
             log.warning("sender: refused rank %d: %s", hello.rank, reason)
             self._send_identity(identity, Reject(reason=reason[:4000], code="incompatible"))
             return
-        assert self._transport is not None
+        if self._welcome_again(identity, hello):
+            return
+        key = (hello.receiver_id, hello.epoch)
+        if key in self._handshaking:
+            return  # a repeated HELLO while we connect to it
+        self._handshaking.add(key)
         try:
             with anyio.fail_after(cfg.handshake_timeout):
                 link = await self._transport.connect(hello.descriptor)
         except (TransportError, TimeoutError) as exc:
-            reason = f"cannot connect transport {cfg.transport!r} to receiver rank {hello.rank}: {exc!r}"
+            reason = f"cannot connect transport {self._transport.name!r} to receiver rank {hello.rank}: {exc!r}"
             log.warning("sender: %s", reason)
-            self._send_identity(identity, Reject(reason=reason[:4000], code="incompatible"))
+            self._send_identity(identity, Reject(reason=reason[:4000], code="refused"))
             return
-        old = self._peers.get(identity)
-        if old is not None and old.peer_id == hello.peer_id:
-            await link.aclose()  # a repeated HELLO of the same session: answer again, keep its rooms
-            self._send_identity(identity, Welcome(peer_id=self.peer_id, heartbeat_interval=cfg.heartbeat_interval))
+        finally:
+            self._handshaking.discard(key)
+        if self._welcome_again(identity, hello):
+            await link.aclose()
             return
+        old = self._peers.of(hello.receiver_id)
         if old is not None:
-            self._peer_lost(old, "receiver said HELLO again (it restarted its session)")
-        peer = _Peer(identity=identity, peer_id=hello.peer_id, rank=hello.rank, world=hello.world,
-                     num_blocks=hello.num_blocks, regions=hello.regions, link=link,
-                     last_heard=anyio.current_time())
-        self._peers[identity] = peer
-        self._send_identity(identity, Welcome(peer_id=self.peer_id, heartbeat_interval=cfg.heartbeat_interval))
-        log.info("sender: %s connected (world %d)", peer, hello.world)
+            self._session_ended(old, f"{old} was replaced by its session {hello.epoch}")
+        session = PeerSession(identity=identity, key=SessionKey(hello.receiver_id, hello.epoch), rank=hello.rank,
+                              world=hello.world, num_blocks=hello.num_blocks, regions=hello.regions, link=link,
+                              clock=PeerClock(anyio.current_time()))
+        self._peers.add(session)
+        self._send_identity(identity, Welcome(sender_id=self.sender_id, epoch=hello.epoch,
+                                              heartbeat_interval=cfg.heartbeat_interval,
+                                              writer_id=self._transport.writer_id))
+        self._apply(self._ledger.session_opened(session.key))
+        log.info("sender: %s connected (world %d)", session, hello.world)
 
-    def _on_init(self, peer: _Peer, msg: Init) -> None:
+    def _welcome_again(self, identity: bytes, hello: Hello) -> bool:
+        """True if ``hello`` repeats the live session (answered again) or is older than it (ignored)."""
+        live = self._peers.of(hello.receiver_id)
+        if live is None or live.key.epoch < hello.epoch:
+            return False
+        if live.key.epoch == hello.epoch:
+            if live.identity != identity:
+                self._peers.move(live, identity)  # its socket reconnected
+            assert self._transport is not None
+            self._send_to(live, Welcome(sender_id=self.sender_id, epoch=hello.epoch,
+                                        heartbeat_interval=self.config.heartbeat_interval,
+                                        writer_id=self._transport.writer_id))
+        else:
+            log.info("sender: ignored a HELLO of session %d from %s (session %d is live)", hello.epoch,
+                     live.key.receiver[:8], live.key.epoch)
+        return True
+
+    def _on_init(self, peer: PeerSession, msg: Init) -> None:
         room = msg.room
         tomb = self._tombstone(room) if room not in self._rooms else None
         if tomb is not None and tomb[0] == "sender":
-            self._send_to(peer, Status(room=room, state="ABORTED", total_tokens=0, sent_tokens=0, round=0,
-                                       error=f"the sender ended this room before rank {peer.rank} asked: "
-                                             f"{tomb[1]}"[:4000]))
+            self._send_to(peer, Status(room=room, state=TransferStatus.ABORTED, total_tokens=0, sent_tokens=0,
+                                       round=0, error=f"the sender ended this room before rank {peer.rank} asked: "
+                                                      f"{tomb[1]}"[:4000]))
             return
         if msg.expected_ranks != peer.world:
             raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
@@ -562,7 +566,8 @@ class EmbeddingSender:
             if len(peer.rooms) >= self.config.max_rooms_per_peer:
                 raise ProtocolError(f"{peer} has {len(peer.rooms)} rooms open; max_rooms_per_peer="
                                     f"{self.config.max_rooms_per_peer}", room=room)
-            r = _OutRoom(room, self.config.block_size, anyio.current_time())
+            assert self._room_ctx is not None
+            r = SendRoom(room, self._room_ctx, anyio.current_time())
         r.machine.on_init(peer.rank, blocks=msg.blocks, allocated_tokens=msg.allocated_tokens,
                           expected_ranks=msg.expected_ranks, num_blocks=peer.num_blocks)
         if new:  # only a valid INIT creates a room: refused frames leave nothing behind
@@ -572,7 +577,7 @@ class EmbeddingSender:
         self._ended.pop(room, None)
         r.poke()
 
-    def _on_resume(self, peer: _Peer, msg: Resume) -> None:
+    def _on_resume(self, peer: PeerSession, msg: Resume) -> None:
         r = self._rooms.get(msg.room)
         if r is None or r.rank_peer.get(peer.rank) is not peer:
             raise ProtocolError(f"RESUME for room {msg.room!r}, which {peer} has not started", room=msg.room)
@@ -580,7 +585,7 @@ class EmbeddingSender:
                             allocated_tokens=msg.allocated_tokens, num_blocks=peer.num_blocks)
         r.poke()
 
-    def _on_abort(self, peer: _Peer, msg: Abort) -> None:
+    def _on_abort(self, peer: PeerSession, msg: Abort) -> None:
         r = self._rooms.get(msg.room)
         if r is None or r.rank_peer.get(peer.rank) is not peer:
             self._send_to(peer, AbortAck(room=msg.room))
@@ -591,11 +596,11 @@ class EmbeddingSender:
         if r.active:
             r.poke()  # the driver acknowledges once this room's writes are over
         else:
-            self._notify_end(r)  # nothing was written: acknowledge at once
+            r.notify_end()  # nothing was written: acknowledge at once
             self._drop_room(r)
             self._remember_ended(msg.room, "receiver", msg.reason)
 
-    def _on_reject(self, peer: _Peer, msg: Reject) -> None:
+    def _on_reject(self, peer: PeerSession, msg: Reject) -> None:
         log.warning("sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
         if msg.room is not None and (r := self._rooms.get(msg.room)) is not None:
             r.machine.fail(f"{peer} rejected: {msg.reason}")
@@ -615,29 +620,31 @@ class EmbeddingSender:
             return None
         return tomb
 
-    # -- liveness ------------------------------------------------------------------------
+    # -- liveness ----------------------------------------------------------------------------
 
     async def _liveness_loop(self) -> None:
         cfg = self.config
-        limit = cfg.heartbeat_interval * cfg.heartbeat_misses
-        last_tick = anyio.current_time()
+        interval = cfg.heartbeat_interval
+        limit = interval * cfg.heartbeat_misses
+        watch = LoopWatch(interval)
         while True:
-            await anyio.sleep(cfg.heartbeat_interval)
+            expected = anyio.current_time() + interval
+            await anyio.sleep(interval)
             now = anyio.current_time()
-            if now - last_tick > 2 * cfg.heartbeat_interval:
+            if watch.woke(now, expected):
                 # Our own loop was starved: do not blame peers for silence we could not hear.
-                for peer in self._peers.values():
-                    peer.last_heard = max(peer.last_heard, now - cfg.heartbeat_interval)
-            last_tick = now
-            for peer in list(self._peers.values()):
-                if now - peer.last_heard > limit:
-                    self._peer_lost(peer, f"{peer} silent for more than {limit:.1f} s")
+                for peer in self._peers.sessions():
+                    peer.clock.forgive(now, interval)
+            for peer in self._peers.sessions():
+                if peer.clock.silent(now, limit):
+                    self._session_ended(peer, f"{peer} silent for more than {limit:.1f} s")
 
-    def _peer_lost(self, peer: _Peer, reason: str) -> None:
+    def _session_ended(self, peer: PeerSession, reason: str) -> None:
+        """The session is over: no new write or frame goes to it; its rooms fail."""
         log.warning("sender: %s; failing its %d rooms", reason, len(peer.rooms))
         peer.alive = False
-        if self._peers.get(peer.identity) is peer:
-            del self._peers[peer.identity]
+        self._peers.remove(peer)
+        self._apply(self._ledger.session_closed(peer.key))
         for room in list(peer.rooms):
             r = self._rooms.get(room)
             if r is None:
@@ -645,20 +652,27 @@ class EmbeddingSender:
             r.machine.fail(reason)
             r.poke()
             if not r.active:
-                self._notify_end(r)
+                r.notify_end()  # the room's other ranks hold reservations too
                 self._drop_room(r)
         peer.rooms.clear()
-        if self._tg is not None:
-            self._tg.start_soon(peer.link.aclose)
+        if self._ledger.writes_into(peer.key):
+            self._draining[peer.key] = peer  # its link closes once its last write ended
+        else:
+            self._spawn(peer.link.aclose)
 
-    # -- introspection -------------------------------------------------------------------
+    # -- introspection -------------------------------------------------------------------------
 
     @property
     def peers(self) -> list[str]:
         """Connected receivers, for logs and tests."""
-        return [str(p) for p in self._peers.values()]
+        return [str(p) for p in self._peers.sessions()]
 
     @property
     def rooms_in_flight(self) -> int:
         """Rooms known to the sender (sending, or reserved by a receiver and awaiting ``send``)."""
         return len(self._rooms)
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Writes not yet known to be over (poisoned ones included until their lifetime passed)."""
+        return len(self._ledger)

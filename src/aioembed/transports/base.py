@@ -14,6 +14,13 @@ Contract every implementation keeps (checked by :mod:`aioembed.testing`):
 * A write whose destination is outside the peer's announced regions, or whose source is
   outside this side's registered regions, raises ``TransportError`` before moving anything.
 * After ``aclose()`` (of the link or the transport) writes raise ``TransportError``.
+* ``write_lifetime`` bounds how long a failed write, or any write of a writer whose process has
+  ended, may still land at a *running* destination. The sessions fence blocks for that long.
+* A transport with ``revocable`` implements ``revoke(writer_id)``: once it returns, no write from
+  that writer can land in this endpoint's memory.
+
+Plugins raise ``TransportError`` (or ``ConfigError`` for bad options); anything else they raise is
+turned into a ``TransportError`` by :mod:`aioembed.transports.boundary` before a session sees it.
 """
 
 from __future__ import annotations
@@ -89,6 +96,13 @@ class TransportCapabilities:
     cancel_safe_writes: bool = True
     """A write that failed never lands later. False when a failed (timed-out) write may still
     reach the destination afterwards: the session then fences the destination blocks."""
+    revocable: bool = False
+    """``Transport.revoke(writer_id)`` can cut a writer off: afterwards none of its writes lands."""
+    write_lifetime: float = 0.0
+    """Seconds a failed write, or a write of a writer whose process ended, may still land at a
+    running destination (data in socket buffers, a native engine's retries). Counted in the
+    destination's running time. The default for a plugin; ``Transport.write_lifetime`` may
+    refine it from the endpoint's options."""
 
 
 class RegionSet:
@@ -207,7 +221,9 @@ class Transport(ABC):
     """
 
     name: ClassVar[str]
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities()
+    capabilities: TransportCapabilities = TransportCapabilities()
+    """What this transport can do; a class attribute for plugins, an instance attribute for
+    configurable ones such as :class:`~aioembed.testing.MockTransport`."""
 
     @classmethod
     @abstractmethod
@@ -235,6 +251,23 @@ class Transport(ABC):
 
         A descriptor that is not one of this transport's raises ``TransportError``.
         """
+
+    @property
+    def write_lifetime(self) -> float:
+        """See :attr:`TransportCapabilities.write_lifetime` (this endpoint's value)."""
+        return self.capabilities.write_lifetime
+
+    @property
+    def writer_id(self) -> str:
+        """This endpoint's identity as a writer, as a peer's :meth:`revoke` knows it ("" if none)."""
+        return ""
+
+    async def revoke(self, writer_id: str) -> None:
+        """Make sure no write from ``writer_id`` lands in this endpoint's memory any more.
+
+        Returns once writes of it already landing have ended. Only for ``capabilities.revocable``.
+        """
+        raise TransportError(f"transport {self.name!r} cannot revoke a writer (capabilities.revocable is false)")
 
     @abstractmethod
     async def aclose(self) -> None:

@@ -3,6 +3,11 @@
 It exists so that the whole stack (protocol, sessions, pools, resume) runs on a laptop with
 no GPU or NIC, with the same checks as a real transport: writes must stay inside registered
 memory on both sides, and a closed peer fails writes. CPU memory only.
+
+It can revoke a writer (``revoke(writer_id)``) as a barrier: a write posted before the call
+never lands after it returns, writes posted later are admitted. Writes may run on another
+thread's event loop than the owner's (tests put two sides on two loops), so the bookkeeping is
+guarded by a lock, and ``revoke`` waits for writes already landing in a worker thread.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 import uuid
 import weakref
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Self
 
@@ -49,8 +56,8 @@ class LoopbackTransport(Transport):
     """
 
     name: ClassVar[str] = "loopback"
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
-        cuda=False, asyncio_only=False, cross_process=False
+    capabilities = TransportCapabilities(
+        cuda=False, asyncio_only=False, cross_process=False, revocable=True, write_lifetime=0.0,
     )
 
     def __init__(self, *, inline_bytes: int = 256 * 1024, threads: int = 4) -> None:
@@ -60,7 +67,51 @@ class LoopbackTransport(Transport):
         self._inline_bytes = inline_bytes
         self._limiter = anyio.CapacityLimiter(threads)
         self._links: set[LoopbackLink] = set()
+        # Revocation, as the owner of memory: writer id -> revocations so far, and writes landing now.
+        self._lock = threading.Lock()
+        self._quiet = threading.Condition(self._lock)
+        self._generation: dict[str, int] = {}
+        self._landing: Counter[str] = Counter()
         _ENDPOINTS[self.id] = self
+
+    @property
+    def writer_id(self) -> str:
+        return self.id
+
+    def _admit(self, writer: str) -> int:
+        """The revocation generation a write posted now belongs to."""
+        with self._lock:
+            return self._generation.get(writer, 0)
+
+    def _begin_landing(self, writer: str, generation: int) -> bool:
+        """May a write of ``writer`` posted in ``generation`` land now? (Counted until ``_end_landing``.)"""
+        with self._lock:
+            if self.closed or self._generation.get(writer, 0) != generation:
+                return False
+            self._landing[writer] += 1
+            return True
+
+    def _end_landing(self, writer: str) -> None:
+        with self._lock:
+            self._landing[writer] -= 1
+            if self._landing[writer] <= 0:
+                del self._landing[writer]
+                self._quiet.notify_all()
+
+    def _wait_quiet(self, writer: str) -> None:
+        with self._lock:
+            while self._landing.get(writer, 0) > 0:
+                self._quiet.wait()
+
+    async def revoke(self, writer_id: str) -> None:
+        with self._lock:
+            self._generation[writer_id] = self._generation.get(writer_id, 0) + 1
+            busy = self._landing.get(writer_id, 0) > 0
+        if busy:
+            with anyio.CancelScope(shield=True):  # the barrier must hold once revoke() started
+                await anyio.to_thread.run_sync(self._wait_quiet, writer_id)
+        else:
+            await anyio.lowlevel.checkpoint()
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> Self:
@@ -132,10 +183,20 @@ class LoopbackTransport(Transport):
     async def aclose(self) -> None:
         if self.closed:
             return
-        self.closed = True
+        with self._lock:
+            self.closed = True  # refuses every later landing into our memory
+            busy = bool(self._landing)
         for link in list(self._links):
             await link.aclose()
+        if busy:  # writes landing in our memory right now end before it may be released
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._wait_all_quiet)
         _ENDPOINTS.pop(self.id, None)
+
+    def _wait_all_quiet(self) -> None:
+        with self._lock:
+            while self._landing:
+                self._quiet.wait()
 
 
 class LoopbackLink(Link):
@@ -156,6 +217,12 @@ class LoopbackLink(Link):
             raise TransportError(f"write on a closed link to {self.peer}")
         if self._peer.closed:
             raise TransportError(f"peer {self.peer} has closed; {len(ops)} ops not written")
+        generation = self._peer._admit(self._local.id)
+        total = self._check(ops)
+        await self._land(ops, total, generation)
+
+    def _check(self, ops: Sequence[WriteOp]) -> int:
+        """Validate every op before anything moves; returns the byte count."""
         total = 0
         for op in ops:
             if op.length <= 0:
@@ -164,6 +231,20 @@ class LoopbackLink(Link):
             self._announced.check(op.dst, op.length, f"write destination at {self.peer}")
             self._peer.regions.check(op.dst, op.length, f"write destination at {self.peer}")
             total += op.length
+        return total
+
+    async def _land(self, ops: Sequence[WriteOp], total: int, generation: int) -> None:
+        """Move the bytes, unless the owner revoked this writer since ``generation``."""
+        writer = self._local.id
+        if not self._peer._begin_landing(writer, generation):
+            raise TransportError(f"write of {total} bytes to {self.peer} refused: the peer revoked this writer "
+                                 "or closed", may_land=False)
+        try:
+            await self._copy(ops, total)
+        finally:
+            self._peer._end_landing(writer)
+
+    async def _copy(self, ops: Sequence[WriteOp], total: int) -> None:
         if total <= self._local._inline_bytes:
             _copy_all(ops)
             await anyio.lowlevel.checkpoint()

@@ -8,6 +8,7 @@ from typing import Any
 
 from aioembed.errors import ConfigError, TransportError
 from aioembed.transports.base import Transport
+from aioembed.transports.boundary import GuardedTransport, open_guarded
 
 __all__ = ["ENTRY_POINT_GROUP", "available_transports", "open_transport", "resolve_transport"]
 
@@ -50,6 +51,7 @@ def resolve_transport(name: str) -> type[Transport]:
     return cls
 
 
-async def open_transport(name: str, options: Mapping[str, Any] | None = None) -> Transport:
-    """Open an endpoint of the transport named ``name``."""
-    return await resolve_transport(name).open(options or {})
+async def open_transport(name: str, options: Mapping[str, Any] | None = None) -> GuardedTransport:
+    """Open an endpoint of the transport named ``name``, behind the plugin boundary (any exception
+    the plugin raises reaches the caller as ``TransportError`` or ``ConfigError``)."""
+    return await open_guarded(resolve_transport(name), options or {})

@@ -1,0 +1,165 @@
+"""The receiver's pool memory: the allocator and the ownership ledger, and the one place where the
+ledger's actions (``Free``, ``Fence``) are carried out.
+
+Rooms and connections never free or fence blocks themselves: they report events to the
+:class:`~aioembed.protocol.ownership.BlockLedger` through this keeper and it applies what the
+ledger decides. It also runs the ledger's timed releases, counting only time this process was
+running: a late wake-up of the timer means the loop stalled, and the windows start again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+
+import anyio
+
+from aioembed.memory.allocator import BlockAllocator
+from aioembed.metrics import TransferObserver
+from aioembed.protocol.messages import RoomId
+from aioembed.protocol.ownership import (
+    BlockLedger,
+    Fence,
+    FenceReason,
+    Free,
+    GrantState,
+    LedgerAction,
+    Proof,
+    Writer,
+)
+from aioembed.session.liveness import LoopWatch
+
+__all__ = ["BlockKeeper"]
+
+log = logging.getLogger("aioembed.session.blocks")
+
+
+class BlockKeeper:
+    """Allocator + ledger of one receiver's pool."""
+
+    def __init__(self, allocator: BlockAllocator, *, name: str, observer: TransferObserver,
+                 stall_tolerance: float) -> None:
+        self.allocator = allocator
+        self.ledger = BlockLedger()
+        self.name = name
+        self.observer = observer
+        self.watch = LoopWatch(stall_tolerance)
+        self._wake = anyio.Event()
+        self.fenced_total: Counter[str] = Counter()
+        """Blocks ever fenced, by reason name (for metrics)."""
+        self.released_total: Counter[str] = Counter()
+        """Fenced blocks released, by proof name."""
+
+    # -- reserving ---------------------------------------------------------------------------
+
+    def try_reserve(self, room: RoomId, tokens: int, *, priority: bool = False, keep_free: int = 0,
+                    round: int = 0) -> int | None:
+        """A grant for ``tokens`` now, or ``None`` if that would wait."""
+        blocks = self.allocator.try_alloc(tokens, priority=priority, keep_free=keep_free)
+        return None if blocks is None else self.ledger.reserve(room, blocks, round=round)
+
+    async def reserve(self, room: RoomId, tokens: int, *, timeout: float, priority: bool, keep_free: int,
+                      round: int = 0) -> int:
+        """A grant for ``tokens``, waiting (FIFO) for free blocks; ``AllocationTimeout`` after ``timeout``."""
+        blocks = await self.allocator.alloc(tokens, timeout=timeout, priority=priority, keep_free=keep_free)
+        return self.ledger.reserve(room, blocks, round=round)
+
+    def blocks_of(self, grant: int) -> tuple[int, ...]:
+        """The block ids of a live grant."""
+        return self.ledger.grant(grant).blocks
+
+    # -- applying the ledger's decisions -------------------------------------------------------
+
+    def apply(self, actions: Iterable[LedgerAction]) -> None:
+        """Carry out ``Free`` / ``Fence`` actions on the allocator (and log each fence once)."""
+        changed = False
+        for a in actions:
+            changed = True
+            if isinstance(a, Fence):
+                self.allocator.fence(a.blocks)
+                self.fenced_total[a.reason.name] += len(a.blocks)
+                self.observer.blocks_fenced(reason=a.reason.name.lower(), blocks=len(a.blocks),
+                                            sender=a.writer.address if a.writer else "")
+                log.warning("%s: room=%r: %d blocks fenced: %s (%s)", self.name, a.room, len(a.blocks),
+                            a.reason.value, a.writer or "no writer")
+            else:
+                self._free(a)
+        if changed:
+            self._wake.set()
+
+    def _free(self, a: Free) -> None:
+        self.allocator.free(a.blocks)
+        if a.was is GrantState.FENCED:
+            self.released_total[a.proof.name] += len(a.blocks)
+            self.observer.fence_released(proof=a.proof.name.lower(), blocks=len(a.blocks),
+                                         sender=a.writer.address if a.writer else "")
+            log.info("%s: room=%r: %d fenced blocks released: %s", self.name, a.room, len(a.blocks),
+                     a.proof.value)
+        elif a.proof not in (Proof.CONSUMED, Proof.UNANNOUNCED, Proof.STATUS):
+            log.debug("%s: room=%r: %d blocks freed: %s", self.name, a.room, len(a.blocks), a.proof.value)
+
+    # -- events that concern many grants ---------------------------------------------------------
+
+    def writer_silent(self, writer: Writer) -> None:
+        self.apply(self.ledger.writer_silent(writer))
+
+    def session_dropped(self, writer: Writer) -> None:
+        self.apply(self.ledger.session_dropped(writer))
+
+    def drained(self, sender: str, below_epoch: int, *, settle: float) -> None:
+        self.apply(self.ledger.drained(sender, below_epoch, now=anyio.current_time(), settle=settle))
+        self._wake.set()  # timed releases may have been scheduled
+
+    def revoked(self, sender: str) -> None:
+        self.apply(self.ledger.revoked(sender))
+
+    def writer_gone(self, sender: str, *, lifetime: float) -> None:
+        self.apply(self.ledger.writer_gone(sender, now=anyio.current_time(), lifetime=lifetime))
+        self._wake.set()
+
+    def writer_back(self, sender: str) -> None:
+        self.ledger.writer_back(sender)
+        self._wake.set()
+
+    def fence_released(self, writer: Writer, room: RoomId, *, settle: float) -> None:
+        self.apply(self.ledger.fence_released(writer, room, now=anyio.current_time(), settle=settle))
+        self._wake.set()
+
+    def late_answer(self, writer: Writer, room: RoomId, proof: Proof, *, round: int | None = None) -> bool:
+        """A writer's answer for a room no longer in flight here; True if it released something."""
+        actions = self.ledger.late_answer(writer, room, proof, round=round)
+        self.apply(actions)
+        return bool(actions)
+
+    def late_fence(self, writer: Writer, room: RoomId) -> None:
+        """A late ``STATUS(fence=True)``: the blocks stay fenced until ``FENCE_RELEASE``."""
+        for g in self.ledger.fenced_for(writer, room):
+            self.apply(self.ledger.fence(g.id, FenceReason.WRITE_FAILED))
+
+    def stalled(self, now: float) -> None:
+        """Our loop did not run for a while: timed releases start their windows again."""
+        self.ledger.loop_stalled(now)
+        self._wake.set()
+
+    # -- the timer ---------------------------------------------------------------------------
+
+    async def run_timers(self) -> None:
+        """Free grants whose timed release came (a background task of the receiver)."""
+        while True:
+            self._wake = anyio.Event()
+            deadline = self.ledger.next_deadline()
+            if deadline is None:
+                await self._wake.wait()
+                continue
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._wake.wait()
+            if self._wake.is_set():
+                continue  # the ledger changed: look again
+            now = anyio.current_time()
+            if self.watch.woke(now, deadline):
+                log.warning("%s: the event loop stalled %.2f s; timed releases of fenced blocks start again",
+                            self.name, now - deadline)
+                self.ledger.loop_stalled(now)
+                continue
+            self.apply(self.ledger.tick(now))

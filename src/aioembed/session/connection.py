@@ -1,0 +1,380 @@
+"""A receiver's control connection to one sender: handshake sessions, heartbeats, routing.
+
+Each handshake opens a *session* with a new epoch. Everything announced in a session is owned by
+the writer ``(sender process id, epoch)``. ZeroMQ keeps the frames of one connection in order and
+a sender never sends a frame for a session after replacing or dropping it, so every frame that
+arrives before ``WELCOME(epoch + 1)`` belongs to the previous session: late answers are
+attributed to the right writer without carrying an epoch on every frame.
+
+When the session is lost, the connection reports it to the ledger (which fences what the writer
+may still reach), to the rooms (which end, or open again if the sender never started them), and
+shakes hands again:
+
+* ``SILENT``: no frame for ``heartbeat_interval x heartbeat_misses`` (our own stalls forgiven);
+* ``DROPPED``: the sender answered ``unknown_peer`` (it restarted, or declared *us* dead);
+* ``DISCONNECTED``: the sender closed the control connection (its process ended or closed the
+  sender); with a new sender id at the same address this counts as the old process being gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from aioembed.config import TransferConfig
+from aioembed.control.channel import ControlSocket
+from aioembed.control.sockets import make_dealer
+from aioembed.errors import IncompatiblePeer, ProtocolError, TransferTimeout
+from aioembed.layout import Layout
+from aioembed.memory.pool import BlockPool
+from aioembed.protocol.messages import (
+    Abort,
+    AbortAck,
+    Drained,
+    FenceRelease,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    Reject,
+    RoomId,
+    Status,
+    TransferStatus,
+    Welcome,
+    decode,
+    encode,
+)
+from aioembed.protocol.ownership import Proof, Writer
+from aioembed.session.block_keeper import BlockKeeper
+from aioembed.session.lease import LeaseReturns
+from aioembed.session.liveness import LoopWatch, PeerClock
+from aioembed.transports.boundary import GuardedTransport
+
+if TYPE_CHECKING:
+    from aioembed.session.receive_room import ReceiveRoom
+
+__all__ = ["LossKind", "SenderConnection", "SessionLost"]
+
+log = logging.getLogger("aioembed.session.connection")
+
+FENCE_SETTLE = 0.2
+"""Seconds of our running time between a FENCE_RELEASE or DRAINED and the free: bytes the
+sender's transport already handed to our kernel (e.g. while we were frozen) land meanwhile."""
+
+
+class LossKind(enum.Enum):
+    """How a session with a sender ended."""
+
+    SILENT = "silent"
+    DROPPED = "dropped"
+    DISCONNECTED = "disconnected"
+    CLOSING = "closing"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLost:
+    """Delivered to the rooms of a lost session."""
+
+    kind: LossKind
+    reason: str
+    writer: Writer
+
+
+RoomEvent = Status | Abort | AbortAck | Reject | SessionLost
+
+
+class SenderConnection:
+    """One sender, as seen by one receiver: a DEALER socket and the sessions over it."""
+
+    def __init__(self, address: str, *, ctx: zmq.Context[zmq.Socket[bytes]], config: TransferConfig,
+                 layout: Layout, pool: BlockPool, rank: int, world: int, receiver_id: str, keeper: BlockKeeper,
+                 transport: GuardedTransport, returns: LeaseReturns, spawn: Callable[..., None]) -> None:
+        self.address = address
+        self.config = config
+        self.layout = layout
+        self.pool = pool
+        self.rank = rank
+        self.world = world
+        self.receiver_id = receiver_id
+        self.keeper = keeper
+        self.transport = transport
+        self.returns = returns
+        self._spawn = spawn
+        self.name = f"receiver[{rank}]<-{address}"
+        self.rooms: dict[RoomId, ReceiveRoom] = {}
+        self.epoch = 0
+        self.sender_id: str | None = None
+        self.writer: Writer | None = None
+        """The writer of the last WELCOMEd session: frames that arrive are from it."""
+        self.writer_id = ""
+        self.refused: IncompatiblePeer | None = None
+        self.sessions = 0
+        self._ready = anyio.Event()
+        self._answered = anyio.Event()
+        self._lost = anyio.Event()
+        self._closed = False
+        self._disconnected = False
+        self._gone_sender: str | None = None
+        self.clock = PeerClock(0.0)
+        self._pings: deque[int] = deque(maxlen=8)
+        self._nonce_base = uuid.uuid4().int & ((1 << 62) - 1)
+        sock = make_dealer(ctx, address, config)
+        try:
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        self.chan = ControlSocket(sock, self._on_frames, name=self.name)
+        self.monitor = ControlSocket(mon, self._on_monitor, name=f"{self.name}:monitor")
+
+    # -- public-ish ----------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """True while a session is established and usable for new rooms."""
+        return self._ready.is_set() and self.refused is None
+
+    async def wait_ready(self, timeout: float) -> Writer:
+        """The current session's writer, once a handshake holds; ``TransferTimeout`` otherwise."""
+        with anyio.move_on_after(timeout):
+            await self._ready.wait()
+        if self.refused is not None:
+            raise self.refused
+        if not self._ready.is_set() or self.writer is None:
+            raise TransferTimeout(f"no handshake with sender {self.address} within {timeout} s "
+                                  f"(receiver rank {self.rank})", phase="handshake")
+        return self.writer
+
+    def send(self, msg: Message) -> None:
+        """Queue a frame for the sender (never blocks)."""
+        self.chan.send([encode(msg)])
+
+    def close(self) -> None:
+        """Close the sockets (the owner cancels ``run`` first)."""
+        self._closed = True
+        with contextlib.suppress(zmq.ZMQError):
+            self.chan.sock.disable_monitor()
+        self.monitor.close()
+        self.chan.close()
+
+    # -- the connection task -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Handshake, then heartbeats until the session is lost; again, until closed or refused."""
+        while not self._closed:
+            await self._handshake()
+            if self.refused is not None:
+                log.error("%s: %s", self.name, self.refused)
+                self._ready.set()  # wakes waiters, who then see the refusal
+                return
+            await self._heartbeats()
+
+    async def _handshake(self) -> None:
+        cfg = self.config
+        self.epoch += 1
+        self._answered = anyio.Event()
+        self._lost = anyio.Event()
+        hello = Hello(
+            receiver_id=self.receiver_id, epoch=self.epoch, fingerprint=self.layout.fingerprint,
+            transport=self.transport.name, descriptor=self.transport.descriptor(), block_size=cfg.block_size,
+            num_blocks=cfg.pool_blocks, rank=self.rank, world=self.world,
+            regions=tuple((reg.address, reg.length) for reg in self.pool.regions()),
+        )
+        while not self._answered.is_set():
+            self.send(hello)
+            with anyio.move_on_after(cfg.handshake_timeout):
+                await self._answered.wait()
+            if not self._answered.is_set():
+                log.info("%s: no answer to HELLO (session %d) yet; saying it again", self.name, self.epoch)
+
+    async def _heartbeats(self) -> None:
+        cfg = self.config
+        interval = cfg.heartbeat_interval
+        limit = interval * cfg.heartbeat_misses
+        watch = LoopWatch(interval)
+        nonce = 0
+        while not self._lost.is_set():
+            nonce += 1
+            ping = (self._nonce_base + nonce) & ((1 << 62) - 1)  # unguessable, so PONGs can be checked
+            self._pings.append(ping)
+            self.send(Ping(nonce=ping))
+            expected = anyio.current_time() + interval
+            with anyio.move_on_after(interval):
+                await self._lost.wait()
+            if self._lost.is_set():
+                return
+            now = anyio.current_time()
+            stall = watch.woke(now, expected)
+            if stall:
+                # Our own loop did not run: do not blame the sender for silence we could not hear,
+                # and restart the windows of timed releases (buffered bytes land at thaw).
+                log.warning("%s: the event loop stalled %.2f s", self.name, stall)
+                self.clock.forgive(now, interval)
+                self.keeper.stalled(now)
+            self.returns.drain()
+            if self.clock.silent(now, limit):
+                self.session_lost(LossKind.SILENT, f"sender {self.address} silent for more than {limit:.1f} s")
+
+    # -- session changes -----------------------------------------------------------------------
+
+    def session_lost(self, kind: LossKind, reason: str) -> None:
+        """End the current session: fence what its writer may reach, tell its rooms, shake hands again."""
+        writer = self.writer
+        if not self._ready.is_set() or writer is None:
+            return  # between sessions already
+        self._ready = anyio.Event()
+        self._lost.set()
+        log.warning("%s: session %d lost (%s): %s; %d rooms affected", self.name, writer.epoch, kind.value,
+                    reason, sum(1 for r in self.rooms.values() if r.writer == writer))
+        if kind is LossKind.SILENT:
+            self.keeper.writer_silent(writer)
+        else:
+            self.keeper.session_dropped(writer)
+        if kind is LossKind.DISCONNECTED:
+            self._gone_sender = writer.sender
+            self.keeper.writer_gone(writer.sender, lifetime=self.transport.write_lifetime)
+        if self.transport.capabilities.revocable and self.writer_id and kind is not LossKind.CLOSING:
+            self._spawn(self._revoke, writer.sender, self.writer_id)
+        event = SessionLost(kind, reason, writer)
+        for room in list(self.rooms.values()):
+            room.session_lost(event)
+
+    async def _revoke(self, sender: str, writer_id: str) -> None:
+        try:
+            await self.transport.revoke(writer_id)
+        except Exception as exc:  # TransportError: the blocks stay fenced until another proof
+            log.warning("%s: could not revoke %s: %s", self.name, writer_id[:16], exc)
+            return
+        log.info("%s: revoked writer %s of sender %s", self.name, writer_id[:16], sender[:8])
+        self.keeper.revoked(sender)
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        if msg.epoch != self.epoch or self._answered.is_set():
+            log.debug("%s: WELCOME for session %d ignored (current %d)", self.name, msg.epoch, self.epoch)
+            return
+        old = self.sender_id
+        if old is not None and msg.sender_id != old:
+            # Another process answers at the address: the old one released it, so it is gone.
+            log.warning("%s: the sender restarted (id %s, was %s); its earlier writes are waited out for %.1f s",
+                        self.name, msg.sender_id[:8], old[:8], self.transport.write_lifetime)
+            self.keeper.writer_gone(old, lifetime=self.transport.write_lifetime)
+        elif old is not None and self._gone_sender == old:
+            log.info("%s: sender %s is back; it was not gone after all", self.name, old[:8])
+            self.keeper.writer_back(old)
+        self._gone_sender = None
+        self._disconnected = False
+        self.sender_id = msg.sender_id
+        self.writer_id = msg.writer_id
+        self.writer = Writer(msg.sender_id, self.epoch, self.address)
+        self.sessions += 1
+        self.clock.heard(anyio.current_time())
+        self._answered.set()
+        self._ready.set()
+        log.info("%s: connected (session %d, sender %s)", self.name, self.epoch, msg.sender_id[:8])
+
+    # -- frames ------------------------------------------------------------------------------
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        try:
+            event = parse_monitor_message(frames)
+        except Exception as exc:
+            log.debug("%s: unreadable monitor event: %r", self.name, exc)
+            return
+        if event["event"] == zmq.EVENT_DISCONNECTED and not self._closed:
+            self._disconnected = True
+            if self._ready.is_set():
+                self.session_lost(LossKind.DISCONNECTED,
+                                  f"sender {self.address} closed the control connection (process ended?)")
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            log.warning("%s: dropped a %d-frame message", self.name, len(frames))
+            return
+        try:
+            msg = decode(frames[0])
+        except ProtocolError as exc:
+            # Never answer an undecodable frame: two confused peers would bounce errors forever.
+            log.warning("%s: bad frame from the sender (room=%s): %s", self.name, exc.room, exc)
+            if exc.peer_version is not None and not self._answered.is_set():
+                self.refused = IncompatiblePeer(f"sender {self.address} speaks protocol version "
+                                                f"{exc.peer_version}: {exc}")
+                self._answered.set()
+            return
+        self.clock.heard(anyio.current_time())
+        if isinstance(msg, Welcome):
+            self._on_welcome(msg)
+        elif isinstance(msg, Reject) and msg.code == "unknown_peer":
+            self._on_unknown_peer(msg)
+        elif isinstance(msg, Reject) and msg.room is None:
+            if not self._answered.is_set() and msg.code == "incompatible":
+                self.refused = IncompatiblePeer(f"sender {self.address} refused the handshake: {msg.reason}")
+                self._answered.set()
+            else:
+                log.warning("%s: the sender rejected a frame: %s", self.name, msg.reason)
+        elif isinstance(msg, (Status, Abort, AbortAck, Reject)):
+            self._on_room_frame(msg)
+        elif isinstance(msg, FenceRelease):
+            if self.writer is not None:
+                self.keeper.fence_released(self.writer, msg.room, settle=FENCE_SETTLE)
+        elif isinstance(msg, Drained):
+            # It can only vouch for sessions before the one it arrives in: never for the live one.
+            if self.sender_id is not None and self._ready.is_set():
+                self.keeper.drained(self.sender_id, min(msg.below_epoch, self.epoch), settle=FENCE_SETTLE)
+        elif isinstance(msg, Pong):
+            if msg.nonce not in self._pings:
+                log.debug("%s: PONG %d answers no PING of ours, ignored", self.name, msg.nonce)
+            elif self.sender_id is not None and msg.peer_id != self.sender_id:
+                self.session_lost(LossKind.DROPPED, f"sender {self.address} restarted (new id {msg.peer_id[:8]})")
+        elif isinstance(msg, Ping):
+            self.send(Pong(nonce=msg.nonce, peer_id=self.receiver_id))
+        else:
+            log.warning("%s: unexpected %s from the sender, ignored", self.name, msg.TYPE)
+
+    def _on_unknown_peer(self, msg: Reject) -> None:
+        # Believed only when it names a room of ours (a real sender answers our INIT/RESUME/ABORT
+        # so), or a room the ledger still holds for this sender.
+        known = msg.room is not None and (msg.room in self.rooms or (
+            self.writer is not None and self.keeper.ledger.holds_room(self.writer, msg.room)))
+        if not known:
+            log.warning("%s: ignored an unknown_peer REJECT naming no room of ours: %r", self.name, msg.room)
+            return
+        self.session_lost(LossKind.DROPPED, f"sender {self.address} does not know this session "
+                                            "(it restarted, or declared this receiver dead)")
+
+    def _on_room_frame(self, msg: Status | Abort | AbortAck | Reject) -> None:
+        room_id = msg.room
+        assert room_id is not None
+        room = self.rooms.get(room_id)
+        if room is not None and room.writer is not None and room.writer == self.writer:
+            room.deliver(msg)
+            return
+        self._late(msg, room_id)
+
+    def _late(self, msg: Status | Abort | AbortAck | Reject, room: RoomId) -> None:
+        """A frame for a room no longer in flight here: a proof (or doubt) about fenced blocks."""
+        writer = self.writer
+        if isinstance(msg, Abort):
+            self.send(AbortAck(room=room))
+        if writer is None:
+            return
+        if isinstance(msg, Status) and msg.fence:
+            self.keeper.late_fence(writer, room)
+        elif isinstance(msg, Status):
+            data = msg.state in (TransferStatus.SUCCESS, TransferStatus.TRANSFERRING)
+            self.keeper.late_answer(writer, room, Proof.STATUS, round=msg.round if data else None)
+        elif isinstance(msg, AbortAck):
+            self.keeper.late_answer(writer, room, Proof.ABORT_ACK)
+        elif isinstance(msg, Abort):
+            self.keeper.late_answer(writer, room, Proof.SENDER_ABORT)
+        else:
+            self.keeper.late_answer(writer, room, Proof.REFUSED)

@@ -1,0 +1,52 @@
+"""Copying a landed round out of the pool into the caller's (or a fresh) output.
+
+Small copies run on the loop (a thread hop costs more than the copy); large CPU copies are split
+by whole blocks across the copy threads, since a copy into fresh memory is dominated by page
+faults and memory bandwidth, which several cores share out.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import anyio
+import torch
+
+from aioembed.memory.pool import BlockPool
+
+__all__ = ["COPY_INLINE_BYTES", "RoundCopier"]
+
+COPY_INLINE_BYTES = 4 << 20
+"""Below this, a copy-out runs on the loop."""
+
+
+class RoundCopier:
+    """Copies rounds out of one pool, through ``threads`` worker threads at most."""
+
+    def __init__(self, pool: BlockPool, *, threads: int) -> None:
+        self.pool = pool
+        self.limiter = anyio.CapacityLimiter(threads)
+        self.threads = threads
+
+    async def copy(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int) -> None:
+        """Rows of ``blocks`` (``count`` tokens) into ``out[...][start:start + count]``."""
+        pool = self.pool
+        nbytes = count * pool.layout.bytes_per_token
+        if nbytes <= COPY_INLINE_BYTES or pool.device.type != "cpu":
+            pool.copy_out(blocks, count, out, out_start=start)
+            if pool.device.type != "cpu":
+                await anyio.to_thread.run_sync(torch.cuda.synchronize, pool.device, limiter=self.limiter)
+            return
+        bs = pool.block_size
+        parts = max(1, min(self.threads, nbytes // COPY_INLINE_BYTES))
+        per = -(-len(blocks) // parts)
+
+        def part(b0: int) -> None:
+            n = min(count - b0 * bs, per * bs)
+            pool.copy_out(blocks[b0:b0 + per], n, out, out_start=start + b0 * bs)
+
+        async with anyio.create_task_group() as tg:
+            for b0 in range(0, len(blocks), per):
+                if count - b0 * bs > 0:
+                    tg.start_soon(functools.partial(anyio.to_thread.run_sync, part, b0, limiter=self.limiter))

@@ -1,0 +1,447 @@
+"""One room on the receiver, driven through named steps: open, next_round, take_round, resume, fail,
+finish.
+
+The room owns at most one grant in flight (reserved or announced for the next round) and the
+readable grants it holds (zero-copy rounds, or the round being copied out). It never frees or
+fences blocks itself: it reports to the ledger, and the keeper carries out what the ledger says.
+When the room ends with the sender possibly still writing, it sends ``ABORT`` and ends at once,
+with its grant fenced: the sender's late ``ABORT_ACK`` releases it without the room waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from aioembed.config import TransferConfig
+from aioembed.errors import (
+    AllocationTimeout,
+    PeerDead,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+)
+from aioembed.layout import Layout
+from aioembed.memory.pool import BlockPool
+from aioembed.metrics import TransferObserver, outcome_of
+from aioembed.protocol.messages import Abort, AbortAck, Init, Reject, Resume, RoomId, Status, TransferStatus
+from aioembed.protocol.ownership import FenceReason, GrantState, Proof, Writer
+from aioembed.protocol.room import Arrived, ReceiverRoom
+from aioembed.session.block_keeper import BlockKeeper
+from aioembed.session.connection import LossKind, RoomEvent, SenderConnection, SessionLost
+from aioembed.session.copy_out import RoundCopier
+from aioembed.session.handle import Received, ReceiveHandle, TransferStats
+from aioembed.session.lease import Lease, LeaseReturns
+
+__all__ = ["ReceiveRoom", "RoomContext"]
+
+log = logging.getLogger("aioembed.session.receiver")
+
+_INBOX = 16
+_REOPENS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class RoomContext:
+    """What every room of one receiver shares."""
+
+    keeper: BlockKeeper
+    pool: BlockPool
+    layout: Layout
+    config: TransferConfig
+    observer: TransferObserver
+    copier: RoundCopier
+    returns: LeaseReturns
+    rank: int
+    forget: Callable[[ReceiveRoom], None]
+
+
+def _ends_room(event: RoomEvent) -> bool:
+    return isinstance(event, (Abort, Reject, SessionLost)) or (
+        isinstance(event, Status) and event.state in (TransferStatus.FAILED, TransferStatus.ABORTED))
+
+
+@dataclass(eq=False)
+class ReceiveRoom:
+    """The receiver's driver of one room."""
+
+    room: RoomId
+    handle: ReceiveHandle
+    conn: SenderConnection
+    ctx: RoomContext
+    expected_tokens: int | None = None
+    zero_copy: bool = False
+    out: Mapping[str, torch.Tensor] | None = None
+    machine: ReceiverRoom = field(init=False)
+    writer: Writer | None = field(default=None, init=False)
+    """The writer the room was announced to (``None`` until INIT)."""
+
+    def __post_init__(self) -> None:
+        cfg = self.ctx.config
+        self.machine = ReceiverRoom(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
+        send, recv = anyio.create_memory_object_stream[RoomEvent](_INBOX)
+        self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
+        self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
+        self._next: int | None = None  # grant reserved or announced for the round in flight
+        self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
+        self._sender_ended = False
+        self._alloc_scope: anyio.CancelScope | None = None
+        self._output: dict[str, torch.Tensor] | None = None
+        self._metadata: dict[str, Any] = {}
+        self._phases: dict[str, float] = {}
+        self._round_started = 0.0
+        self._reopens = 0
+
+    # -- events from the connection ------------------------------------------------------------
+
+    def deliver(self, event: RoomEvent) -> None:
+        """A frame (or a session loss) for this room; never blocks."""
+        try:
+            self._inbox_send.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            log.debug("receiver[%d]: room=%r: %s after the room ended, ignored", self.ctx.rank, self.room, event)
+            return
+        except anyio.WouldBlock:
+            log.error("receiver[%d]: room=%r: sender flooded the room with messages; failing it",
+                      self.ctx.rank, self.room)
+            self.handle.cancel("the sender sent more messages than the protocol allows")
+            return
+        if self._alloc_scope is not None and _ends_room(event):
+            self._alloc_scope.cancel()  # stop waiting for memory: the room is over
+
+    def session_lost(self, event: SessionLost) -> None:
+        """The session this room was announced in ended (the ledger already fenced its grant)."""
+        if self.writer is not None and event.writer == self.writer:
+            self.deliver(event)
+
+    # -- the task ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The room's task: runs until a result or a typed error is in the handle."""
+        cfg = self.ctx.config
+        t_start = time.perf_counter()
+        result: Received | Lease | None = None
+        error: TransferError | None = None
+        assert self.handle._scope is not None
+        try:
+            with self.handle._scope:
+                try:
+                    with anyio.fail_after(cfg.room_timeout):
+                        await self.open()
+                        while not await self.step():
+                            pass
+                    result = self.result(t_start)
+                except TimeoutError as exc:
+                    if isinstance(exc, TransferError):
+                        raise
+                    raise TransferTimeout(f"room {self.room!r}: exceeded room_timeout={cfg.room_timeout} s",
+                                          room=self.room, phase="room") from None
+        except TransferError as exc:
+            error = exc
+        except ProtocolError as exc:
+            error = TransferFailed(f"room {self.room!r}: protocol violation by sender {self.conn.address}: {exc}",
+                                   room=self.room)
+        except Exception as exc:  # a bug: fail the room loudly, keep the receiver alive
+            log.exception("receiver[%d]: room=%r: internal error", self.ctx.rank, self.room)
+            error = TransferFailed(f"room {self.room!r}: internal error: {exc!r}", room=self.room)
+        finally:  # synchronous: a cancellation cannot cut it short
+            if result is None and error is None:
+                error = TransferAborted(f"room {self.room!r}: {self.handle._cancel_reason or 'cancelled'}",
+                                        room=self.room)
+            if error is not None:
+                self.fail(error)
+            self.finish(result, error, t_start)
+
+    async def step(self) -> bool:
+        """Wait for the next event and act on it; True once every token is in."""
+        arrived = await self.next_round()
+        return arrived is not None and await self.take_round(*arrived)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Handshake (if needed), first reservation, INIT."""
+        cfg, keeper = self.ctx.config, self.ctx.keeper
+        while True:
+            t0 = time.perf_counter()
+            writer = await self.conn.wait_ready(cfg.handshake_timeout)
+            self._add_phase("handshake", t0)
+            tokens = self._first_tokens()
+            grant = await self._reserve(tokens, first=True)
+            if grant is None:
+                raise TransferFailed(f"room {self.room!r}: reservation interrupted", room=self.room)
+            if self.conn.ready and self.conn.writer == writer:
+                break
+            keeper.apply(keeper.ledger.release_unannounced(grant))  # the session changed meanwhile
+        blocks = keeper.blocks_of(grant)
+        self._announce(grant, writer, Init(room=self.room, blocks=blocks, allocated_tokens=tokens,
+                                           expected_ranks=self.conn.world))
+        self.machine.init_sent(blocks=len(blocks), allocated_tokens=tokens)
+        self.handle._set_status(TransferStatus.WAITING_FOR_INPUT)
+
+    async def next_round(self) -> tuple[Arrived, int] | None:
+        """Wait for the sender's next word; returns the round that landed (and its grant), or ``None``
+        when the room had to be opened again."""
+        cfg = self.ctx.config
+        waiting = self.machine.state is TransferStatus.WAITING_FOR_INPUT
+        phase, timeout = ("input", cfg.input_timeout) if waiting else ("round", cfg.round_timeout)
+        t0 = time.perf_counter()
+        try:
+            with anyio.fail_after(timeout):
+                event = await self._inbox.receive()
+        except TimeoutError:
+            raise TransferTimeout(
+                f"room {self.room!r}: timed out after {timeout} s in phase {phase!r} "
+                f"(receiver rank {self.ctx.rank}, sender {self.conn.address})", room=self.room, phase=phase,
+            ) from None
+        self._add_phase("wait", t0)
+        if isinstance(event, SessionLost):
+            return await self._on_session_lost(event)
+        return self._on_frame(event)
+
+    async def take_round(self, arrived: Arrived, grant: int) -> bool:
+        """A round landed: announce the next one early if memory allows, copy or keep this one."""
+        keeper = self.ctx.keeper
+        self.handle._set_status(TransferStatus.TRANSFERRING)
+        self.ctx.observer.round_finished(side="receiver", seconds=time.perf_counter() - self._round_started)
+        if not arrived.complete:
+            if self.zero_copy and arrived.total > self.ctx.pool.num_tokens:
+                self._readable.append((grant, arrived.count))
+                raise TransferFailed(
+                    f"room {self.room!r}: {arrived.total} tokens cannot be received zero-copy into a pool of "
+                    f"{self.ctx.pool.num_tokens} tokens; use receive()", room=self.room)
+            tokens = self._round_tokens(arrived.remaining, shrink=False)
+            early = keeper.try_reserve(self.room, tokens, priority=True, round=self.machine.round + 1)
+            if early is not None:
+                self.resume(early, tokens)
+        if self.zero_copy:
+            self._readable.append((grant, arrived.count))
+        else:
+            await self._copy(grant, arrived)
+        if arrived.complete:
+            self._metadata = dict(arrived.metadata or {})
+            return True
+        if self._next is None:  # the pool was short: wait for memory now that this round is out
+            tokens = self._round_tokens(arrived.remaining)
+            late = await self._reserve(tokens, first=False)
+            if late is not None:
+                self.resume(late, tokens)
+        return False
+
+    def resume(self, grant: int, tokens: int) -> None:
+        """Announce ``grant`` for the next round (RESUME), unless the room's session is gone."""
+        keeper, m = self.ctx.keeper, self.machine
+        if self.writer is None or not self.conn.ready or self.conn.writer != self.writer:
+            keeper.apply(keeper.ledger.release_unannounced(grant))  # the SessionLost is in the inbox
+            return
+        blocks = keeper.blocks_of(grant)
+        m.resume_sent(blocks=len(blocks), allocated_tokens=tokens)
+        self._announce(grant, self.writer, Resume(room=self.room, round=m.round, sent_tokens=m.received,
+                                                  blocks=blocks, allocated_tokens=tokens))
+        log.debug("receiver[%d]: room=%r: RESUME round %d, %d/%s tokens in, %d reserved", self.ctx.rank,
+                  self.room, m.round, m.received, m.total, tokens)
+
+    def fail(self, error: TransferError) -> None:
+        """End the room: tell the sender if it may still write, hand every grant to the ledger."""
+        keeper, ledger = self.ctx.keeper, self.ctx.keeper.ledger
+        self.machine.fail(str(error))
+        alive = self.writer is not None and self.conn.ready and self.conn.writer == self.writer
+        grant, self._next = self._next, None
+        state = ledger.grant(grant).state if grant is not None else None
+        if grant is not None and state is GrantState.RESERVED:
+            keeper.apply(ledger.release_unannounced(grant))
+        if alive and not self._sender_ended and self.writer is not None:
+            # The sender holds the room (writing, or waiting for input or a RESUME): end it there.
+            self.conn.send(Abort(room=self.room, reason=str(error)[:4000]))
+            if grant is not None and state is GrantState.ANNOUNCED:
+                keeper.apply(ledger.fence(grant, FenceReason.ABORT_UNACKED))
+        elif grant is not None and state is GrantState.ANNOUNCED:
+            keeper.apply(ledger.fence(grant, FenceReason.SESSION_DROPPED))
+        for g, _ in self._readable:
+            keeper.apply(ledger.consumed(g))  # fully written and announced: nothing can reach them
+        self._readable = []
+
+    def finish(self, result: Received | Lease | None, error: TransferError | None, t_start: float) -> None:
+        """Leave the connection's and the receiver's tables, report, resolve the handle."""
+        self.ctx.forget(self)
+        self._inbox_send.close()
+        self._inbox.close()
+        m = self.machine
+        self.ctx.observer.room_finished(
+            side="receiver", outcome=outcome_of(error if result is None else None),
+            nbytes=(m.total or 0) * self.ctx.layout.bytes_per_token, rounds=m.round + 1,
+            seconds=time.perf_counter() - t_start)
+        if result is not None:
+            self.handle._finish(result=result, status=TransferStatus.SUCCESS)
+            log.debug("receiver[%d]: room=%r: done, %d tokens in %d rounds", self.ctx.rank, self.room,
+                      result.num_tokens, result.rounds)
+        else:
+            assert error is not None
+            status = TransferStatus.ABORTED if isinstance(error, TransferAborted) else TransferStatus.FAILED
+            self.handle._finish(error=error, status=status)
+            log.info("receiver[%d]: room=%r: %s: %s", self.ctx.rank, self.room, status.name, error)
+
+    def result(self, t_start: float) -> Received | Lease:
+        """The finished request: copied tensors, or a lease on the readable grants."""
+        m = self.machine
+        assert m.total is not None
+        stats = TransferStats(bytes=m.total * self.ctx.layout.bytes_per_token, rounds=m.round + 1,
+                              seconds=time.perf_counter() - t_start, phases=self._phases)
+        if self.zero_copy:
+            kept, self._readable = self._readable, []
+            return Lease(room=self.room, views=self._lease_views(kept), metadata=self._metadata,
+                         num_tokens=m.total, rounds=m.round + 1, stats=stats, grants=[g for g, _ in kept],
+                         returns=self.ctx.returns)
+        assert self._output is not None
+        return Received(room=self.room, tensors=self._output, metadata=self._metadata, num_tokens=m.total,
+                        rounds=m.round + 1, stats=stats)
+
+    # -- event handling ------------------------------------------------------------------------
+
+    def _on_frame(self, event: Status | Abort | AbortAck | Reject) -> tuple[Arrived, int] | None:
+        keeper, ledger = self.ctx.keeper, self.ctx.keeper.ledger
+        grant = self._next
+        if isinstance(event, Abort):
+            self._sender_ended = True
+            self._end_grant(Proof.SENDER_ABORT)  # the sender sends ABORT only once its writes are over
+            self.conn.send(AbortAck(room=self.room))
+            raise TransferAborted(f"room {self.room!r}: aborted by sender {self.conn.address}: {event.reason}",
+                                  room=self.room)
+        if isinstance(event, Reject):
+            self._sender_ended = True
+            self._end_grant(Proof.REFUSED)  # a refused reservation is never written
+            raise TransferFailed(f"room {self.room!r}: sender {self.conn.address} rejected it: {event.reason}",
+                                 room=self.room)
+        if isinstance(event, AbortAck):
+            raise ProtocolError(f"room {self.room!r}: ABORT_ACK without an ABORT", room=self.room)
+        arrived = self.machine.on_status(event)
+        if arrived is None:  # a final FAILED / ABORTED
+            self._sender_ended = True
+            if event.fence:
+                self._next = None
+                if grant is not None:
+                    keeper.apply(ledger.fence(grant, FenceReason.WRITE_FAILED))
+            else:
+                self._end_grant(Proof.STATUS)
+            cls = TransferAborted if self.machine.state is TransferStatus.ABORTED else TransferFailed
+            raise cls(f"room {self.room!r}: sender {self.conn.address} reported {self.machine.state.name}: "
+                      f"{self.machine.error}", room=self.room)
+        assert grant is not None  # on_status accepts data only with a reservation outstanding
+        self._next = None
+        fenced = ledger.grant(grant).state is GrantState.FENCED
+        keeper.apply(ledger.landed(grant))
+        if fenced:  # the session was lost meanwhile (its SessionLost is behind this frame): proof, not data
+            self._sender_ended = True
+            raise PeerDead(f"room {self.room!r}: the session with sender {self.conn.address} was lost",
+                           room=self.room)
+        if arrived.complete:
+            self._sender_ended = True
+        return arrived, grant
+
+    async def _on_session_lost(self, event: SessionLost) -> tuple[Arrived, int] | None:
+        self._next = None  # fenced by the connection's report to the ledger; freed by a later proof
+        nothing_in = self.machine.received == 0 and not self._readable
+        if event.kind is LossKind.DROPPED and nothing_in and self._reopens < _REOPENS:
+            # The sender never wrote this room in that session (it restarted, or dropped us first):
+            # open it again in the next session instead of failing it.
+            self._reopens += 1
+            log.info("receiver[%d]: room=%r: session lost before any data (%s); opening the room again",
+                     self.ctx.rank, self.room, event.reason)
+            cfg = self.ctx.config
+            self.machine = ReceiverRoom(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
+            self.writer = None
+            self.handle._set_status(TransferStatus.BOOTSTRAPPING)
+            await self.open()
+            return None
+        self._sender_ended = True
+        raise PeerDead(f"room {self.room!r}: {event.reason}", room=self.room)
+
+    def _end_grant(self, proof: Proof) -> None:
+        keeper = self.ctx.keeper
+        grant, self._next = self._next, None
+        if grant is not None:
+            keeper.apply(keeper.ledger.ended(grant, proof))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _announce(self, grant: int, writer: Writer, msg: Init | Resume) -> None:
+        self.ctx.keeper.ledger.announce(grant, writer)
+        self.writer = writer
+        self._next = grant
+        self.conn.send(msg)
+        self._round_started = time.perf_counter()
+
+    async def _reserve(self, tokens: int, *, first: bool) -> int | None:
+        """A grant for ``tokens``, or ``None`` if the room ended while waiting for memory."""
+        cfg = self.ctx.config
+        t0 = time.perf_counter()
+        keep = cfg.resume_reserve // cfg.block_size if first else 0
+        grant: int | None = None
+        try:
+            with anyio.CancelScope() as scope:
+                self._alloc_scope = scope
+                grant = await self.ctx.keeper.reserve(self.room, tokens, timeout=cfg.round_timeout,
+                                                      priority=not first, keep_free=keep,
+                                                      round=0 if first else self.machine.round + 1)
+        except AllocationTimeout as exc:
+            raise TransferTimeout(f"room {self.room!r}: {exc}", room=self.room, phase="allocate") from None
+        finally:
+            self._alloc_scope = None
+        self._add_phase("allocate", t0)
+        return grant
+
+    async def _copy(self, grant: int, arrived: Arrived) -> None:
+        keeper = self.ctx.keeper
+        t0 = time.perf_counter()
+        try:
+            if self._output is None:
+                self._output = self._make_output(arrived.total)
+            await self.ctx.copier.copy(keeper.blocks_of(grant), self._output, arrived.start, arrived.count)
+        finally:
+            keeper.apply(keeper.ledger.consumed(grant))  # read (or given up): nothing else writes it
+        self._add_phase("copy", t0)
+
+    def _make_output(self, total: int) -> dict[str, torch.Tensor]:
+        if self.out is None:
+            return self.ctx.layout.empty(total, device=self.ctx.pool.device)
+        short = {n: int(t.shape[0]) for n, t in self.out.items() if t.shape[0] < total}
+        if short:
+            raise TransferFailed(f"room {self.room!r}: the request has {total} tokens but out= holds only "
+                                 f"{short}", room=self.room)
+        return {n: t[:total] for n, t in self.out.items()}
+
+    def _lease_views(self, kept: list[tuple[int, int]]) -> dict[str, list[torch.Tensor]]:
+        views: dict[str, list[torch.Tensor]] = {name: [] for name in self.ctx.layout}
+        for grant, count in kept:
+            for name, vs in self.ctx.pool.views(self.ctx.keeper.blocks_of(grant), count).items():
+                views[name].extend(vs)
+        return views
+
+    def _first_tokens(self) -> int:
+        cfg = self.ctx.config
+        want = self.expected_tokens if self.expected_tokens is not None else cfg.default_tokens
+        return min(want, cfg.round_tokens, cfg.pool_tokens - cfg.resume_reserve)
+
+    def _round_tokens(self, remaining: int, *, shrink: bool = True) -> int:
+        cfg = self.ctx.config
+        want = min(remaining, cfg.round_tokens)
+        bs = cfg.block_size
+        free_tokens = self.ctx.keeper.allocator.stats.free * bs
+        if shrink and want > free_tokens:
+            # The pool is short: take a smaller round now rather than wait for a big one that
+            # may never come free (other blocks may be held by rooms still waiting for input).
+            floor = min(want, max(cfg.resume_reserve, bs))
+            want = max(floor, free_tokens // bs * bs)
+        return want
+
+    def _add_phase(self, name: str, t0: float) -> None:
+        self._phases[name] = self._phases.get(name, 0.0) + time.perf_counter() - t0

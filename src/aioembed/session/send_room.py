@@ -1,0 +1,207 @@
+"""One room on the sender: per-rank reservations, the writes, and the final frames it owes.
+
+Ranks progress independently; a rank is written as soon as it holds a reservation and the input
+is there. The room never tells a receiver that its blocks are quiet while a write into them may
+still land: the :class:`~aioembed.protocol.ownership.WriteLedger` says when it may (an
+``ABORT_ACK`` or a non-fence final ``STATUS`` only once the room's writes ended; after a write
+that may still land, ``STATUS(fence=True)`` and, later, ``FENCE_RELEASE``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from aioembed.config import TransferConfig
+from aioembed.errors import PeerDead, TransferAborted, TransferError, TransferFailed, TransferTimeout, TransportError
+from aioembed.layout import Layout
+from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
+from aioembed.metrics import TransferObserver
+from aioembed.protocol.messages import AbortAck, Message, RoomId, Status, TransferStatus
+from aioembed.protocol.ownership import WriteLedger, WriteOutcome, WriterAction
+from aioembed.protocol.room import RankPhase, SenderRoom, WriteTask
+from aioembed.session.peer_sessions import PeerSession
+from aioembed.transports.boundary import GuardedTransport
+
+__all__ = ["SendContext", "SendRoom"]
+
+log = logging.getLogger("aioembed.session.sender")
+
+
+@dataclass(frozen=True, slots=True)
+class SendContext:
+    """What every room of one sender shares."""
+
+    config: TransferConfig
+    layout: Layout
+    ledger: WriteLedger
+    transport: GuardedTransport
+    observer: TransferObserver
+    send: Callable[[PeerSession, Message], None]
+    apply: Callable[[list[WriterAction]], None]
+
+
+class SendRoom:
+    """The sender's driver of one room."""
+
+    def __init__(self, room: RoomId, ctx: SendContext, now: float) -> None:
+        self.ctx = ctx
+        self.machine = SenderRoom(room, block_size=ctx.config.block_size)
+        self.rank_peer: dict[int, PeerSession] = {}
+        self.wake = anyio.Event()
+        self.active = False
+        """True while a ``send()`` drives the room."""
+        self.sources: list[torch.Tensor] = []
+        self.source = 0
+        self.metadata: dict[str, Any] | None = None
+        self.created = now
+        self.status_sent_at: dict[int, float] = {}
+        self.abort_from: set[int] = set()
+        self.finished: set[int] = set()
+        """Ranks already told that the room is over."""
+
+    @property
+    def room(self) -> RoomId:
+        return self.machine.room
+
+    def poke(self) -> None:
+        """Wake the driver: the room's state changed."""
+        self.wake.set()
+
+    def take_input(self, sources: list[torch.Tensor], source: int, metadata: dict[str, Any], now: float) -> None:
+        """``send()`` is driving the room from ``sources``."""
+        self.active = True
+        self.created = now
+        self.sources = sources
+        self.source = source
+        self.metadata = metadata
+
+    # -- driving -------------------------------------------------------------------------------
+
+    def next_deadline(self) -> tuple[float, str]:
+        """The earliest deadline of the room and its phase name."""
+        cfg, m = self.ctx.config, self.machine
+        best = (self.created + cfg.room_timeout, "room")
+        if m.expected_ranks is None or len(m.ranks) < m.expected_ranks:
+            best = min(best, (self.created + cfg.input_timeout, "init"))
+        for rank, p in m.ranks.items():
+            if p.phase is RankPhase.AWAITING_RESUME:
+                best = min(best, (self.status_sent_at.get(rank, self.created) + cfg.round_timeout, "resume"))
+        return best
+
+    async def drive(self) -> None:
+        """Write every rank's rounds until the room ends; raises its ``TransferError`` unless it succeeded."""
+        m, room = self.machine, self.room
+        error: TransferError | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    for rank in m.ready_ranks():
+                        tg.start_soon(self.write, m.start_write(rank))
+                    if m.state.terminal:
+                        break
+                    deadline, phase = self.next_deadline()
+                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                        await self.wake.wait()
+                    self.wake = anyio.Event()
+                    if not m.state.terminal and anyio.current_time() >= deadline:
+                        error = self._timed_out(phase)
+                        m.fail(str(error))
+                        break
+        finally:
+            # Every write of this room is over here (the task group has exited), so telling the ranks
+            # that the room ended is safe: they may free their blocks, unless a write may still land.
+            if not m.state.terminal:
+                m.fail("send() was cancelled", aborted=True)
+            self.notify_end()
+        if m.state is TransferStatus.SUCCESS:
+            log.debug("sender: room=%r: done, %d tokens to %d ranks", room, m.total, m.expected_ranks)
+            return
+        if error is not None:
+            raise error
+        reason = m.error or "failed"
+        if m.state is TransferStatus.ABORTED:
+            raise TransferAborted(f"room {room!r}: aborted: {reason}", room=room)
+        if any(not p.alive for p in self.rank_peer.values()):
+            raise PeerDead(f"room {room!r}: {reason}", room=room)
+        raise TransferFailed(f"room {room!r}: {reason}", room=room)
+
+    def _timed_out(self, phase: str) -> TransferTimeout:
+        m = self.machine
+        waiting = {
+            "init": f"INIT from {m.expected_ranks or 'any'} rank(s), got {sorted(m.ranks)}",
+            "resume": "a RESUME from a rank",
+            "room": "the whole room (room_timeout)",
+        }[phase]
+        return TransferTimeout(f"room {self.room!r}: timed out in phase {phase!r} waiting for {waiting}",
+                               room=self.room, phase=phase)
+
+    async def write(self, task: WriteTask) -> None:
+        """One round to one rank; STATUS once every byte is visible there."""
+        ctx, room = self.ctx, self.room
+        peer = self.rank_peer[task.rank]
+        if not peer.alive or not ctx.ledger.is_open(peer.key):
+            self.machine.fail(f"{peer} is gone")  # a sender never posts a write to a receiver it dropped
+            self.poke()
+            return
+        runs = plan_row_runs(num_tokens=task.count, block_size=ctx.config.block_size,
+                             dst_blocks=task.blocks, src_start=task.start)
+        spans = [FieldSpan(src_base=t.data_ptr(), dst_base=reg[0], row_bytes=f.row_bytes)
+                 for t, reg, f in zip(self.sources, peer.regions, ctx.layout.values(), strict=True)]
+        ops = plan_writes(runs, spans)
+        wid = ctx.ledger.started(peer.key, room, self.source)
+        cancel_safe = ctx.transport.capabilities.cancel_safe_writes
+        outcome = WriteOutcome.FAILED_CLEANLY if cancel_safe else WriteOutcome.POISONED
+        t0 = time.perf_counter()
+        try:
+            await peer.link.write(ops)
+            outcome = WriteOutcome.LANDED
+        except TransportError as exc:
+            may_land = exc.may_land if exc.may_land is not None else not cancel_safe
+            outcome = WriteOutcome.POISONED if may_land else WriteOutcome.FAILED_CLEANLY
+            log.warning("sender: room=%r: write of %d tokens to %s failed%s: %s", room, task.count, peer,
+                        " (it may still land: fenced)" if may_land else "", exc)
+            self.machine.fail(f"write of {task.count} tokens ({sum(o.length for o in ops)} bytes) to {peer} "
+                              f"failed: {exc}")
+            self.poke()
+            return
+        finally:
+            ctx.apply(ctx.ledger.ended(wid, outcome, now=anyio.current_time(), lifetime=ctx.transport.write_lifetime))
+        ctx.observer.round_finished(side="sender", seconds=time.perf_counter() - t0)
+        if self.machine.failed is not None or not peer.alive:
+            self.poke()
+            return
+        status = self.machine.write_done(task, metadata=self.metadata)
+        ctx.send(peer, status)
+        if status.state is TransferStatus.SUCCESS:
+            self.finished.add(task.rank)
+        self.status_sent_at[task.rank] = anyio.current_time()
+        log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
+                  task.count, len(ops))
+        self.poke()
+
+    def notify_end(self) -> None:
+        """Tell every rank still holding a reservation that the room is over (no write of it in flight)."""
+        ctx, m = self.ctx, self.machine
+        for rank, peer in self.rank_peer.items():
+            if rank in self.finished or not peer.alive or not ctx.ledger.is_open(peer.key):
+                continue
+            self.finished.add(rank)
+            error = (m.error or "failed")[:4000]
+            if ctx.ledger.poisoned(peer.key, self.room):
+                # No ABORT_ACK: a failed write may still land. FENCE_RELEASE follows once it cannot.
+                ctx.send(peer, Status(room=self.room, state=TransferStatus.FAILED, total_tokens=m.total or 0,
+                                      sent_tokens=0, round=0, error=error, fence=True))
+                ctx.apply(ctx.ledger.fence_told(peer.key, self.room))
+            elif rank in self.abort_from:
+                ctx.send(peer, AbortAck(room=self.room))
+            elif m.state is not TransferStatus.SUCCESS:
+                state = TransferStatus.ABORTED if m.state is TransferStatus.ABORTED else TransferStatus.FAILED
+                ctx.send(peer, Status(room=self.room, state=state, total_tokens=m.total or 0, sent_tokens=0,
+                                      round=0, error=error))

@@ -1,0 +1,153 @@
+"""The session <-> plugin boundary: whatever a plugin raises becomes a ``TransportError``.
+
+Native engines (Mooncake, ucxx, NIXL) raise what they like: ``RuntimeError``, ``ValueError``,
+``OSError``, their own exception types. The sessions call plugins only through
+:class:`GuardedTransport` and :class:`GuardedLink`, so every failure reaches them as a
+:class:`~aioembed.errors.TransportError` with the original exception as ``__cause__``, and a
+write that failed in a way the plugin did not explain counts as one that may still land
+(``may_land=True``): its blocks are fenced, never reused on a guess.
+
+``ConfigError`` and ``TransportError`` pass through unchanged; cancellation and other
+``BaseException`` s (``KeyboardInterrupt``) are never swallowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+from aioembed.errors import AioembedError, ConfigError, TransportError
+from aioembed.transports.base import Link, MemoryRegion, Transport, WriteOp
+
+__all__ = ["GuardedLink", "GuardedTransport", "foreign_error", "guard", "open_guarded"]
+
+
+def foreign_error(plugin: str, call: str, exc: Exception, *, may_land: bool | None = None) -> TransportError:
+    """A ``TransportError`` for an exception a plugin raised in ``call`` (the cause is kept)."""
+    err = TransportError(f"transport {plugin!r}: {call} raised {type(exc).__name__}: {exc}", may_land=may_land)
+    err.__cause__ = exc
+    return err
+
+
+def _reraise(plugin: str, call: str, exc: Exception, *, may_land: bool | None = None) -> NoReturn:
+    if isinstance(exc, (TransportError, ConfigError)):
+        raise exc
+    if isinstance(exc, AioembedError):  # another error of ours from inside a plugin: still a transport failure
+        raise TransportError(f"transport {plugin!r}: {call} failed: {exc}", may_land=may_land) from exc
+    raise foreign_error(plugin, call, exc, may_land=may_land) from exc
+
+
+async def open_guarded(cls: type[Transport], options: Mapping[str, Any]) -> GuardedTransport:
+    """Open ``cls`` through the boundary."""
+    try:
+        inner = await cls.open(options)
+    except Exception as exc:
+        _reraise(getattr(cls, "name", cls.__name__), "open()", exc)
+    return GuardedTransport(inner)
+
+
+def guard(transport: Transport) -> GuardedTransport:
+    """``transport`` behind the boundary (itself if it already is)."""
+    return transport if isinstance(transport, GuardedTransport) else GuardedTransport(transport)
+
+
+class GuardedLink(Link):
+    """A plugin's link, with every exception mapped to ``TransportError``."""
+
+    def __init__(self, inner: Link, plugin: str) -> None:
+        self.inner = inner
+        self._plugin = plugin
+
+    @property
+    def peer(self) -> str:
+        try:
+            return str(self.inner.peer)
+        except Exception:
+            return f"{self._plugin}:?"
+
+    async def write(self, ops: Sequence[WriteOp]) -> None:
+        try:
+            await self.inner.write(ops)
+        except Exception as exc:
+            # An unexplained failure may have moved some bytes and may move more: fence it.
+            _reraise(self._plugin, f"write of {len(ops)} ops to {self.peer}", exc, may_land=True)
+
+    async def aclose(self) -> None:
+        try:
+            await self.inner.aclose()
+        except Exception as exc:
+            _reraise(self._plugin, f"closing the link to {self.peer}", exc)
+
+
+class GuardedTransport(Transport):
+    """A plugin's endpoint seen through the boundary (what the sessions hold)."""
+
+    name = "guarded"
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]  # the wrapped plugin's name, per instance
+        self.capabilities = inner.capabilities
+
+    @classmethod
+    async def open(cls, options: Mapping[str, Any]) -> GuardedTransport:
+        raise TransportError("open a plugin through open_guarded(), not GuardedTransport.open()")
+
+    @property
+    def write_lifetime(self) -> float:
+        try:
+            value = float(self.inner.write_lifetime)
+        except Exception as exc:
+            _reraise(self.name, "write_lifetime", exc)
+        return max(0.0, value)
+
+    @property
+    def writer_id(self) -> str:
+        try:
+            return str(self.inner.writer_id)
+        except Exception as exc:
+            _reraise(self.name, "writer_id", exc)
+
+    async def register(self, regions: Sequence[MemoryRegion]) -> None:
+        try:
+            await self.inner.register(regions)
+        except Exception as exc:
+            _reraise(self.name, f"register() of {len(regions)} region(s)", exc)
+
+    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        try:
+            await self.inner.unregister(regions)
+        except Exception as exc:
+            _reraise(self.name, f"unregister() of {len(regions)} region(s)", exc)
+
+    def descriptor(self) -> bytes:
+        try:
+            desc = self.inner.descriptor()
+        except Exception as exc:
+            _reraise(self.name, "descriptor()", exc)
+        if not isinstance(desc, bytes):
+            raise TransportError(f"transport {self.name!r}: descriptor() returned {type(desc).__name__}, not bytes")
+        return desc
+
+    async def connect(self, peer_descriptor: bytes) -> GuardedLink:
+        try:
+            link = await self.inner.connect(peer_descriptor)
+        except Exception as exc:
+            _reraise(self.name, "connect()", exc)
+        return GuardedLink(link, self.name)
+
+    async def revoke(self, writer_id: str) -> None:
+        try:
+            await self.inner.revoke(writer_id)
+        except Exception as exc:
+            _reraise(self.name, f"revoke({writer_id[:16]!r})", exc)
+
+    async def aclose(self) -> None:
+        try:
+            await self.inner.aclose()
+        except Exception as exc:
+            _reraise(self.name, "aclose()", exc)
+
+    def __getattr__(self, name: str) -> Any:
+        # Plugin-specific attributes (e.g. ``regions`` for tests and metrics) read through.
+        return getattr(self.inner, name)
