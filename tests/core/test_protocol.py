@@ -89,7 +89,7 @@ statuses = st.builds(
 aborts = st.builds(Abort, room=room_ids, reason=texts(max_size=300))
 abort_acks = st.builds(AbortAck, room=room_ids)
 pings = st.builds(Ping, nonce=st.integers(0, INT64_MAX))
-pongs = st.builds(Pong, nonce=st.integers(0, INT64_MAX), peer_id=texts(max_size=64))
+pongs = st.builds(Pong, nonce=st.integers(0, INT64_MAX), peer_id=texts(max_size=64), epoch=st.integers(0, INT64_MAX))
 fence_releases = st.builds(m.FenceRelease, room=room_ids)
 drains = st.builds(m.Drained, below_epoch=st.integers(1, INT64_MAX))
 STRATEGIES = {
@@ -224,8 +224,8 @@ def test_room_id_edges_round_trip() -> None:
         lambda: Welcome(sender_id="p", epoch=1, heartbeat_interval=0),
         lambda: Welcome(sender_id="p", epoch=1, heartbeat_interval=float("nan")),
         lambda: Welcome(sender_id="p", epoch=1, heartbeat_interval=float("inf")),
-        lambda: Hello(receiver_id="p", epoch=1, fingerprint="f", transport="t", descriptor=b"", block_size=1, num_blocks=1,
-                      rank=0, world=1, regions=()),
+        lambda: Hello(receiver_id="p", epoch=1, fingerprint="f", transport="t", descriptor=b"", block_size=1,
+                      num_blocks=1, rank=0, world=1, regions=()),
         lambda: Hello(receiver_id="p", epoch=1, fingerprint="f", transport="t", descriptor="str", block_size=1,
                       num_blocks=1, rank=0, world=1, regions=((1, 1),)),
         lambda: Hello(receiver_id="p" * 65, epoch=1, fingerprint="f", transport="t", descriptor=b"", block_size=1,
@@ -388,8 +388,8 @@ def _init_body(**changes: Any) -> dict[str, Any]:
 
 
 def _status_body(**changes: Any) -> dict[str, Any]:
-    body = {"type": "STATUS", "v": PROTOCOL_VERSION, "room": 42, "state": "SUCCESS", "total_tokens": 3, "sent_tokens": 3,
-            "round": 0, "metadata": {"k": 1}, "error": None}
+    body = {"type": "STATUS", "v": PROTOCOL_VERSION, "room": 42, "state": "SUCCESS", "total_tokens": 3,
+            "sent_tokens": 3, "round": 0, "metadata": {"k": 1}, "error": None}
     body.update(changes)
     return body
 
@@ -471,7 +471,8 @@ def test_ext_types_refused() -> None:
     ts = msgpack.Timestamp(1, 0)
     expect_protocol_error(pack(_status_body(metadata={"t": ts})))
     expect_protocol_error(pack(_init_body(room=ts)))
-    expect_protocol_error(pack({"type": "WELCOME", "v": PROTOCOL_VERSION, "sender_id": "p", "epoch": 1, "heartbeat_interval": ts}))
+    expect_protocol_error(pack({"type": "WELCOME", "v": PROTOCOL_VERSION, "sender_id": "p", "epoch": 1,
+                                "heartbeat_interval": ts}))
 
 
 @pytest.mark.parametrize("top", [[1, 2], 1, "PING", None, b"x", 1.5, True])
@@ -538,7 +539,8 @@ def test_defaults_may_be_omitted_on_the_wire() -> None:
 
 
 def test_welcome_int_interval_accepted_as_float() -> None:
-    msg = decode(pack({"type": "WELCOME", "v": PROTOCOL_VERSION, "sender_id": "p", "epoch": 1, "heartbeat_interval": 2}))
+    msg = decode(pack({"type": "WELCOME", "v": PROTOCOL_VERSION, "sender_id": "p", "epoch": 1,
+                       "heartbeat_interval": 2}))
     assert msg == Welcome(sender_id="p", epoch=1, heartbeat_interval=2.0)
     assert isinstance(msg.heartbeat_interval, float)  # type: ignore[union-attr]
 

@@ -20,7 +20,7 @@ from aioembed import BlockPool, Field, Layout
 from aioembed.errors import ProtocolError
 from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
 from aioembed.protocol.messages import Init, Resume, Status, decode, encode
-from aioembed.protocol.room import Arrived, RankPhase, ReceiverRoom, SenderRoom, TransferStatus, WriteTask
+from aioembed.protocol.room import Arrived, RankPhase, ReceiverRoomState, SenderRoomState, TransferStatus, WriteTask
 
 TS = TransferStatus
 BS = 4
@@ -58,49 +58,49 @@ def status(room: Any = "r", *, state: str = "TRANSFERRING", total: int = 20, sen
 # -- receiver: fixtures in every state --------------------------------------------------------
 
 
-def r_boot() -> ReceiverRoom:
-    return ReceiverRoom("r", block_size=BS, max_tokens=1000)
+def r_boot() -> ReceiverRoomState:
+    return ReceiverRoomState("r", block_size=BS, max_tokens=1000)
 
 
-def r_waiting() -> ReceiverRoom:
+def r_waiting() -> ReceiverRoomState:
     r = r_boot()
     r.init_sent(blocks=2, allocated_tokens=8)
     return r
 
 
-def r_transferring() -> ReceiverRoom:
+def r_transferring() -> ReceiverRoomState:
     """Round 0 done: 8 of 20 tokens arrived, no reservation outstanding."""
     r = r_waiting()
     r.on_status(status())
     return r
 
 
-def r_resumed() -> ReceiverRoom:
+def r_resumed() -> ReceiverRoomState:
     """Round 1 reserved (8 tokens), STATUS awaited."""
     r = r_transferring()
     r.resume_sent(blocks=2, allocated_tokens=8)
     return r
 
 
-def r_success() -> ReceiverRoom:
+def r_success() -> ReceiverRoomState:
     r = r_waiting()
     r.on_status(status(state="SUCCESS", total=5, sent=5))
     return r
 
 
-def r_failed() -> ReceiverRoom:
+def r_failed() -> ReceiverRoomState:
     r = r_waiting()
     r.fail("x")
     return r
 
 
-def r_aborted() -> ReceiverRoom:
+def r_aborted() -> ReceiverRoomState:
     r = r_waiting()
     r.abort("x")
     return r
 
 
-RECEIVER_STATES: dict[str, Callable[[], ReceiverRoom]] = {
+RECEIVER_STATES: dict[str, Callable[[], ReceiverRoomState]] = {
     "boot": r_boot, "waiting": r_waiting, "transferring": r_transferring, "resumed": r_resumed,
     "success": r_success, "failed": r_failed, "aborted": r_aborted,
 }
@@ -281,21 +281,21 @@ def test_receiver_bad_status_round1(msg: Status) -> None:
         ("transferring", lambda r: r.resume_sent(blocks=4, allocated_tokens=13)),
     ],
 )
-def test_receiver_validation_errors_name_state(make: str, call: Callable[[ReceiverRoom], Any]) -> None:
+def test_receiver_validation_errors_name_state(make: str, call: Callable[[ReceiverRoomState], Any]) -> None:
     r = RECEIVER_STATES[make]()
     assert_illegal(r, lambda: call(r), room="r", state=f"state {r.state.name}")
 
 
 def test_int_room_ids_in_errors() -> None:
-    r = ReceiverRoom(-7, block_size=BS, max_tokens=10)
+    r = ReceiverRoomState(-7, block_size=BS, max_tokens=10)
     assert_illegal(r, lambda: r.on_status(status(room=-7, total=5, sent=5)), room=-7, state="BOOTSTRAPPING")
 
 
 # -- sender: legal transitions ----------------------------------------------------------------
 
 
-def s_room(num_blocks: int | None = 64) -> SenderRoom:
-    return SenderRoom("s", block_size=BS, num_blocks=num_blocks)
+def s_room(num_blocks: int | None = 64) -> SenderRoomState:
+    return SenderRoomState("s", block_size=BS, num_blocks=num_blocks)
 
 
 def test_sender_states_init_then_input() -> None:
@@ -359,14 +359,14 @@ def test_sender_fail(aborted: bool) -> None:
 # -- sender: illegal events -------------------------------------------------------------------
 
 
-def s_writing() -> tuple[SenderRoom, WriteTask]:
+def s_writing() -> tuple[SenderRoomState, WriteTask]:
     s = s_room()
     s.on_init(0, blocks=(1, 2), allocated_tokens=8, expected_ranks=2)
     s.on_input(20)
     return s, s.start_write(0)
 
 
-def s_awaiting() -> SenderRoom:
+def s_awaiting() -> SenderRoomState:
     s, t = s_writing()
     s.write_done(t)
     return s
@@ -397,7 +397,7 @@ def test_sender_bad_init(kwargs: dict[str, Any], match: str) -> None:
 
 
 def test_sender_block_limit_per_call_overrides_room() -> None:
-    s = SenderRoom("s", block_size=BS)  # no pool size known
+    s = SenderRoomState("s", block_size=BS)  # no pool size known
     s.on_init(0, blocks=(1000,), allocated_tokens=4, expected_ranks=2)
     assert_illegal(s, lambda: s.on_init(1, blocks=(10,), allocated_tokens=4, expected_ranks=2, num_blocks=10),
                    room="s", match="outside")
@@ -516,7 +516,7 @@ class _Rank:
     """One receiver rank: its room machine, pool, free block ids and output."""
 
     def __init__(self, room: Any, bs: int, pool_blocks: int, max_tokens: int) -> None:
-        self.room = ReceiverRoom(room, block_size=bs, max_tokens=max_tokens)
+        self.room = ReceiverRoomState(room, block_size=bs, max_tokens=max_tokens)
         self.pool = BlockPool(LAYOUT, num_blocks=pool_blocks, block_size=bs)
         for t in self.pool.tensors.values():
             t.fill_(-1)
@@ -546,7 +546,7 @@ def reserve(rank: _Rank, bs: int, blocks: int, tokens: int, order: list[int]) ->
 
 
 class DuelMachine(RuleBasedStateMachine):
-    """A SenderRoom and one ReceiverRoom per rank, talking through encode/decode."""
+    """A SenderRoomState and one ReceiverRoomState per rank, talking through encode/decode."""
 
     @initialize(
         total=st.integers(1, 120), bs=st.integers(1, 6), world=st.integers(1, 3), pool=st.integers(1, 10),
@@ -556,7 +556,7 @@ class DuelMachine(RuleBasedStateMachine):
     def setup(self, *, total: int, bs: int, world: int, pool: int, room: Any, input_first: bool) -> None:
         self.total, self.bs, self.world, self.pool_blocks, self.room_id = total, bs, world, pool, room
         self.src = source_rows(total)
-        self.sender = SenderRoom(room, block_size=bs, num_blocks=pool)
+        self.sender = SenderRoomState(room, block_size=bs, num_blocks=pool)
         self.ranks = [_Rank(room, bs, pool, max_tokens=total) for _ in range(world)]
         self.inited: set[int] = set()
         if input_first:
@@ -731,8 +731,8 @@ TestDuel = DuelMachine.TestCase
 
 def drive(total: int, *, bs: int, default: int, round_tokens: int, world: int = 1) -> list[int]:
     """Run a room to completion with fixed reservation sizes; return rounds per rank."""
-    s = SenderRoom("d", block_size=bs)
-    recv = [ReceiverRoom("d", block_size=bs, max_tokens=1 << 30) for _ in range(world)]
+    s = SenderRoomState("d", block_size=bs)
+    recv = [ReceiverRoomState("d", block_size=bs, max_tokens=1 << 30) for _ in range(world)]
     for i, r in enumerate(recv):
         r.init_sent(blocks=math.ceil(default / bs), allocated_tokens=default)
         s.on_init(i, blocks=tuple(range(math.ceil(default / bs))), allocated_tokens=default, expected_ranks=world)
@@ -762,9 +762,9 @@ def test_round_count_is_ceil_based(total: int, bs: int, default: int, round_toke
 
 
 def test_ranks_progress_independently() -> None:
-    s = SenderRoom("p", block_size=4)
-    r0 = ReceiverRoom("p", block_size=4, max_tokens=100)
-    r1 = ReceiverRoom("p", block_size=4, max_tokens=100)
+    s = SenderRoomState("p", block_size=4)
+    r0 = ReceiverRoomState("p", block_size=4, max_tokens=100)
+    r1 = ReceiverRoomState("p", block_size=4, max_tokens=100)
     r0.init_sent(blocks=1, allocated_tokens=4)
     r1.init_sent(blocks=3, allocated_tokens=12)
     s.on_init(0, blocks=(0,), allocated_tokens=4, expected_ranks=2)

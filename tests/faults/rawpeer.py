@@ -88,6 +88,8 @@ class RawSender:
         self.identity: bytes | None = None
         self.pong = True
         self.peer_id = "raw-sender"
+        self.epoch = 0
+        """The receiver session this raw sender knows (set by :meth:`welcome`), echoed in PONGs."""
         self.chan: ControlSocket
         self.inbox: MemoryObjectReceiveStream[list[bytes]]
         send, self.inbox = anyio.create_memory_object_stream[list[bytes]](10_000)
@@ -100,7 +102,7 @@ class RawSender:
             msg = None
         if isinstance(msg, Ping):
             if self.pong:
-                self.chan.send([frames[0], encode(Pong(nonce=msg.nonce, peer_id=self.peer_id))])
+                self.chan.send([frames[0], encode(Pong(nonce=msg.nonce, peer_id=self.peer_id, epoch=self.epoch))])
             return
         self._forward.send_nowait(frames)
 
@@ -125,6 +127,7 @@ class RawSender:
         """Answer ``hello`` (a HELLO this raw sender received) with a WELCOME, like a real sender."""
         assert isinstance(hello, Hello)
         msg = Welcome(sender_id=self.peer_id, epoch=hello.epoch, heartbeat_interval=heartbeat_interval)
+        self.epoch = hello.epoch
         self.send(msg)
         return msg
 

@@ -41,8 +41,8 @@ metadata = st.one_of(st.none(), st.dictionaries(
 messages = st.one_of(
     st.builds(m.Init, room=rooms, blocks=blocks, allocated_tokens=tokens, expected_ranks=st.integers(1, 4)),
     st.builds(m.Resume, room=rooms, round=small, sent_tokens=tokens, blocks=blocks, allocated_tokens=tokens),
-    st.builds(m.Status, room=rooms, state=st.sampled_from(list(m.TransferStatus)), total_tokens=tokens, sent_tokens=tokens,
-              round=small, metadata=metadata, error=st.none() | text, fence=st.booleans()),
+    st.builds(m.Status, room=rooms, state=st.sampled_from(list(m.TransferStatus)), total_tokens=tokens,
+              sent_tokens=tokens, round=small, metadata=metadata, error=st.none() | text, fence=st.booleans()),
     st.builds(m.Abort, room=rooms, reason=text),
     st.builds(m.AbortAck, room=rooms),
     st.builds(m.Ping, nonce=st.integers(0, 2**62)),

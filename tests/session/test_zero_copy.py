@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import anyio
 import pytest
 import torch
 
-from aioembed import InvalidRequest, Lease, TransferConfig, TransferFailed
+from aioembed import InvalidRequest, Lease, TransferConfig, TransferError, TransferFailed
 
-from .conftest import assert_pools_free, assert_same, make_request, running
+from .conftest import assert_pools_free, assert_same, make_request, running, wait_pools_free
 
 pytestmark = pytest.mark.anyio
 
@@ -98,3 +101,38 @@ async def test_receive_into_caller_buffers() -> None:
         with pytest.raises(InvalidRequest, match="fields"):
             receiver.start("bad", out={"embeddings": buffers["embeddings"]})
         assert_pools_free(sender, receiver)
+
+
+async def test_two_large_zero_copy_rooms_one_is_admitted_the_other_fails_at_once() -> None:
+    """Each needs 28 of the pool's 32 blocks: waiting for each other they would hold the pool until
+    round_timeout. The first whose total is known is admitted; the other fails now, saying why."""
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, resume_reserve_tokens=0, round_timeout=10.0)
+    async with running(cfg) as (sender, [receiver]):
+        srcs = {room: make_request(3500, seed) for seed, room in enumerate(("a", "b"))}
+        leases: dict[str, object] = {}
+        errors: dict[str, BaseException] = {}
+
+        async def recv(room: str) -> None:
+            try:
+                leases[room] = await receiver.receive_leased(room)
+            except TransferFailed as exc:
+                errors[room] = exc
+
+        async def send(room: str) -> None:
+            with contextlib.suppress(TransferError):
+                await sender.send(room, srcs[room])
+
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for room in srcs:
+                tg.start_soon(recv, room)
+                tg.start_soon(send, room)
+        assert time.monotonic() - t0 < 5.0  # not round_timeout
+        assert len(leases) == 1 and len(errors) == 1, (leases, errors)
+        (failed, exc), = errors.items()
+        assert "cannot be received zero-copy now" in str(exc) and "release leases" in str(exc)
+        (ok, lease), = leases.items()
+        assert isinstance(lease, Lease)
+        async with lease:
+            assert_same(lease.to_tensors(), srcs[ok])
+        await wait_pools_free(sender, receiver)

@@ -7,6 +7,11 @@ drains with ``NOBLOCK`` until ``zmq.Again``, re-reads ``zmq.EVENTS`` after every
 before every wait, and only then waits on the FD. Other tasks hand frames to it through
 :meth:`ControlSocket.send`, which never blocks and wakes the I/O task.
 
+For a ROUTER (``routed=True``, the first frame names the peer), frames queue per peer: a peer
+at its high-water mark (``zmq.Again``) is skipped, with a short growing retry delay, while frames
+to every other peer go on. A ROUTER's ``POLLOUT`` is always set, so waiting on it would spin; the
+I/O task instead waits on the FD or until the earliest retry.
+
 This uses only ``anyio.wait_readable`` on the FD, so it runs on asyncio, uvloop and trio.
 """
 
@@ -31,6 +36,8 @@ FrameHandler = Callable[[list[bytes]], None]
 SendErrorHandler = Callable[[Sequence[bytes], zmq.ZMQError], None]
 
 _RECV_BATCH = 256
+_RETRY_FIRST = 0.001
+_RETRY_MAX = 0.05
 
 
 class ControlSocket:
@@ -49,12 +56,17 @@ class ControlSocket:
         name: str,
         on_send_error: SendErrorHandler | None = None,
         max_outbox: int = 1 << 16,
+        routed: bool = False,
     ) -> None:
         self.sock = sock
         self.name = name
         self._on_frames = on_frames
         self._on_send_error = on_send_error
-        self._outbox: deque[Sequence[bytes]] = deque()
+        self._routed = routed
+        # peer (first frame for a ROUTER, b"" otherwise) -> its queued messages, in arrival order
+        self._outboxes: dict[bytes, deque[Sequence[bytes]]] = {}
+        self._blocked: dict[bytes, tuple[float, float]] = {}  # peer -> (retry at, current delay)
+        self._queued = 0
         self._max_outbox = max_outbox
         self._wake_scope: anyio.CancelScope | None = None
         self._poked = False
@@ -68,12 +80,15 @@ class ControlSocket:
         """Queue one multipart message for the I/O task. Never blocks."""
         if self._closed:
             raise AioembedError(f"control socket {self.name} is closed")
-        if len(self._outbox) >= self._max_outbox:
+        peer = bytes(frames[0]) if self._routed else b""
+        outbox = self._outboxes.setdefault(peer, deque())
+        if len(outbox) >= self._max_outbox:  # per peer: one peer not reading does not stop the others
             raise AioembedError(
-                f"control socket {self.name}: {len(self._outbox)} messages queued and not sent "
-                f"(peer not reading?); refusing more"
+                f"control socket {self.name}: {len(outbox)} messages queued and not sent to "
+                f"{'peer ' + peer.hex()[:16] if self._routed else 'the peer'} (not reading?); refusing more"
             )
-        self._outbox.append(frames)
+        outbox.append(frames)
+        self._queued += 1
         if self._drained.is_set():
             self._drained = anyio.Event()
         self._poke()
@@ -86,28 +101,57 @@ class ControlSocket:
     @property
     def queued(self) -> int:
         """Messages waiting to be handed to ZeroMQ."""
-        return len(self._outbox)
+        return self._queued
 
-    def _flush(self) -> None:
-        sock, outbox = self.sock, self._outbox
-        while outbox:
-            frames = outbox[0]
-            try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return  # high-water mark: wait for the FD to signal POLLOUT
-            except zmq.ZMQError as exc:
-                outbox.popleft()
-                if exc.errno == errno.EHOSTUNREACH:
-                    log.debug("%s: peer unreachable, message dropped", self.name)
-                else:
-                    log.warning("%s: send failed: %s", self.name, exc)
-                if self._on_send_error is not None:
-                    self._on_send_error(frames, exc)
+    @property
+    def blocked_peers(self) -> int:
+        """Peers whose frames wait because they are at their high-water mark."""
+        return len(self._blocked)
+
+    def _flush(self, now: float) -> float | None:
+        """Hand queued frames to ZeroMQ, peer by peer; returns the earliest retry of a blocked peer."""
+        sock = self.sock
+        for peer in list(self._outboxes):
+            blocked = self._blocked.get(peer)
+            if blocked is not None and blocked[0] > now:
                 continue
-            outbox.popleft()
-            self.sent += 1
-        self._drained.set()
+            outbox = self._outboxes[peer]
+            while outbox:
+                frames = outbox[0]
+                try:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    # This peer is at its high-water mark: try again later, the others go on.
+                    delay = min(_RETRY_MAX, blocked[1] * 2) if blocked is not None else _RETRY_FIRST
+                    self._blocked[peer] = (now + delay, delay)
+                    break
+                except zmq.ZMQError as exc:
+                    outbox.popleft()
+                    self._queued -= 1
+                    if exc.errno == errno.EHOSTUNREACH:
+                        log.debug("%s: peer unreachable, message dropped", self.name)
+                    else:
+                        log.warning("%s: send failed: %s", self.name, exc)
+                    if self._on_send_error is not None:
+                        self._on_send_error(frames, exc)
+                    continue
+                outbox.popleft()
+                self._queued -= 1
+                self.sent += 1
+            else:
+                del self._outboxes[peer]
+                self._blocked.pop(peer, None)
+        if not self._outboxes:
+            self._drained.set()
+        return min((at for at, _ in self._blocked.values()), default=None)
+
+    def receive_pending(self) -> int:
+        """Hand every message already queued on the socket to the handler, now (from any task of the
+        loop: the I/O task re-checks ``zmq.EVENTS`` before it waits). Returns how many there were."""
+        before = self.received
+        while self._drain():
+            pass
+        return self.received - before
 
     def _drain(self) -> bool:
         """Receive up to one batch; True if the batch was full (more may be waiting)."""
@@ -131,15 +175,19 @@ class ControlSocket:
         try:
             while True:
                 self._poked = False
-                self._flush()
+                retry_at = self._flush(anyio.current_time())
                 more = self._drain()
                 events = int(sock.get(zmq.EVENTS))
-                if more or events & zmq.POLLIN or self._poked or (self._outbox and events & zmq.POLLOUT):
+                ready = bool(self._outboxes) and retry_at is None and bool(events & zmq.POLLOUT)
+                if more or events & zmq.POLLIN or self._poked or ready:
                     await anyio.lowlevel.checkpoint()
                     continue
+                # Nothing to do now: wait for the FD, a new message to send, or a blocked peer's retry.
+                wait = None if retry_at is None else max(0.0, retry_at - anyio.current_time())
                 with anyio.CancelScope() as scope:
                     self._wake_scope = scope
-                    await anyio.wait_readable(fd)
+                    with anyio.move_on_after(wait):
+                        await anyio.wait_readable(fd)
                 self._wake_scope = None
         finally:
             self._wake_scope = None
@@ -152,7 +200,8 @@ class ControlSocket:
         """Close the socket; ZeroMQ keeps trying to deliver handed-over frames for ``linger_ms``."""
         if not self._closed:
             self._closed = True
-            if self._outbox:
-                log.warning("%s: closing with %d unsent messages", self.name, len(self._outbox))
-            self._outbox.clear()
+            if self._queued:
+                log.warning("%s: closing with %d unsent messages", self.name, self._queued)
+            self._outboxes.clear()
+            self._queued = 0
             self.sock.close(linger=linger_ms)

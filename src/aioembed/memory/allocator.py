@@ -75,6 +75,7 @@ class BlockAllocator:
         self._priority: deque[_Waiter] = deque()
         self._high_water = 0
         self._waited = 0
+        self._all_free: anyio.Event | None = None
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -176,6 +177,15 @@ class BlockAllocator:
         granted, waiter.granted = waiter.granted, None
         return granted
 
+    async def wait_all_free(self) -> None:
+        """Wait until every block is free (e.g. to drain before shutdown; bound it with a timeout)."""
+        if len(self._free) == self.num_blocks:
+            await anyio.lowlevel.checkpoint()
+            return
+        if self._all_free is None:
+            self._all_free = anyio.Event()
+        await self._all_free.wait()
+
     def fence(self, blocks: Iterable[int]) -> None:
         """Mark used blocks as possibly still written by a peer (visible in ``stats.fenced``)."""
         ids = list(blocks)
@@ -198,6 +208,9 @@ class BlockAllocator:
             state[b] = _FREE
         self._free.extend(reversed(ids))
         self._serve()
+        if self._all_free is not None and len(self._free) == self.num_blocks:
+            self._all_free.set()
+            self._all_free = None
 
     def _validate(self, ids: list[int], *, allowed: tuple[int, ...], action: str) -> None:
         state = self._state

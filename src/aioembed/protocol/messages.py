@@ -40,6 +40,7 @@ __all__ = [
     "Welcome",
     "check_metadata",
     "decode",
+    "plain_text",
     "encode",
     "validate_room",
 ]
@@ -180,6 +181,12 @@ def _metadata(name: str, v: Any) -> dict[str, Any]:
         raise ProtocolError(f"field {name!r}: metadata must be a map, got {type(v).__name__}")
     _check_plain(v, 0)
     return v
+
+
+def plain_text(text: object, limit: int = MAX_TEXT) -> str:
+    """``text`` as a reason or error field can always carry it: valid UTF-8, at most ``limit`` characters
+    (exception messages from native engines may hold anything)."""
+    return str(text).encode("utf-8", "replace").decode("utf-8")[:limit]
 
 
 def check_metadata(metadata: Any, max_bytes: int) -> int:
@@ -370,6 +377,9 @@ class Pong(_Base):
     TYPE: ClassVar[str] = "PONG"
     nonce: int
     peer_id: str
+    epoch: int = 0
+    """From a sender: the receiver session it knows on this socket (0: none, so the receiver
+    learns at its next heartbeat that its session was dropped)."""
 
 
 def _regions(name: str, v: Any) -> tuple[tuple[int, int], ...]:
@@ -432,7 +442,7 @@ AbortAck.SCHEMA = {"room": _ROOM}
 FenceRelease.SCHEMA = {"room": _ROOM}
 Drained.SCHEMA = {"below_epoch": _EPOCH}
 Ping.SCHEMA = {"nonce": _int(0, _INT64_MAX)}
-Pong.SCHEMA = {"nonce": _int(0, _INT64_MAX), "peer_id": _str(64)}
+Pong.SCHEMA = {"nonce": _int(0, _INT64_MAX), "peer_id": _str(64), "epoch": _int(0, _INT64_MAX)}
 
 Message: TypeAlias = (
     Hello | Welcome | Reject | Init | Resume | Status | Abort | AbortAck | FenceRelease | Drained | Ping | Pong
@@ -465,27 +475,25 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(f"msgpack extension type {code} is not allowed in control frames")
 
 
-def decode(data: bytes) -> Message:
-    """Parse and validate one frame. Raises only :class:`ProtocolError`."""
+def _unpack(data: bytes) -> dict[Any, Any]:
+    """The msgpack map of a frame, or ``ProtocolError``."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"frame must be bytes, got {type(data).__name__}")
     if len(data) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
-        body = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
-        )
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True)
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises many types on garbage; all mean "bad frame"
         raise ProtocolError(f"frame is not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"frame must be a msgpack map, got {type(body).__name__}")
-    room: RoomId | None = None
-    try:
-        room = validate_room("room", body["room"]) if "room" in body else None
-    except ProtocolError:
-        room = None
+    return body
+
+
+def _message_class(body: dict[Any, Any], room: RoomId | None) -> type[_Base]:
+    """The message type a frame claims, checked against the protocol version."""
     mtype = body.get("type")
     cls = _TYPES.get(mtype) if isinstance(mtype, str) else None
     if cls is None:
@@ -498,19 +506,34 @@ def decode(data: bytes) -> Message:
         )
         err.peer_version = version if isinstance(version, int) and not isinstance(version, bool) else -1
         raise err
-    kwargs: dict[str, Any] = {}
-    expected = {f.name for f in dataclasses.fields(cls)}
-    extra = set(body) - expected - {"type", "v"}
+    return cls
+
+
+def _fields(cls: type[_Base], body: dict[Any, Any], room: RoomId | None) -> dict[str, Any]:
+    """Every field of ``cls`` from ``body``, validated (defaults for omitted optional ones)."""
+    extra = set(body) - {f.name for f in dataclasses.fields(cls)} - {"type", "v"}
     if extra:
         raise ProtocolError(f"{cls.TYPE}: unexpected fields {sorted(map(str, extra))}", room=room)
+    kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name not in body:
-            if f.default is not dataclasses.MISSING:
-                kwargs[f.name] = f.default
-                continue
-            raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}", room=room)
+            if f.default is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}", room=room)
+            kwargs[f.name] = f.default
+            continue
         try:
             kwargs[f.name] = cls.SCHEMA[f.name](f.name, body[f.name])
         except ProtocolError as exc:
             raise ProtocolError(f"{cls.TYPE}: {exc}", room=room) from None
-    return cls(**kwargs)  # type: ignore[return-value]
+    return kwargs
+
+
+def decode(data: bytes) -> Message:
+    """Parse and validate one frame. Raises only :class:`ProtocolError` (naming the room when it can)."""
+    body = _unpack(data)
+    try:
+        room = validate_room("room", body["room"]) if "room" in body else None
+    except ProtocolError:
+        room = None
+    cls = _message_class(body, room)
+    return cls(**_fields(cls, body, room))  # type: ignore[return-value]

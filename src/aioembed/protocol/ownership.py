@@ -18,18 +18,24 @@ RESERVED       ``release_unannounced``: no writer ever had the addresses       F
 ANNOUNCED      ``landed``: the writer's STATUS for this round                  READABLE
 ANNOUNCED      ``ended(proof)``: final STATUS, ABORT_ACK, sender's ABORT,      FREE       Free
                REJECT of the reservation
-ANNOUNCED      ``fence(reason)``: we abort the room; STATUS(fence=True)        FENCED     Fence
-ANNOUNCED      ``writer_silent`` / ``session_dropped``                         FENCED     Fence
+ANNOUNCED      ``fence(reason)``: the room ended while the writer may write    FENCED     Fence
+               (we aborted; STATUS(fence=True); its session was lost)
 READABLE       ``consumed``: copied out, or the lease released                 FREE       Free
 FENCED         ``ended(proof)`` / ``landed``: a late answer from the writer    FREE       Free
 FENCED         ``fence_released``: the writer's FENCE_RELEASE, after a settle  FREE       Free
                window of our own running time
-ANN./FENCED    ``drained(sender, below)``: the same sender, in a later         FREE       Free
+FENCED         ``drained(sender, below)``: the same sender, in a later         FREE       Free
                session, confirms every write of epochs ``< below`` ended
-ANN./FENCED    ``revoked(sender)``: the transport cut that writer off          FREE       Free
-ANN./FENCED    ``writer_gone(sender)``: its process is known gone; freed       FENCED ->  Free
-               after the transport's write lifetime of our running time        FREE
+FENCED         ``revoked(sender)``: the transport cut that writer off          FREE       Free
+FENCED         ``writer_gone(sender)``: its process is known gone; freed       FREE       Free
+               after the transport's write lifetime of our running time
 =============  ==============================================================  =========  ======
+
+An announced grant belongs to the room that announced it, and only that room moves it on, in the
+order of its own inbox: a STATUS that arrived before a session loss is still valid data, and a
+room busy copying a round does not have its next grant freed under it. Proofs about a whole
+sender (``drained``, ``revoked``, ``writer_gone``) are remembered, and a grant fenced later by its
+room is released by them at once (or after their window).
 
 Timed releases count only time this process was running: a loop stall (a frozen process, a
 long synchronous call) restarts their windows, because data that waited in a socket buffer
@@ -184,8 +190,7 @@ LedgerAction: TypeAlias = Free | Fence
 # state -> events allowed in it (the table above, as data: the hypothesis test reads it too)
 TRANSITIONS: dict[GrantState, frozenset[str]] = {
     GrantState.RESERVED: frozenset({"announce", "release_unannounced"}),
-    GrantState.ANNOUNCED: frozenset({"landed", "ended", "fence", "writer_silent", "session_dropped", "drained",
-                                     "revoked", "writer_gone"}),
+    GrantState.ANNOUNCED: frozenset({"landed", "ended", "fence"}),
     GrantState.READABLE: frozenset({"consumed"}),
     GrantState.FENCED: frozenset({"landed", "ended", "fence", "fence_released", "drained", "revoked",
                                   "writer_gone"}),
@@ -204,7 +209,14 @@ class BlockLedger:
         self._grants: dict[int, Grant] = {}
         self._owner: dict[int, int] = {}  # block id -> live grant id
         self._ids = itertools.count(1)
+        # What is known about whole senders, applied to grants fenced later:
+        self._drained_below: dict[str, tuple[int, float]] = {}  # sender -> (epoch bound, settle)
+        self._revoked_below: dict[str, int] = {}  # sender -> epochs below this were revoked
+        self._gone: dict[str, float] = {}  # sender -> its write lifetime
 
+    @staticmethod
+    def _epoch(g: Grant) -> int:
+        return g.writer.epoch if g.writer is not None else 0
     # -- queries -----------------------------------------------------------------------------
 
     def grant(self, grant_id: int) -> Grant:
@@ -300,10 +312,26 @@ class BlockLedger:
         g = self._check(grant_id, "ended")
         return [self._free(g, proof)]
 
-    def fence(self, grant_id: int, reason: FenceReason) -> list[LedgerAction]:
-        """The grant's room ended while its writer may still write (or its write failed uncertainly)."""
+    def fence(self, grant_id: int, reason: FenceReason, *, now: float = 0.0) -> list[LedgerAction]:
+        """The grant's room ended while its writer may still write (or its write failed uncertainly).
+
+        What is already known about its sender (drained, revoked, gone) applies at once."""
         g = self._check(grant_id, "fence")
-        return self._fence(g, reason)
+        return self._fence(g, reason) + self._known_proofs(g, now)
+
+    def _known_proofs(self, g: Grant, now: float) -> list[LedgerAction]:
+        w = g.writer
+        if w is None or g.state is not GrantState.FENCED:
+            return []
+        if w.epoch < self._revoked_below.get(w.sender, 0):
+            return [self._free(g, Proof.REVOKED)]
+        drained = self._drained_below.get(w.sender)
+        if drained is not None and w.epoch < drained[0]:
+            self._timed(g, Proof.DRAINED, now, drained[1])
+        lifetime = self._gone.get(w.sender)
+        if lifetime is not None:
+            self._timed(g, Proof.WRITER_GONE, now, lifetime)
+        return self.tick(now) if g.release_at is not None and g.release_at <= now else []
 
     # -- proofs and doubts about a writer ------------------------------------------------------
 
@@ -322,50 +350,36 @@ class BlockLedger:
                 self._timed(g, Proof.FENCE_RELEASE, now, settle)
         return self.tick(now)
 
-    def writer_silent(self, writer: Writer) -> list[LedgerAction]:
-        """Heartbeats from ``writer`` stopped: fence what it may write (never free on silence)."""
-        return [a for g in self._announced_to(writer) for a in self._fence(g, FenceReason.PEER_SILENT)]
-
-    def session_dropped(self, writer: Writer) -> list[LedgerAction]:
-        """``writer`` no longer knows our session (it declared us dead): fence what it may write."""
-        return [a for g in self._announced_to(writer) for a in self._fence(g, FenceReason.SESSION_DROPPED)]
-
     def drained(self, sender: str, below_epoch: int, *, now: float, settle: float = 0.0) -> list[LedgerAction]:
         """``sender`` confirmed that no write of its sessions numbered below ``below_epoch`` is in
-        flight; freed after ``settle`` seconds of our running time (0: at once)."""
-        out: list[LedgerAction] = []
-        for g in list(self._grants.values()):
-            w = g.writer
-            if w is not None and w.sender == sender and w.epoch < below_epoch and g.state in (
-                    GrantState.ANNOUNCED, GrantState.FENCED):
-                self._check(g.id, "drained")
-                if g.state is GrantState.ANNOUNCED:
-                    out.extend(self._fence(g, FenceReason.SESSION_DROPPED))  # its session is over
+        flight: its fenced grants of those sessions are freed after ``settle`` seconds of our
+        running time (0: at once), and so are those its rooms fence later."""
+        old = self._drained_below.get(sender)
+        if old is None or below_epoch > old[0]:
+            self._drained_below[sender] = (below_epoch, settle)
+        for g in self._fenced_of(sender):
+            if self._epoch(g) < below_epoch:
                 self._timed(g, Proof.DRAINED, now, settle)
-        return out + self.tick(now)
+        return self.tick(now)
 
-    def revoked(self, sender: str) -> list[LedgerAction]:
-        """The transport guarantees that no write from ``sender`` can land any more."""
-        out: list[LedgerAction] = []
-        for g in self.grants(sender=sender):
-            if g.state in (GrantState.ANNOUNCED, GrantState.FENCED):
-                out.append(self._free(g, Proof.REVOKED))
-        return out
+    def revoked(self, sender: str, *, below_epoch: int) -> list[LedgerAction]:
+        """The transport guarantees that no write ``sender`` posted so far (in its sessions numbered
+        below ``below_epoch``) can land any more: its fenced grants of those sessions are freed."""
+        self._revoked_below[sender] = max(below_epoch, self._revoked_below.get(sender, 0))
+        return [self._free(g, Proof.REVOKED) for g in self._fenced_of(sender) if self._epoch(g) < below_epoch]
 
     def writer_gone(self, sender: str, *, now: float, lifetime: float) -> list[LedgerAction]:
         """``sender``'s process is known gone: what it may still write is freed after ``lifetime``
         seconds of our running time (the transport's declared write lifetime)."""
-        out: list[LedgerAction] = []
-        for g in self.grants(sender=sender):
-            if g.state is GrantState.ANNOUNCED:
-                out.extend(self._fence(g, FenceReason.WRITER_GONE))
-            if g.state is GrantState.FENCED:
-                self._timed(g, Proof.WRITER_GONE, now, lifetime)
-        return out + self.tick(now)
+        self._gone[sender] = lifetime
+        for g in self._fenced_of(sender):
+            self._timed(g, Proof.WRITER_GONE, now, lifetime)
+        return self.tick(now)
 
     def writer_back(self, sender: str) -> None:
         """``sender`` answered again after we thought its process gone: that was wrong, so the
         releases that rested on it are withdrawn (its grants stay fenced until it proves them quiet)."""
+        self._gone.pop(sender, None)
         for g in self.grants(sender=sender):
             if g.timed_proof is Proof.WRITER_GONE:
                 g.release_at, g.timed_proof = None, None
@@ -399,8 +413,9 @@ class BlockLedger:
             raise OwnershipError(f"grant {grant_id} of room {g.room!r}: {event} is illegal in state {g.state.name}")
         return g
 
-    def _announced_to(self, writer: Writer) -> list[Grant]:
-        return [g for g in self._grants.values() if g.writer == writer and g.state is GrantState.ANNOUNCED]
+    def _fenced_of(self, sender: str) -> list[Grant]:
+        return [g for g in self._grants.values()
+                if g.state is GrantState.FENCED and g.writer is not None and g.writer.sender == sender]
 
     def _fence(self, g: Grant, reason: FenceReason) -> list[LedgerAction]:
         if g.state is GrantState.FENCED:

@@ -21,8 +21,8 @@ from aioembed.protocol.messages import RoomId, Status, TransferStatus
 __all__ = [
     "Arrived",
     "RankPhase",
-    "ReceiverRoom",
-    "SenderRoom",
+    "ReceiverRoomState",
+    "SenderRoomState",
     "TransferStatus",
     "WriteTask",
 ]
@@ -56,7 +56,7 @@ class Arrived:
         return self.total - self.start - self.count
 
 
-class ReceiverRoom:
+class ReceiverRoomState:
     """The language side's view of one room."""
 
     def __init__(self, room: RoomId, *, block_size: int, max_tokens: int) -> None:
@@ -190,7 +190,7 @@ class _Rank:
     round: int = 0
 
 
-class SenderRoom:
+class SenderRoomState:
     """The encoder side's view of one room, with progress tracked per destination rank.
 
     Ranks progress independently (no cross-rank agreement is needed); the room is a
@@ -310,8 +310,9 @@ class SenderRoom:
         p = self.ranks.get(rank)
         return p is not None and p.phase is RankPhase.WRITING
 
-    def fail(self, reason: str, *, aborted: bool = False) -> None:
-        """End the room as FAILED or ABORTED (no-op if already ended)."""
-        if self.failed is None and self.state is not TransferStatus.SUCCESS:
+    def fail(self, reason: str, *, aborted: bool = False, even_if_complete: bool = False) -> None:
+        """End the room as FAILED or ABORTED (no-op if already ended). ``even_if_complete``: also when
+        every rank holds every token, because a rank was never told so (its STATUS could not be sent)."""
+        if self.failed is None and (even_if_complete or self.state is not TransferStatus.SUCCESS):
             self.failed = TransferStatus.ABORTED if aborted else TransferStatus.FAILED
             self.error = reason

@@ -50,6 +50,16 @@ class BlockKeeper:
         """Blocks ever fenced, by reason name (for metrics)."""
         self.released_total: Counter[str] = Counter()
         """Fenced blocks released, by proof name."""
+        self._claims: dict[int, int] = {}  # first grant of a zero-copy room -> blocks its request needs
+
+    def claim(self, grant: int, blocks: int) -> None:
+        """A zero-copy room (then its lease) will hold ``blocks`` until released; ``grant`` is its first."""
+        self._claims[grant] = blocks
+
+    @property
+    def claimed_blocks(self) -> int:
+        """Blocks claimed by zero-copy rooms and leases: they come back only when their users let go."""
+        return sum(self._claims.values())
 
     # -- reserving ---------------------------------------------------------------------------
 
@@ -90,6 +100,7 @@ class BlockKeeper:
 
     def _free(self, a: Free) -> None:
         self.allocator.free(a.blocks)
+        self._claims.pop(a.grant, None)  # a zero-copy room's first grant: its claim ends with it
         if a.was is GrantState.FENCED:
             self.released_total[a.proof.name] += len(a.blocks)
             self.observer.fence_released(proof=a.proof.name.lower(), blocks=len(a.blocks),
@@ -101,18 +112,17 @@ class BlockKeeper:
 
     # -- events that concern many grants ---------------------------------------------------------
 
-    def writer_silent(self, writer: Writer) -> None:
-        self.apply(self.ledger.writer_silent(writer))
-
-    def session_dropped(self, writer: Writer) -> None:
-        self.apply(self.ledger.session_dropped(writer))
+    def fence(self, grant: int, reason: FenceReason) -> None:
+        """The grant's room ended while its writer may still reach it."""
+        self.apply(self.ledger.fence(grant, reason, now=anyio.current_time()))
+        self._wake.set()  # what is known about its sender may have scheduled a release
 
     def drained(self, sender: str, below_epoch: int, *, settle: float) -> None:
         self.apply(self.ledger.drained(sender, below_epoch, now=anyio.current_time(), settle=settle))
         self._wake.set()  # timed releases may have been scheduled
 
-    def revoked(self, sender: str) -> None:
-        self.apply(self.ledger.revoked(sender))
+    def revoked(self, sender: str, *, below_epoch: int) -> None:
+        self.apply(self.ledger.revoked(sender, below_epoch=below_epoch))
 
     def writer_gone(self, sender: str, *, lifetime: float) -> None:
         self.apply(self.ledger.writer_gone(sender, now=anyio.current_time(), lifetime=lifetime))
@@ -135,7 +145,7 @@ class BlockKeeper:
     def late_fence(self, writer: Writer, room: RoomId) -> None:
         """A late ``STATUS(fence=True)``: the blocks stay fenced until ``FENCE_RELEASE``."""
         for g in self.ledger.fenced_for(writer, room):
-            self.apply(self.ledger.fence(g.id, FenceReason.WRITE_FAILED))
+            self.fence(g.id, FenceReason.WRITE_FAILED)
 
     def stalled(self, now: float) -> None:
         """Our loop did not run for a while: timed releases start their windows again."""

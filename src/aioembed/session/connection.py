@@ -25,7 +25,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import zmq
@@ -61,7 +61,7 @@ from aioembed.session.liveness import LoopWatch, PeerClock
 from aioembed.transports.boundary import GuardedTransport
 
 if TYPE_CHECKING:
-    from aioembed.session.receive_room import ReceiveRoom
+    from aioembed.session.receive_room import ReceiveRoomDriver
 
 __all__ = ["LossKind", "SenderConnection", "SessionLost"]
 
@@ -111,13 +111,14 @@ class SenderConnection:
         self.returns = returns
         self._spawn = spawn
         self.name = f"receiver[{rank}]<-{address}"
-        self.rooms: dict[RoomId, ReceiveRoom] = {}
+        self.rooms: dict[RoomId, ReceiveRoomDriver] = {}
         self.epoch = 0
         self.sender_id: str | None = None
         self.writer: Writer | None = None
         """The writer of the last WELCOMEd session: frames that arrive are from it."""
         self.writer_id = ""
         self.refused: IncompatiblePeer | None = None
+        self.last_refusal: str | None = None
         self.sessions = 0
         self._ready = anyio.Event()
         self._answered = anyio.Event()
@@ -136,6 +137,11 @@ class SenderConnection:
             raise
         self.chan = ControlSocket(sock, self._on_frames, name=self.name)
         self.monitor = ControlSocket(mon, self._on_monitor, name=f"{self.name}:monitor")
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Welcome: self._on_welcome, Reject: self._on_reject, Status: self._on_room_frame,
+            Abort: self._on_room_frame, AbortAck: self._on_room_frame, FenceRelease: self._on_fence_release,
+            Drained: self._on_drained, Pong: self._on_pong, Ping: self._on_ping,
+        }
 
     # -- public-ish ----------------------------------------------------------------------------
 
@@ -151,8 +157,9 @@ class SenderConnection:
         if self.refused is not None:
             raise self.refused
         if not self._ready.is_set() or self.writer is None:
+            why = f"; its last refusal: {self.last_refusal}" if self.last_refusal else ""
             raise TransferTimeout(f"no handshake with sender {self.address} within {timeout} s "
-                                  f"(receiver rank {self.rank})", phase="handshake")
+                                  f"(receiver rank {self.rank}){why}", phase="handshake")
         return self.writer
 
     def send(self, msg: Message) -> None:
@@ -199,6 +206,7 @@ class SenderConnection:
 
     async def _heartbeats(self) -> None:
         cfg = self.config
+        self._pings.clear()  # a late PONG to an earlier session's PING says nothing about this one
         interval = cfg.heartbeat_interval
         limit = interval * cfg.heartbeat_misses
         watch = LoopWatch(interval)
@@ -228,7 +236,8 @@ class SenderConnection:
     # -- session changes -----------------------------------------------------------------------
 
     def session_lost(self, kind: LossKind, reason: str) -> None:
-        """End the current session: fence what its writer may reach, tell its rooms, shake hands again."""
+        """End the current session: tell its rooms (each fences what the writer may still reach, in the
+        order of its own inbox), learn what can be learnt about the sender, shake hands again."""
         writer = self.writer
         if not self._ready.is_set() or writer is None:
             return  # between sessions already
@@ -236,27 +245,25 @@ class SenderConnection:
         self._lost.set()
         log.warning("%s: session %d lost (%s): %s; %d rooms affected", self.name, writer.epoch, kind.value,
                     reason, sum(1 for r in self.rooms.values() if r.writer == writer))
-        if kind is LossKind.SILENT:
-            self.keeper.writer_silent(writer)
-        else:
-            self.keeper.session_dropped(writer)
         if kind is LossKind.DISCONNECTED:
             self._gone_sender = writer.sender
-            self.keeper.writer_gone(writer.sender, lifetime=self.transport.write_lifetime)
+            self.keeper.writer_gone(writer.sender, lifetime=self.transport.orphan_lifetime)
         if self.transport.capabilities.revocable and self.writer_id and kind is not LossKind.CLOSING:
-            self._spawn(self._revoke, writer.sender, self.writer_id)
+            # Cut off the links this sender opened so far (our sessions up to this one).
+            self._spawn(self._revoke, writer.sender, self.writer_id, writer.epoch + 1)
         event = SessionLost(kind, reason, writer)
         for room in list(self.rooms.values()):
             room.session_lost(event)
 
-    async def _revoke(self, sender: str, writer_id: str) -> None:
+    async def _revoke(self, sender: str, writer_id: str, below_epoch: int) -> None:
         try:
             await self.transport.revoke(writer_id)
         except Exception as exc:  # TransportError: the blocks stay fenced until another proof
             log.warning("%s: could not revoke %s: %s", self.name, writer_id[:16], exc)
             return
-        log.info("%s: revoked writer %s of sender %s", self.name, writer_id[:16], sender[:8])
-        self.keeper.revoked(sender)
+        log.info("%s: revoked writer %s of sender %s (sessions below %d)", self.name, writer_id[:16],
+                 sender[:8], below_epoch)
+        self.keeper.revoked(sender, below_epoch=below_epoch)
 
     def _on_welcome(self, msg: Welcome) -> None:
         if msg.epoch != self.epoch or self._answered.is_set():
@@ -266,8 +273,8 @@ class SenderConnection:
         if old is not None and msg.sender_id != old:
             # Another process answers at the address: the old one released it, so it is gone.
             log.warning("%s: the sender restarted (id %s, was %s); its earlier writes are waited out for %.1f s",
-                        self.name, msg.sender_id[:8], old[:8], self.transport.write_lifetime)
-            self.keeper.writer_gone(old, lifetime=self.transport.write_lifetime)
+                        self.name, msg.sender_id[:8], old[:8], self.transport.orphan_lifetime)
+            self.keeper.writer_gone(old, lifetime=self.transport.orphan_lifetime)
         elif old is not None and self._gone_sender == old:
             log.info("%s: sender %s is back; it was not gone after all", self.name, old[:8])
             self.keeper.writer_back(old)
@@ -292,6 +299,9 @@ class SenderConnection:
             return
         if event["event"] == zmq.EVENT_DISCONNECTED and not self._closed:
             self._disconnected = True
+            # Frames that arrived before the disconnect (a last STATUS) are still queued on the
+            # data socket, and this event can overtake them: take them first.
+            self.chan.receive_pending()
             if self._ready.is_set():
                 self.session_lost(LossKind.DISCONNECTED,
                                   f"sender {self.address} closed the control connection (process ended?)")
@@ -311,34 +321,45 @@ class SenderConnection:
                 self._answered.set()
             return
         self.clock.heard(anyio.current_time())
-        if isinstance(msg, Welcome):
-            self._on_welcome(msg)
-        elif isinstance(msg, Reject) and msg.code == "unknown_peer":
-            self._on_unknown_peer(msg)
-        elif isinstance(msg, Reject) and msg.room is None:
-            if not self._answered.is_set() and msg.code == "incompatible":
-                self.refused = IncompatiblePeer(f"sender {self.address} refused the handshake: {msg.reason}")
-                self._answered.set()
-            else:
-                log.warning("%s: the sender rejected a frame: %s", self.name, msg.reason)
-        elif isinstance(msg, (Status, Abort, AbortAck, Reject)):
-            self._on_room_frame(msg)
-        elif isinstance(msg, FenceRelease):
-            if self.writer is not None:
-                self.keeper.fence_released(self.writer, msg.room, settle=FENCE_SETTLE)
-        elif isinstance(msg, Drained):
-            # It can only vouch for sessions before the one it arrives in: never for the live one.
-            if self.sender_id is not None and self._ready.is_set():
-                self.keeper.drained(self.sender_id, min(msg.below_epoch, self.epoch), settle=FENCE_SETTLE)
-        elif isinstance(msg, Pong):
-            if msg.nonce not in self._pings:
-                log.debug("%s: PONG %d answers no PING of ours, ignored", self.name, msg.nonce)
-            elif self.sender_id is not None and msg.peer_id != self.sender_id:
-                self.session_lost(LossKind.DROPPED, f"sender {self.address} restarted (new id {msg.peer_id[:8]})")
-        elif isinstance(msg, Ping):
-            self.send(Pong(nonce=msg.nonce, peer_id=self.receiver_id))
-        else:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             log.warning("%s: unexpected %s from the sender, ignored", self.name, msg.TYPE)
+        else:
+            handler(msg)
+
+    def _on_reject(self, msg: Reject) -> None:
+        if msg.code == "unknown_peer":
+            self._on_unknown_peer(msg)
+        elif msg.room is not None:
+            self._on_room_frame(msg)
+        elif msg.code == "incompatible" and not self._answered.is_set():
+            self.refused = IncompatiblePeer(f"sender {self.address} refused the handshake: {msg.reason}")
+            self._answered.set()
+        else:
+            if not self._answered.is_set():
+                self.last_refusal = msg.reason  # e.g. it could not connect its transport to us: it retries
+            log.warning("%s: the sender rejected a frame: %s", self.name, msg.reason)
+
+    def _on_fence_release(self, msg: FenceRelease) -> None:
+        if self.writer is not None:
+            self.keeper.fence_released(self.writer, msg.room, settle=FENCE_SETTLE)
+
+    def _on_drained(self, msg: Drained) -> None:
+        # It can only vouch for sessions before the one it arrives in: never for the live one.
+        if self.sender_id is not None and self._ready.is_set():
+            self.keeper.drained(self.sender_id, min(msg.below_epoch, self.epoch), settle=FENCE_SETTLE)
+
+    def _on_pong(self, msg: Pong) -> None:
+        if msg.nonce not in self._pings:  # only PINGs of the current session are remembered
+            log.debug("%s: PONG %d answers no PING of ours, ignored", self.name, msg.nonce)
+        elif self.sender_id is not None and msg.peer_id != self.sender_id:
+            self.session_lost(LossKind.DROPPED, f"sender {self.address} restarted (new id {msg.peer_id[:8]})")
+        elif msg.epoch != self.epoch:
+            self.session_lost(LossKind.DROPPED, f"sender {self.address} no longer knows session {self.epoch} "
+                                                "(it declared this receiver dead)")
+
+    def _on_ping(self, msg: Ping) -> None:
+        self.send(Pong(nonce=msg.nonce, peer_id=self.receiver_id))
 
     def _on_unknown_peer(self, msg: Reject) -> None:
         # Believed only when it names a room of ours (a real sender answers our INIT/RESUME/ABORT

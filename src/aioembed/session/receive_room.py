@@ -33,16 +33,26 @@ from aioembed.errors import (
 from aioembed.layout import Layout
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver, outcome_of
-from aioembed.protocol.messages import Abort, AbortAck, Init, Reject, Resume, RoomId, Status, TransferStatus
+from aioembed.protocol.messages import (
+    Abort,
+    AbortAck,
+    Init,
+    Reject,
+    Resume,
+    RoomId,
+    Status,
+    TransferStatus,
+    plain_text,
+)
 from aioembed.protocol.ownership import FenceReason, GrantState, Proof, Writer
-from aioembed.protocol.room import Arrived, ReceiverRoom
+from aioembed.protocol.room import Arrived, ReceiverRoomState
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.connection import LossKind, RoomEvent, SenderConnection, SessionLost
 from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
 
-__all__ = ["ReceiveRoom", "RoomContext"]
+__all__ = ["ReceiveRoomDriver", "RoomContext"]
 
 log = logging.getLogger("aioembed.session.receiver")
 
@@ -62,7 +72,7 @@ class RoomContext:
     copier: RoundCopier
     returns: LeaseReturns
     rank: int
-    forget: Callable[[ReceiveRoom], None]
+    forget: Callable[[ReceiveRoomDriver], None]
 
 
 def _ends_room(event: RoomEvent) -> bool:
@@ -71,7 +81,7 @@ def _ends_room(event: RoomEvent) -> bool:
 
 
 @dataclass(eq=False)
-class ReceiveRoom:
+class ReceiveRoomDriver:
     """The receiver's driver of one room."""
 
     room: RoomId
@@ -81,25 +91,26 @@ class ReceiveRoom:
     expected_tokens: int | None = None
     zero_copy: bool = False
     out: Mapping[str, torch.Tensor] | None = None
-    machine: ReceiverRoom = field(init=False)
+    machine: ReceiverRoomState = field(init=False)
     writer: Writer | None = field(default=None, init=False)
     """The writer the room was announced to (``None`` until INIT)."""
 
     def __post_init__(self) -> None:
         cfg = self.ctx.config
-        self.machine = ReceiverRoom(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
+        self.machine = ReceiverRoomState(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
         send, recv = anyio.create_memory_object_stream[RoomEvent](_INBOX)
         self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
         self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
         self._sender_ended = False
-        self._alloc_scope: anyio.CancelScope | None = None
+        self._wait_scope: anyio.CancelScope | None = None
         self._output: dict[str, torch.Tensor] | None = None
         self._metadata: dict[str, Any] = {}
         self._phases: dict[str, float] = {}
         self._round_started = 0.0
         self._reopens = 0
+        self._lost_reason: str | None = None  # why the room had to be opened again
 
     # -- events from the connection ------------------------------------------------------------
 
@@ -115,12 +126,12 @@ class ReceiveRoom:
                       self.ctx.rank, self.room)
             self.handle.cancel("the sender sent more messages than the protocol allows")
             return
-        if self._alloc_scope is not None and _ends_room(event):
-            self._alloc_scope.cancel()  # stop waiting for memory: the room is over
+        if self._wait_scope is not None and _ends_room(event):
+            self._wait_scope.cancel()  # stop waiting for memory or a handshake: look at the event
 
     def session_lost(self, event: SessionLost) -> None:
-        """The session this room was announced in ended (the ledger already fenced its grant)."""
-        if self.writer is not None and event.writer == self.writer:
+        """The session of this room's sender ended (announced in it, or still opening)."""
+        if self.writer is None or event.writer == self.writer:
             self.deliver(event)
 
     # -- the task ------------------------------------------------------------------------------
@@ -173,12 +184,21 @@ class ReceiveRoom:
         cfg, keeper = self.ctx.config, self.ctx.keeper
         while True:
             t0 = time.perf_counter()
-            writer = await self.conn.wait_ready(cfg.handshake_timeout)
+            with anyio.CancelScope() as scope:
+                self._wait_scope = scope
+                try:
+                    writer = await self.conn.wait_ready(cfg.handshake_timeout)
+                finally:
+                    self._wait_scope = None
             self._add_phase("handshake", t0)
+            if scope.cancelled_caught:
+                self._interrupted()
+                continue
             tokens = self._first_tokens()
             grant = await self._reserve(tokens, first=True)
             if grant is None:
-                raise TransferFailed(f"room {self.room!r}: reservation interrupted", room=self.room)
+                self._interrupted()
+                continue
             if self.conn.ready and self.conn.writer == writer:
                 break
             keeper.apply(keeper.ledger.release_unannounced(grant))  # the session changed meanwhile
@@ -213,19 +233,17 @@ class ReceiveRoom:
         keeper = self.ctx.keeper
         self.handle._set_status(TransferStatus.TRANSFERRING)
         self.ctx.observer.round_finished(side="receiver", seconds=time.perf_counter() - self._round_started)
+        if self.zero_copy:
+            first = not self._readable
+            self._readable.append((grant, arrived.count))
+            if first:
+                self._admit_zero_copy(arrived, grant)
         if not arrived.complete:
-            if self.zero_copy and arrived.total > self.ctx.pool.num_tokens:
-                self._readable.append((grant, arrived.count))
-                raise TransferFailed(
-                    f"room {self.room!r}: {arrived.total} tokens cannot be received zero-copy into a pool of "
-                    f"{self.ctx.pool.num_tokens} tokens; use receive()", room=self.room)
             tokens = self._round_tokens(arrived.remaining, shrink=False)
             early = keeper.try_reserve(self.room, tokens, priority=True, round=self.machine.round + 1)
             if early is not None:
                 self.resume(early, tokens)
-        if self.zero_copy:
-            self._readable.append((grant, arrived.count))
-        else:
+        if not self.zero_copy:
             await self._copy(grant, arrived)
         if arrived.complete:
             self._metadata = dict(arrived.metadata or {})
@@ -236,6 +254,24 @@ class ReceiveRoom:
             if late is not None:
                 self.resume(late, tokens)
         return False
+
+    def _admit_zero_copy(self, arrived: Arrived, first_grant: int) -> None:
+        """A zero-copy room keeps every round until its lease is released, so once its total is known
+        it claims the blocks of the whole request: admitted if they fit beside the claims of other
+        zero-copy rooms and leases, else failed now, saying why (two such rooms waiting for each other
+        would otherwise hold the pool until ``round_timeout``)."""
+        pool, keeper = self.ctx.pool, self.ctx.keeper
+        if arrived.total > pool.num_tokens:
+            raise TransferFailed(f"room {self.room!r}: {arrived.total} tokens cannot be received zero-copy into "
+                                 f"a pool of {pool.num_tokens} tokens; use receive()", room=self.room)
+        need = -(-arrived.total // pool.block_size)
+        others = keeper.claimed_blocks
+        if need > pool.num_blocks - others:
+            raise TransferFailed(
+                f"room {self.room!r}: {arrived.total} tokens ({need} blocks) cannot be received zero-copy now: "
+                f"leases and zero-copy rooms in flight hold {others} of the pool's {pool.num_blocks} blocks "
+                "until they are released; release leases sooner, or receive() this room", room=self.room)
+        keeper.claim(first_grant, need)
 
     def resume(self, grant: int, tokens: int) -> None:
         """Announce ``grant`` for the next round (RESUME), unless the room's session is gone."""
@@ -261,11 +297,11 @@ class ReceiveRoom:
             keeper.apply(ledger.release_unannounced(grant))
         if alive and not self._sender_ended and self.writer is not None:
             # The sender holds the room (writing, or waiting for input or a RESUME): end it there.
-            self.conn.send(Abort(room=self.room, reason=str(error)[:4000]))
+            self.conn.send(Abort(room=self.room, reason=plain_text(error)))
             if grant is not None and state is GrantState.ANNOUNCED:
-                keeper.apply(ledger.fence(grant, FenceReason.ABORT_UNACKED))
+                keeper.fence(grant, FenceReason.ABORT_UNACKED)
         elif grant is not None and state is GrantState.ANNOUNCED:
-            keeper.apply(ledger.fence(grant, FenceReason.SESSION_DROPPED))
+            keeper.fence(grant, FenceReason.SESSION_DROPPED)
         for g, _ in self._readable:
             keeper.apply(ledger.consumed(g))  # fully written and announced: nothing can reach them
         self._readable = []
@@ -319,6 +355,9 @@ class ReceiveRoom:
         if isinstance(event, Reject):
             self._sender_ended = True
             self._end_grant(Proof.REFUSED)  # a refused reservation is never written
+            if self._lost_reason is not None and self.machine.received == 0:
+                raise PeerDead(f"room {self.room!r}: {self._lost_reason}; opened again, sender "
+                               f"{self.conn.address} refused it: {event.reason}", room=self.room)
             raise TransferFailed(f"room {self.room!r}: sender {self.conn.address} rejected it: {event.reason}",
                                  room=self.room)
         if isinstance(event, AbortAck):
@@ -329,35 +368,55 @@ class ReceiveRoom:
             if event.fence:
                 self._next = None
                 if grant is not None:
-                    keeper.apply(ledger.fence(grant, FenceReason.WRITE_FAILED))
+                    keeper.fence(grant, FenceReason.WRITE_FAILED)
             else:
                 self._end_grant(Proof.STATUS)
+            if self._lost_reason is not None and self.machine.received == 0:
+                raise PeerDead(f"room {self.room!r}: {self._lost_reason}; opened again, sender "
+                               f"{self.conn.address} reported {self.machine.state.name}: {self.machine.error}",
+                               room=self.room)
             cls = TransferAborted if self.machine.state is TransferStatus.ABORTED else TransferFailed
             raise cls(f"room {self.room!r}: sender {self.conn.address} reported {self.machine.state.name}: "
                       f"{self.machine.error}", room=self.room)
         assert grant is not None  # on_status accepts data only with a reservation outstanding
         self._next = None
-        fenced = ledger.grant(grant).state is GrantState.FENCED
-        keeper.apply(ledger.landed(grant))
-        if fenced:  # the session was lost meanwhile (its SessionLost is behind this frame): proof, not data
-            self._sender_ended = True
-            raise PeerDead(f"room {self.room!r}: the session with sender {self.conn.address} was lost",
-                           room=self.room)
+        keeper.apply(ledger.landed(grant))  # only this room moves its announced grant: still ANNOUNCED
         if arrived.complete:
             self._sender_ended = True
         return arrived, grant
 
+    def _interrupted(self) -> None:
+        """A wait of :meth:`open` was cut short by the sender's session ending: try the next session if
+        the sender may still serve the room, else fail now (not after an allocation timeout)."""
+        try:
+            event = self._inbox.receive_nowait()
+        except anyio.WouldBlock:
+            return
+        if not isinstance(event, SessionLost):
+            raise TransferFailed(f"room {self.room!r}: unexpected {event!r} before INIT", room=self.room)
+        if event.kind is LossKind.DROPPED and self._reopens < _REOPENS:
+            self._reopens += 1
+            self._lost_reason = event.reason
+            return
+        raise PeerDead(f"room {self.room!r}: {event.reason}", room=self.room)
+
     async def _on_session_lost(self, event: SessionLost) -> tuple[Arrived, int] | None:
-        self._next = None  # fenced by the connection's report to the ledger; freed by a later proof
+        if event.writer != self.writer:
+            return None  # about a session this room was not announced in (it reopened since)
+        grant, self._next = self._next, None
+        if grant is not None:  # the writer may still reach it: fenced, freed by a later proof
+            reason = FenceReason.PEER_SILENT if event.kind is LossKind.SILENT else FenceReason.SESSION_DROPPED
+            self.ctx.keeper.fence(grant, reason)
         nothing_in = self.machine.received == 0 and not self._readable
         if event.kind is LossKind.DROPPED and nothing_in and self._reopens < _REOPENS:
             # The sender never wrote this room in that session (it restarted, or dropped us first):
             # open it again in the next session instead of failing it.
             self._reopens += 1
+            self._lost_reason = event.reason
             log.info("receiver[%d]: room=%r: session lost before any data (%s); opening the room again",
                      self.ctx.rank, self.room, event.reason)
             cfg = self.ctx.config
-            self.machine = ReceiverRoom(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
+            self.machine = ReceiverRoomState(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
             self.writer = None
             self.handle._set_status(TransferStatus.BOOTSTRAPPING)
             await self.open()
@@ -388,14 +447,14 @@ class ReceiveRoom:
         grant: int | None = None
         try:
             with anyio.CancelScope() as scope:
-                self._alloc_scope = scope
+                self._wait_scope = scope
                 grant = await self.ctx.keeper.reserve(self.room, tokens, timeout=cfg.round_timeout,
                                                       priority=not first, keep_free=keep,
                                                       round=0 if first else self.machine.round + 1)
         except AllocationTimeout as exc:
             raise TransferTimeout(f"room {self.room!r}: {exc}", room=self.room, phase="allocate") from None
         finally:
-            self._alloc_scope = None
+            self._wait_scope = None
         self._add_phase("allocate", t0)
         return grant
 

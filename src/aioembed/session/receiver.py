@@ -40,7 +40,7 @@ from aioembed.session.connection import LossKind, SenderConnection
 from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle
 from aioembed.session.lease import Lease, LeaseReturns
-from aioembed.session.receive_room import ReceiveRoom, RoomContext
+from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext
 from aioembed.transports.base import Transport
 from aioembed.transports.boundary import GuardedTransport, guard
 from aioembed.transports.registry import open_transport
@@ -95,7 +95,7 @@ class EmbeddingReceiver:
         self._transport: GuardedTransport | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._conns: dict[str, SenderConnection] = {}
-        self._rooms: dict[RoomId, ReceiveRoom] = {}
+        self._rooms: dict[RoomId, ReceiveRoomDriver] = {}
         self._room_ctx: RoomContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._scopes: set[anyio.CancelScope] = set()
@@ -277,7 +277,7 @@ class EmbeddingReceiver:
         assert self._room_ctx is not None
         handle = ReceiveHandle(room)
         handle._scope = anyio.CancelScope()
-        r = ReceiveRoom(room, handle, conn, self._room_ctx, expected_tokens=expected_tokens,
+        r = ReceiveRoomDriver(room, handle, conn, self._room_ctx, expected_tokens=expected_tokens,
                         zero_copy=zero_copy, out=out)
         self._rooms[room] = r
         conn.rooms[room] = r
@@ -352,11 +352,11 @@ class EmbeddingReceiver:
         assert self._transport is not None
         log.warning("receiver[%d]: sender %s declared gone by the application", self.rank, conn.address)
         conn.session_lost(LossKind.DISCONNECTED, f"sender {conn.address} declared gone by the application")
-        self.keeper.writer_gone(conn.sender_id, lifetime=self._transport.write_lifetime)
+        self.keeper.writer_gone(conn.sender_id, lifetime=self._transport.orphan_lifetime)
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _forget(self, room: ReceiveRoom) -> None:
+    def _forget(self, room: ReceiveRoomDriver) -> None:
         if self._rooms.get(room.room) is room:
             del self._rooms[room.room]
         if room.conn.rooms.get(room.room) is room:

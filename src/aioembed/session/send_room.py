@@ -23,13 +23,13 @@ from aioembed.errors import PeerDead, TransferAborted, TransferError, TransferFa
 from aioembed.layout import Layout
 from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
 from aioembed.metrics import TransferObserver
-from aioembed.protocol.messages import AbortAck, Message, RoomId, Status, TransferStatus
+from aioembed.protocol.messages import AbortAck, Message, RoomId, Status, TransferStatus, plain_text
 from aioembed.protocol.ownership import WriteLedger, WriteOutcome, WriterAction
-from aioembed.protocol.room import RankPhase, SenderRoom, WriteTask
+from aioembed.protocol.room import RankPhase, SenderRoomState, WriteTask
 from aioembed.session.peer_sessions import PeerSession
 from aioembed.transports.boundary import GuardedTransport
 
-__all__ = ["SendContext", "SendRoom"]
+__all__ = ["SendContext", "SendRoomDriver"]
 
 log = logging.getLogger("aioembed.session.sender")
 
@@ -43,16 +43,19 @@ class SendContext:
     ledger: WriteLedger
     transport: GuardedTransport
     observer: TransferObserver
-    send: Callable[[PeerSession, Message], None]
+    send: Callable[[PeerSession, Message], bool]
+    """Queue a frame; False (logged) if it could not be encoded or queued."""
     apply: Callable[[list[WriterAction]], None]
+    last_refusal: Callable[[], str | None]
+    """Why the last handshake with a receiver failed, if one did (named when a room times out)."""
 
 
-class SendRoom:
+class SendRoomDriver:
     """The sender's driver of one room."""
 
     def __init__(self, room: RoomId, ctx: SendContext, now: float) -> None:
         self.ctx = ctx
-        self.machine = SenderRoom(room, block_size=ctx.config.block_size)
+        self.machine = SenderRoomState(room, block_size=ctx.config.block_size)
         self.rank_peer: dict[int, PeerSession] = {}
         self.wake = anyio.Event()
         self.active = False
@@ -139,7 +142,9 @@ class SendRoom:
             "resume": "a RESUME from a rank",
             "room": "the whole room (room_timeout)",
         }[phase]
-        return TransferTimeout(f"room {self.room!r}: timed out in phase {phase!r} waiting for {waiting}",
+        refusal = self.ctx.last_refusal() if phase == "init" else None
+        why = f"; the last handshake with a receiver failed: {refusal}" if refusal else ""
+        return TransferTimeout(f"room {self.room!r}: timed out in phase {phase!r} waiting for {waiting}{why}",
                                room=self.room, phase=phase)
 
     async def write(self, task: WriteTask) -> None:
@@ -171,6 +176,12 @@ class SendRoom:
                               f"failed: {exc}")
             self.poke()
             return
+        except Exception as exc:  # not the plugin's (the boundary maps those): a bug of ours; fence it
+            outcome = WriteOutcome.POISONED
+            log.exception("sender: room=%r: write to %s failed unexpectedly", room, peer)
+            self.machine.fail(f"write of {task.count} tokens to {peer} failed: {type(exc).__name__}: {exc}")
+            self.poke()
+            return
         finally:
             ctx.apply(ctx.ledger.ended(wid, outcome, now=anyio.current_time(), lifetime=ctx.transport.write_lifetime))
         ctx.observer.round_finished(side="sender", seconds=time.perf_counter() - t0)
@@ -178,7 +189,12 @@ class SendRoom:
             self.poke()
             return
         status = self.machine.write_done(task, metadata=self.metadata)
-        ctx.send(peer, status)
+        if not ctx.send(peer, status):
+            # The rank never learns that its rows arrived: the room fails, and it is told so.
+            self.machine.fail(f"the STATUS of round {task.round} could not be sent to {peer}",
+                              even_if_complete=True)
+            self.poke()
+            return
         if status.state is TransferStatus.SUCCESS:
             self.finished.add(task.rank)
         self.status_sent_at[task.rank] = anyio.current_time()
@@ -193,7 +209,7 @@ class SendRoom:
             if rank in self.finished or not peer.alive or not ctx.ledger.is_open(peer.key):
                 continue
             self.finished.add(rank)
-            error = (m.error or "failed")[:4000]
+            error = plain_text(m.error or "failed")
             if ctx.ledger.poisoned(peer.key, self.room):
                 # No ABORT_ACK: a failed write may still land. FENCE_RELEASE follows once it cannot.
                 ctx.send(peer, Status(room=self.room, state=TransferStatus.FAILED, total_tokens=m.total or 0,

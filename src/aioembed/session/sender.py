@@ -33,7 +33,9 @@ from aioembed.control.channel import ControlSocket
 from aioembed.control.sockets import make_router
 from aioembed.errors import (
     AioembedError,
+    ConfigError,
     InvalidRequest,
+    LayoutError,
     ProtocolError,
     TransferAborted,
     TransferFailed,
@@ -61,6 +63,7 @@ from aioembed.protocol.messages import (
     check_metadata,
     decode,
     encode,
+    plain_text,
     validate_room,
 )
 from aioembed.protocol.ownership import (
@@ -77,7 +80,7 @@ from aioembed.session.copy_out import COPY_INLINE_BYTES
 from aioembed.session.liveness import LoopWatch, PeerClock
 from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
 from aioembed.session.receiver import CLOSE_GRACE
-from aioembed.session.send_room import SendContext, SendRoom
+from aioembed.session.send_room import SendContext, SendRoomDriver
 from aioembed.transports.base import MemoryRegion, Transport
 from aioembed.transports.boundary import GuardedTransport, guard
 from aioembed.transports.registry import open_transport
@@ -106,13 +109,15 @@ class EmbeddingSender:
         self.sender_id = uuid.uuid4().hex
         self.address = ""
         self._peers = PeerDirectory()
-        self._rooms: dict[RoomId, SendRoom] = {}
+        self._rooms: dict[RoomId, SendRoomDriver] = {}
         # Recently ended rooms, so the other side learns at once: (who ended it, why, when).
         self._ended: OrderedDict[RoomId, tuple[str, str, float]] = OrderedDict()
         self._ledger = WriteLedger()
         self._sources: dict[int, tuple[list[MemoryRegion], list[torch.Tensor]]] = {}
         self._draining: dict[SessionKey, PeerSession] = {}  # dropped sessions whose writes have not ended
         self._handshaking: set[tuple[str, int]] = set()
+        self._last_refusal: str | None = None
+        self._joined = anyio.Event()  # set (and replaced) whenever a receiver session opens
         self._given_transport = transport
         self._transport: GuardedTransport | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -129,6 +134,9 @@ class EmbeddingSender:
         self._idle = anyio.Event()
         self._idle.set()
         self._ledger_wake = anyio.Event()
+        self._handlers: dict[type, Callable[[PeerSession, Any], None]] = {
+            Init: self._on_init, Resume: self._on_resume, Abort: self._on_abort, Reject: self._on_reject,
+        }
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -142,10 +150,10 @@ class EmbeddingSender:
             check_backend(self._transport, torch.device("cpu"))
             self._ctx = zmq.Context()
             sock, self.address, self._auth = make_router(self._ctx, self.bind, cfg)
-            self._chan = ControlSocket(sock, self._on_frames, name=f"sender@{self.address}")
+            self._chan = ControlSocket(sock, self._on_frames, name=f"sender@{self.address}", routed=True)
             self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
                                          transport=self._transport, observer=self.observer, send=self._send_to,
-                                         apply=self._apply)
+                                         apply=self._apply, last_refusal=lambda: self._last_refusal)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
         except BaseException:
@@ -249,6 +257,49 @@ class EmbeddingSender:
         Returns once every rank holds every token; raises a :class:`TransferError` otherwise.
         The tensors are read in place (not copied) and must stay unchanged until this returns.
         """
+        try:
+            num_tokens, meta = self._check_request(room, tensors, metadata)
+            sources = await self._sources_of(room, tensors)
+        except (InvalidRequest, LayoutError) as exc:
+            # A receiver that already asked for the room learns why at once, not at its input_timeout.
+            if not isinstance(room, bool) and isinstance(room, (int, str)) and self._room_is_waiting(room):
+                self.abort(room, f"send() refused the request: {exc}")
+            raise
+        r = self._rooms.get(room)
+        if r is not None and r.active:
+            raise InvalidRequest(f"room {room!r} is already being sent")
+        assert self._room_ctx is not None
+        now = anyio.current_time()
+        if r is None:
+            r = SendRoomDriver(room, self._room_ctx, now)
+            self._rooms[room] = r
+        source = self._ledger.new_source()
+        regions = [MemoryRegion.of_tensor(t) for t in sources]
+        self._sources[source] = (regions, sources)
+        r.take_input(sources, source, meta, now)
+        self._active_sends += 1
+        self._idle = anyio.Event() if self._active_sends == 1 else self._idle
+        t_start = time.perf_counter()
+        registered = False
+        error: BaseException | None = None
+        try:
+            r.machine.on_input(num_tokens)
+            registered = await self._register(r, regions)
+            await r.drive()
+        except ProtocolError as exc:
+            error = TransferFailed(str(exc), room=room)
+            raise error from None
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._send_finished(r, source=source, registered=registered, num_tokens=num_tokens,
+                                          t_start=t_start, error=error)
+
+    def _check_request(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
+                       metadata: Mapping[str, Any] | None) -> tuple[int, dict[str, Any]]:
+        """Everything about a request that can be refused before a byte moves; (tokens, metadata)."""
         self._check_running()
         cfg = self.config
         try:
@@ -268,45 +319,26 @@ class EmbeddingSender:
         if tomb is not None and tomb[0] == "receiver":
             del self._ended[room]
             raise TransferAborted(f"room {room!r} was ended by the receiver before send(): {tomb[1]}", room=room)
-        sources = await self._sources_of(room, tensors)
-        r = self._rooms.get(room)
-        if r is not None and r.active:
-            raise InvalidRequest(f"room {room!r} is already being sent")
-        assert self._room_ctx is not None and self._transport is not None
-        now = anyio.current_time()
-        if r is None:
-            r = SendRoom(room, self._room_ctx, now)
-            self._rooms[room] = r
-        source = self._ledger.new_source()
-        regions = [MemoryRegion.of_tensor(t) for t in sources]
-        self._sources[source] = (regions, sources)
-        r.take_input(sources, source, meta, now)
-        self._active_sends += 1
-        self._idle = anyio.Event() if self._active_sends == 1 else self._idle
-        t_start = time.perf_counter()
-        registered = False
-        error: BaseException | None = None
+        return num_tokens, meta
+
+    async def _register(self, r: SendRoomDriver, regions: list[MemoryRegion]) -> bool:
+        """Register the source (never lost to a cancel); a failure ends the room on both sides."""
+        assert self._transport is not None
         try:
-            r.machine.on_input(num_tokens)
-            try:
-                with anyio.CancelScope(shield=True):  # a registration must never be lost to a cancel
-                    await self._transport.register(regions)
-                registered = True
-            except TransportError as exc:
-                r.machine.fail(f"cannot register the source with transport {self._transport.name!r}: {exc}")
-                r.notify_end()
-                raise TransferFailed(f"room {room!r}: {r.machine.error}", room=room) from exc
-            await r.drive()
-        except ProtocolError as exc:
-            error = TransferFailed(str(exc), room=room)
-            raise error from None
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
             with anyio.CancelScope(shield=True):
-                await self._send_finished(r, source=source, registered=registered, num_tokens=num_tokens,
-                                          t_start=t_start, error=error)
+                await self._transport.register(regions)
+        except (TransportError, ConfigError) as exc:
+            r.machine.fail(f"cannot register the source with transport {self._transport.name!r}: {exc}")
+            r.notify_end()  # the receivers learn why at once
+            if isinstance(exc, ConfigError):
+                raise  # a setting to fix, named in the message
+            raise TransferFailed(f"room {r.room!r}: {r.machine.error}", room=r.room) from exc
+        return True
+
+    def _room_is_waiting(self, room: RoomId) -> bool:
+        """A receiver reserved ``room`` and its input has not come (so a refused send() ends it)."""
+        r = self._rooms.get(room)
+        return r is not None and not r.active and r.machine.total is None
 
     async def _sources_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """The tensors to write from, contiguous; large CPU copies run off the loop."""
@@ -325,7 +357,7 @@ class EmbeddingSender:
             sources.append(t)
         return sources
 
-    async def _send_finished(self, r: SendRoom, *, source: int, registered: bool, num_tokens: int,
+    async def _send_finished(self, r: SendRoomDriver, *, source: int, registered: bool, num_tokens: int,
                              t_start: float, error: BaseException | None) -> None:
         room = r.room
         rounds = max((p.round + 1 for p in r.machine.ranks.values()), default=0)
@@ -383,7 +415,7 @@ class EmbeddingSender:
             self._drop_room(r)
         self._remember_ended(room, "sender", reason)
 
-    def _drop_room(self, r: SendRoom) -> None:
+    def _drop_room(self, r: SendRoomDriver) -> None:
         """Forget ``r``: out of the room table and out of every peer's room set."""
         if self._rooms.get(r.room) is r:
             del self._rooms[r.room]
@@ -435,16 +467,19 @@ class EmbeddingSender:
 
     # -- control messages --------------------------------------------------------------------
 
-    def _send_to(self, peer: PeerSession, msg: Message) -> None:
-        if peer.alive:  # never a frame for a session after it ended
-            self._send_identity(peer.identity, msg)
+    def _send_to(self, peer: PeerSession, msg: Message) -> bool:
+        """Queue ``msg`` for a live session (never a frame for a session after it ended)."""
+        return peer.alive and self._send_identity(peer.identity, msg)
 
-    def _send_identity(self, identity: bytes, msg: Message) -> None:
+    def _send_identity(self, identity: bytes, msg: Message) -> bool:
         assert self._chan is not None
         try:
             self._chan.send([identity, encode(msg)])
-        except AioembedError as exc:
-            log.error("sender: cannot queue %s to %r: %s", msg.TYPE, identity, exc)
+        except AioembedError as exc:  # cannot encode (a bug) or the peer does not read: the caller decides
+            log.error("sender: cannot send %s (room %r) to %r: %s", msg.TYPE, getattr(msg, "room", None),
+                      identity, exc)
+            return False
+        return True
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -455,41 +490,37 @@ class EmbeddingSender:
             msg = decode(payload)
         except ProtocolError as exc:
             log.warning("sender: bad frame from %r (room=%s): %s", identity, exc.room, exc)
-            self._send_identity(identity, Reject(reason=f"bad frame: {exc}"[:4000], room=exc.room, code="bad_frame"))
+            self._send_identity(identity, Reject(reason=plain_text(f"bad frame: {exc}"), room=exc.room,
+                                                 code="bad_frame"))
             return
         peer = self._peers.at(identity)
         if peer is not None:
             peer.clock.heard(anyio.current_time())
         if isinstance(msg, Hello):
             self._spawn(self._handshake, identity, msg)
-            return
-        if isinstance(msg, Ping):
-            self._send_identity(identity, Pong(nonce=msg.nonce, peer_id=self.sender_id))
-            return
-        if peer is None:
-            room = getattr(msg, "room", None)
-            if isinstance(msg, Abort):
-                self._send_identity(identity, AbortAck(room=msg.room))
-            elif not isinstance(msg, (Pong, AbortAck, Reject)):
-                self._send_identity(identity, Reject(reason="unknown peer: send HELLO first", room=room,
-                                                     code="unknown_peer"))
+        elif isinstance(msg, Ping):
+            epoch = peer.key.epoch if peer is not None else 0  # 0: this socket has no live session
+            self._send_identity(identity, Pong(nonce=msg.nonce, peer_id=self.sender_id, epoch=epoch))
+        elif peer is None:
+            # Never ABORT_ACK a session we do not know: a write into that room from the session we
+            # dropped may still be in flight, and the receiver would free its blocks on our word.
+            if not isinstance(msg, (Pong, AbortAck, Reject)):
+                self._send_identity(identity, Reject(reason="unknown peer: send HELLO first",
+                                                     room=getattr(msg, "room", None), code="unknown_peer"))
+        else:
+            self._on_session_frame(peer, msg)
+
+    def _on_session_frame(self, peer: PeerSession, msg: Message) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            if not isinstance(msg, (Pong, AbortAck)):
+                log.warning("sender: unexpected %s from %s, ignored", msg.TYPE, peer)
             return
         try:
-            if isinstance(msg, Init):
-                self._on_init(peer, msg)
-            elif isinstance(msg, Resume):
-                self._on_resume(peer, msg)
-            elif isinstance(msg, Abort):
-                self._on_abort(peer, msg)
-            elif isinstance(msg, Reject):
-                self._on_reject(peer, msg)
-            elif isinstance(msg, (Pong, AbortAck)):
-                pass
-            else:
-                log.warning("sender: unexpected %s from %s, ignored", msg.TYPE, peer)
+            handler(peer, msg)
         except ProtocolError as exc:
             log.warning("sender: room=%s: %s from %s refused: %s", exc.room, msg.TYPE, peer, exc)
-            self._send_to(peer, Reject(reason=str(exc)[:4000], room=exc.room))
+            self._send_to(peer, Reject(reason=plain_text(exc), room=exc.room))
 
     async def _handshake(self, identity: bytes, hello: Hello) -> None:
         cfg = self.config
@@ -498,7 +529,7 @@ class EmbeddingSender:
         if problems:
             reason = f"incompatible receiver (protocol v{PROTOCOL_VERSION}): " + "; ".join(problems)
             log.warning("sender: refused rank %d: %s", hello.rank, reason)
-            self._send_identity(identity, Reject(reason=reason[:4000], code="incompatible"))
+            self._send_identity(identity, Reject(reason=plain_text(reason), code="incompatible"))
             return
         if self._welcome_again(identity, hello):
             return
@@ -510,9 +541,10 @@ class EmbeddingSender:
             with anyio.fail_after(cfg.handshake_timeout):
                 link = await self._transport.connect(hello.descriptor)
         except (TransportError, TimeoutError) as exc:
-            reason = f"cannot connect transport {self._transport.name!r} to receiver rank {hello.rank}: {exc!r}"
+            reason = f"cannot connect transport {self._transport.name!r} to receiver rank {hello.rank}: {exc}"
             log.warning("sender: %s", reason)
-            self._send_identity(identity, Reject(reason=reason[:4000], code="refused"))
+            self._last_refusal = reason
+            self._send_identity(identity, Reject(reason=plain_text(reason), code="refused"))
             return
         finally:
             self._handshaking.discard(key)
@@ -526,11 +558,14 @@ class EmbeddingSender:
                               world=hello.world, num_blocks=hello.num_blocks, regions=hello.regions, link=link,
                               clock=PeerClock(anyio.current_time()))
         self._peers.add(session)
+        self._last_refusal = None
         self._send_identity(identity, Welcome(sender_id=self.sender_id, epoch=hello.epoch,
                                               heartbeat_interval=cfg.heartbeat_interval,
                                               writer_id=self._transport.writer_id))
         self._apply(self._ledger.session_opened(session.key))
         log.info("sender: %s connected (world %d)", session, hello.world)
+        self._joined.set()
+        self._joined = anyio.Event()
 
     def _welcome_again(self, identity: bytes, hello: Hello) -> bool:
         """True if ``hello`` repeats the live session (answered again) or is older than it (ignored)."""
@@ -554,8 +589,8 @@ class EmbeddingSender:
         tomb = self._tombstone(room) if room not in self._rooms else None
         if tomb is not None and tomb[0] == "sender":
             self._send_to(peer, Status(room=room, state=TransferStatus.ABORTED, total_tokens=0, sent_tokens=0,
-                                       round=0, error=f"the sender ended this room before rank {peer.rank} asked: "
-                                                      f"{tomb[1]}"[:4000]))
+                                       round=0, error=plain_text(f"the sender ended this room before rank "
+                                                                 f"{peer.rank} asked: {tomb[1]}")))
             return
         if msg.expected_ranks != peer.world:
             raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
@@ -567,7 +602,7 @@ class EmbeddingSender:
                 raise ProtocolError(f"{peer} has {len(peer.rooms)} rooms open; max_rooms_per_peer="
                                     f"{self.config.max_rooms_per_peer}", room=room)
             assert self._room_ctx is not None
-            r = SendRoom(room, self._room_ctx, anyio.current_time())
+            r = SendRoomDriver(room, self._room_ctx, anyio.current_time())
         r.machine.on_init(peer.rank, blocks=msg.blocks, allocated_tokens=msg.allocated_tokens,
                           expected_ranks=msg.expected_ranks, num_blocks=peer.num_blocks)
         if new:  # only a valid INIT creates a room: refused frames leave nothing behind
@@ -659,6 +694,14 @@ class EmbeddingSender:
             self._draining[peer.key] = peer  # its link closes once its last write ended
         else:
             self._spawn(peer.link.aclose)
+
+    async def wait_for_receivers(self, count: int = 1, timeout: float | None = None) -> None:
+        """Wait until ``count`` receivers hold a session with this sender (a readiness check); raises
+        ``TimeoutError`` after ``timeout`` seconds (default: ``handshake_timeout``)."""
+        self._check_running()
+        with anyio.fail_after(self.config.handshake_timeout if timeout is None else timeout):
+            while len(self._peers) < count:
+                await self._joined.wait()
 
     # -- introspection -------------------------------------------------------------------------
 

@@ -24,9 +24,13 @@ import anyio
 import pytest
 import torch
 
-from aioembed.errors import TransportError
+from aioembed.errors import ConfigError, TransportError
 from aioembed.transports.base import Link, MemoryRegion, Transport, WriteOp
+from aioembed.transports.boundary import GuardedLink, GuardedTransport
 from aioembed.transports.registry import open_transport
+
+FOREIGN = (RuntimeError, ValueError, OSError)
+"""What native engines raise instead of TransportError: the boundary must map each."""
 
 __all__ = ["TransportConformance", "region_of"]
 
@@ -264,3 +268,72 @@ class TransportConformance:
             with pytest.raises(TransportError):
                 await link.write(self._ops(src, dst, [(0, 0, 4096)]))
         await link.aclose()
+
+    # -- the plugin boundary -----------------------------------------------------------------
+
+    @pytest.mark.anyio
+    async def test_unknown_options_are_config_errors(self) -> None:
+        with pytest.raises(ConfigError):
+            await open_transport(self.transport_name, {**self.transport_options, "no_such_option_": 1})
+
+    @pytest.mark.anyio
+    async def test_capabilities_are_declared_consistently(self, endpoints: tuple[Transport, Transport]) -> None:
+        a, _ = endpoints
+        caps = a.capabilities
+        assert a.write_lifetime >= 0 and a.orphan_lifetime >= 0
+        # A failed write that may still land must be waited out for some time, or fences would end at once.
+        assert caps.cancel_safe_writes or a.write_lifetime > 0
+        assert isinstance(a.writer_id, str)
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("exc_type", FOREIGN)
+    @pytest.mark.parametrize("method", ["register", "connect", "write"])
+    async def test_foreign_exceptions_become_transport_errors(
+        self, endpoints: tuple[Transport, Transport], monkeypatch: pytest.MonkeyPatch, method: str,
+        exc_type: type[Exception],
+    ) -> None:
+        a, b = endpoints
+        assert isinstance(a, GuardedTransport), "sessions reach plugins only through the boundary"
+        src, dst, link = await self._setup(endpoints, 4096, 4096)
+        assert isinstance(link, GuardedLink)
+        original = exc_type(f"native {method} failed")
+
+        async def boom(*args: Any, **kwargs: Any) -> Any:
+            raise original
+
+        target = type(link.inner) if method == "write" else type(a.inner)
+        monkeypatch.setattr(target, method, boom)
+        with pytest.raises(TransportError) as info:
+            if method == "register":
+                await a.register([region_of(src[:128])])
+            elif method == "connect":
+                await a.connect(b.descriptor())
+            else:
+                await link.write(self._ops(src, dst, [(0, 0, 64)]))
+        assert info.value.__cause__ is original
+        assert exc_type.__name__ in str(info.value) and f"native {method} failed" in str(info.value)
+        if method == "write":
+            assert info.value.may_land is True  # an unexplained write failure is fenced
+        monkeypatch.undo()
+        await link.write(self._ops(src, dst, [(0, 0, 64)]))  # the endpoint still works
+        assert torch.equal(dst[:64], src[:64])
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_revoke_cuts_off_old_links_or_is_refused(self, endpoints: tuple[Transport, Transport]) -> None:
+        a, b = endpoints
+        src, dst, link = await self._setup(endpoints, 4096, 4096)
+        if not b.capabilities.revocable:
+            with pytest.raises(TransportError):
+                await b.revoke(a.writer_id)
+            await link.aclose()
+            return
+        await b.revoke(a.writer_id)
+        with pytest.raises(TransportError):
+            await link.write(self._ops(src, dst, [(0, 0, 64)]))  # opened before the revoke: cut off
+        assert int(dst.sum()) == 0
+        fresh = await a.connect(b.descriptor())  # opened after it: works
+        await fresh.write(self._ops(src, dst, [(0, 0, 64)]))
+        assert torch.equal(dst[:64], src[:64])
+        await link.aclose()
+        await fresh.aclose()

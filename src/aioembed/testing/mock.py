@@ -84,12 +84,14 @@ class MockTransport(LoopbackTransport):
     name: ClassVar[str] = "mock"
 
     def __init__(self, *, cancel_safe_writes: bool = True, revocable: bool = False, write_lifetime: float = 0.0,
-                 faults: FaultPolicy | None = None, raise_on: Mapping[str, BaseException] | None = None,
-                 inline_bytes: int = 256 * 1024, threads: int = 4) -> None:
+                 orphan_lifetime: float | None = None, faults: FaultPolicy | None = None,
+                 raise_on: Mapping[str, BaseException] | None = None, inline_bytes: int = 256 * 1024,
+                 threads: int = 4) -> None:
         super().__init__(inline_bytes=inline_bytes, threads=threads)
         self.capabilities = TransportCapabilities(
             cuda=False, asyncio_only=False, cross_process=False, cancel_safe_writes=cancel_safe_writes,
             revocable=revocable, write_lifetime=write_lifetime,
+            orphan_lifetime=write_lifetime if orphan_lifetime is None else orphan_lifetime,
         )
         self.faults = faults
         self.raise_on: dict[str, BaseException] = dict(raise_on or {})
@@ -99,7 +101,7 @@ class MockTransport(LoopbackTransport):
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> Self:
-        known = {"cancel_safe_writes", "revocable", "write_lifetime", "inline_bytes", "threads"}
+        known = {"cancel_safe_writes", "revocable", "write_lifetime", "orphan_lifetime", "inline_bytes", "threads"}
         unknown = set(options) - known
         if unknown:
             raise ConfigError(f"unknown mock transport option(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -126,7 +128,7 @@ class MockTransport(LoopbackTransport):
     async def connect(self, peer_descriptor: bytes) -> MockLink:
         self._maybe_raise("connect")
         link = await super().connect(peer_descriptor)
-        mock = MockLink(self, link._peer, link._announced)
+        mock = MockLink(self, link._peer, link._announced, link._generation)
         self._links.discard(link)
         self._links.add(mock)
         return mock
@@ -180,7 +182,7 @@ class MockLink(LoopbackLink):
             raise TransportError(f"write on a closed link to {self.peer}")
         if self._peer.closed:
             raise TransportError(f"peer {self.peer} has closed; {len(ops)} ops not written")
-        generation = self._peer._admit(local.id)
+        generation = self._generation
         total = self._check(ops)
         call = WriteCall(next(local.calls), self.peer, total, tuple(ops))
         fault = local.faults(call) if local.faults is not None else None

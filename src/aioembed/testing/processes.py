@@ -68,6 +68,10 @@ class SideSpec:
     concurrency: int = 64
     linger: float = 0.0
     """Seconds to stay up after the last room (so a peer can finish)."""
+    settle: float = 10.0
+    """Receiver: at most this long after the last room, wait for fenced blocks to come back."""
+    wait_for_receivers: int = 0
+    """Sender: send nothing until this many receivers hold a session (start-up is never raced)."""
     env: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -91,6 +95,8 @@ async def _run_side(spec: SideSpec) -> None:
     from aioembed.session.receiver import EmbeddingReceiver
     from aioembed.session.sender import EmbeddingSender
 
+    # A slow start-up on purpose (e.g. torch + CUDA + a native engine take 5-6 s on a GPU host).
+    await anyio.sleep(float(os.environ.get("AIOEMBED_TEST_START_DELAY", "0")))
     layout = standard_layout(spec.hidden)
     config = TransferConfig.from_mapping(spec.config, source="spec")
     limiter = anyio.Semaphore(spec.concurrency)
@@ -103,6 +109,8 @@ async def _run_side(spec: SideSpec) -> None:
     if spec.role == "send":
         async with EmbeddingSender(layout, config, bind=spec.bind) as sender:
             _emit(event="ready", address=sender.address, pid=os.getpid())
+            if spec.wait_for_receivers:
+                await sender.wait_for_receivers(spec.wait_for_receivers, timeout=300)
 
             async def send_one(room: RoomSpec) -> None:
                 async with limiter:
@@ -144,6 +152,10 @@ async def _run_side(spec: SideSpec) -> None:
                 for room in spec.rooms:
                     tg.start_soon(receive_one, room)
             await anyio.sleep(spec.linger)
+            # Blocks a failed sender may still write stay fenced until a proof (or, for a sender
+            # whose process ended, its transport's orphan lifetime) releases them: wait for that.
+            with anyio.move_on_after(spec.settle):
+                await receiver.allocator.wait_all_free()
             st = receiver.allocator.stats
             _emit(event="done", pool_free=st.free == st.total and receiver.rooms_in_flight == 0,
                   stats=dict(results, free=st.free, total=st.total, fenced=st.fenced))

@@ -14,10 +14,12 @@ Contract every implementation keeps (checked by :mod:`aioembed.testing`):
 * A write whose destination is outside the peer's announced regions, or whose source is
   outside this side's registered regions, raises ``TransportError`` before moving anything.
 * After ``aclose()`` (of the link or the transport) writes raise ``TransportError``.
-* ``write_lifetime`` bounds how long a failed write, or any write of a writer whose process has
-  ended, may still land at a *running* destination. The sessions fence blocks for that long.
-* A transport with ``revocable`` implements ``revoke(writer_id)``: once it returns, no write from
-  that writer can land in this endpoint's memory.
+* ``write_lifetime`` bounds how long a failed write may still land at a *running* destination,
+  ``orphan_lifetime`` how long any write of a writer whose process has ended may. The sessions
+  keep blocks fenced for that long.
+* A transport with ``revocable`` implements ``revoke(writer_id)``: once it returns, nothing lands
+  any more through any link that writer opened to this endpoint so far (writes posted earlier
+  included); links it opens later work (a sender opens one link per receiver session).
 
 Plugins raise ``TransportError`` (or ``ConfigError`` for bad options); anything else they raise is
 turned into a ``TransportError`` by :mod:`aioembed.transports.boundary` before a session sees it.
@@ -97,12 +99,15 @@ class TransportCapabilities:
     """A write that failed never lands later. False when a failed (timed-out) write may still
     reach the destination afterwards: the session then fences the destination blocks."""
     revocable: bool = False
-    """``Transport.revoke(writer_id)`` can cut a writer off: afterwards none of its writes lands."""
+    """``Transport.revoke(writer_id)`` can cut off the links a writer opened so far: afterwards
+    nothing lands through them."""
     write_lifetime: float = 0.0
-    """Seconds a failed write, or a write of a writer whose process ended, may still land at a
-    running destination (data in socket buffers, a native engine's retries). Counted in the
-    destination's running time. The default for a plugin; ``Transport.write_lifetime`` may
-    refine it from the endpoint's options."""
+    """Seconds a write that *failed* (its writer alive) may still land at a running destination
+    (a native engine's retries, data in socket buffers). The default for a plugin;
+    ``Transport.write_lifetime`` may refine it from the endpoint's options."""
+    orphan_lifetime: float = 0.0
+    """Seconds the writes of a writer whose *process ended* may still land at a running destination
+    (data its kernel had already sent or buffered). Counted in the destination's running time."""
 
 
 class RegionSet:
@@ -258,14 +263,20 @@ class Transport(ABC):
         return self.capabilities.write_lifetime
 
     @property
+    def orphan_lifetime(self) -> float:
+        """See :attr:`TransportCapabilities.orphan_lifetime` (this endpoint's value)."""
+        return self.capabilities.orphan_lifetime
+
+    @property
     def writer_id(self) -> str:
         """This endpoint's identity as a writer, as a peer's :meth:`revoke` knows it ("" if none)."""
         return ""
 
     async def revoke(self, writer_id: str) -> None:
-        """Make sure no write from ``writer_id`` lands in this endpoint's memory any more.
+        """Cut off every link ``writer_id`` opened to this endpoint so far: once this returns, nothing
+        lands through them any more (writes posted earlier included). Links it opens later work.
 
-        Returns once writes of it already landing have ended. Only for ``capabilities.revocable``.
+        Returns once writes already landing through them have ended. Only for ``capabilities.revocable``.
         """
         raise TransportError(f"transport {self.name!r} cannot revoke a writer (capabilities.revocable is false)")
 

@@ -102,6 +102,14 @@ class GuardedTransport(Transport):
         return max(0.0, value)
 
     @property
+    def orphan_lifetime(self) -> float:
+        try:
+            value = float(self.inner.orphan_lifetime)
+        except Exception as exc:
+            _reraise(self.name, "orphan_lifetime", exc)
+        return max(0.0, value)
+
+    @property
     def writer_id(self) -> str:
         try:
             return str(self.inner.writer_id)

@@ -4,10 +4,11 @@ It exists so that the whole stack (protocol, sessions, pools, resume) runs on a 
 no GPU or NIC, with the same checks as a real transport: writes must stay inside registered
 memory on both sides, and a closed peer fails writes. CPU memory only.
 
-It can revoke a writer (``revoke(writer_id)``) as a barrier: a write posted before the call
-never lands after it returns, writes posted later are admitted. Writes may run on another
-thread's event loop than the owner's (tests put two sides on two loops), so the bookkeeping is
-guarded by a lock, and ``revoke`` waits for writes already landing in a worker thread.
+It can revoke a writer (``revoke(writer_id)``): every link that writer opened to this endpoint so
+far is cut off for good (nothing more lands through it, not even writes posted earlier), while
+links it opens later work. Writes may run on another thread's event loop than the owner's (tests
+put two sides on two loops), so the bookkeeping is guarded by a lock, and ``revoke`` waits for
+writes already landing, in a worker thread.
 """
 
 from __future__ import annotations
@@ -79,12 +80,13 @@ class LoopbackTransport(Transport):
         return self.id
 
     def _admit(self, writer: str) -> int:
-        """The revocation generation a write posted now belongs to."""
+        """The revocation generation a link opened now by ``writer`` belongs to."""
         with self._lock:
             return self._generation.get(writer, 0)
 
     def _begin_landing(self, writer: str, generation: int) -> bool:
-        """May a write of ``writer`` posted in ``generation`` land now? (Counted until ``_end_landing``.)"""
+        """May a write through a link of ``writer`` opened in ``generation`` land now? (Counted until
+        ``_end_landing``.)"""
         with self._lock:
             if self.closed or self._generation.get(writer, 0) != generation:
                 return False
@@ -176,7 +178,7 @@ class LoopbackTransport(Transport):
         if peer is None or peer.closed:
             raise TransportError(f"loopback peer {str(endpoint)[:8]} is gone")
         await anyio.lowlevel.checkpoint()
-        link = LoopbackLink(self, peer, announced)
+        link = LoopbackLink(self, peer, announced, peer._admit(self.id))
         self._links.add(link)
         return link
 
@@ -202,10 +204,12 @@ class LoopbackTransport(Transport):
 class LoopbackLink(Link):
     """A link to another loopback endpoint in this process."""
 
-    def __init__(self, local: LoopbackTransport, peer: LoopbackTransport, announced: RegionSet) -> None:
+    def __init__(self, local: LoopbackTransport, peer: LoopbackTransport, announced: RegionSet,
+                 generation: int) -> None:
         self._local = local
         self._peer = peer
         self._announced = announced
+        self._generation = generation
         self._closed = False
 
     @property
@@ -217,9 +221,8 @@ class LoopbackLink(Link):
             raise TransportError(f"write on a closed link to {self.peer}")
         if self._peer.closed:
             raise TransportError(f"peer {self.peer} has closed; {len(ops)} ops not written")
-        generation = self._peer._admit(self._local.id)
         total = self._check(ops)
-        await self._land(ops, total, generation)
+        await self._land(ops, total, self._generation)
 
     def _check(self, ops: Sequence[WriteOp]) -> int:
         """Validate every op before anything moves; returns the byte count."""
@@ -237,7 +240,7 @@ class LoopbackLink(Link):
         """Move the bytes, unless the owner revoked this writer since ``generation``."""
         writer = self._local.id
         if not self._peer._begin_landing(writer, generation):
-            raise TransportError(f"write of {total} bytes to {self.peer} refused: the peer revoked this writer "
+            raise TransportError(f"write of {total} bytes to {self.peer} refused: the peer revoked this link "
                                  "or closed", may_land=False)
         try:
             await self._copy(ops, total)

@@ -28,7 +28,7 @@ async def main() -> None:
                                  "pid": os.getpid()}) + "\n")
     sys.stdout.flush()
     parent = os.getppid()
-    while os.getppid() == parent:  # noqa: ASYNC110 - die with the test process, even if it crashed
+    while os.getppid() == parent:
         await asyncio.sleep(0.5)
 
 

@@ -166,3 +166,23 @@ async def test_unregistered_region_objects() -> None:
     async with writer() as (t, _):
         with pytest.raises(TransportError):
             await t.unregister([MemoryRegion(4096, 4096)])
+
+
+def test_the_graveyard_of_failed_connects_is_bounded_by_what_ucx_may_still_write() -> None:
+    from aioembed_ucx.transport import _Graveyard
+
+    class Endpoint:
+        def __init__(self) -> None:
+            self.alive = True
+
+    yard = _Graveyard()
+    endpoints = [Endpoint() for _ in range(50)]
+    for ep in endpoints:
+        yard.bury(ep, bytearray(16))
+    assert len(yard) == 50
+    for ep in endpoints[:40]:
+        ep.alive = False  # UCX is done with these: their buffers may go after the grace period
+    yard.prune(now=1000.0)
+    assert len(yard) == 50  # dead ones wait out the grace period
+    yard.prune(now=1000.0 + _Graveyard.GRACE + 1)
+    assert len(yard) == 10  # only the live ones are kept

@@ -106,3 +106,26 @@ async def test_descriptor_errors(anyio_backend: str) -> None:
         with pytest.raises(TransportError, match="cpu' or 'cuda:N"):
             from aioembed.transports.base import MemoryRegion
             await t.register([MemoryRegion(4096, 16, "tpu:0")])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_cuda_memory_with_a_tls_that_cannot_move_it_is_refused_at_register() -> None:
+    from aioembed.transports.base import MemoryRegion
+
+    t = await open_transport("ucx", UCX_OPTIONS)  # tls="tcp" (one UCX setting per process)
+    try:
+        with pytest.raises(ConfigError, match="transport_options.tls") as info:
+            await t.register([MemoryRegion(1 << 40, 4096, "cuda:0")])  # refused before anything touches it
+        assert "cuda_copy" in str(info.value) or "excludes" in str(info.value)
+        await t.register([MemoryRegion(1 << 40, 4096, "cpu")])  # CPU memory is fine with it
+    finally:
+        await t.aclose()
+
+
+def test_which_tls_settings_can_move_cuda_memory() -> None:
+    for tls in (None, "all", "tcp,cuda_copy", "rc,cuda_copy,cuda_ipc", "^rc"):
+        assert UcxOptions.parse({} if tls is None else {"tls": tls}).cuda_problem({}) is None
+    for tls in ("tcp", "tcp,sm", "^cuda_copy,cuda_ipc", "^cuda"):
+        problem = UcxOptions.parse({"tls": tls}).cuda_problem({})
+        assert problem is not None and "transport_options.tls" in problem
+    assert UcxOptions.parse({}).cuda_problem({"UCX_TLS": "tcp"}) is not None  # the environment counts

@@ -65,11 +65,14 @@ async def test_receiver_killed_mid_transfer_fails_its_rooms() -> None:
                       transport_options=dict(UCX_OPTIONS, write_timeout=2.0))
     rooms = [RoomSpec(f"k-{i}", TOKENS) for i in range(8)]
     async with AsyncExitStack() as stack:
+        # The sender sends only once the receiver holds a session: a receiver process that takes 5-6 s to
+        # start (torch + CUDA + ucxx on a GPU host) must not let input_timeout expire first.
         sender = await stack.enter_async_context(spawn(SideSpec(role="send", config=cfg, rooms=rooms,
-                                                                hidden=HIDDEN)))
+                                                                hidden=HIDDEN, wait_for_receivers=1)))
         address = (await sender.until("ready", timeout=60))["address"]
         receiver = await stack.enter_async_context(spawn(SideSpec(
-            role="receive", config=cfg, rooms=rooms, connect=address, hidden=HIDDEN)))
+            role="receive", config=cfg, rooms=rooms, connect=address, hidden=HIDDEN,
+            env={"AIOEMBED_TEST_START_DELAY": "6"})))  # longer than input_timeout, as seen on a GPU host
         await receiver.until("ready", timeout=60)
         await receiver.rooms(1, timeout=60)
         receiver.kill()

@@ -1,16 +1,20 @@
 """The ``mooncake`` transport: aioembed's Transport / Link on Mooncake's ``TransferEngine``.
 
-Every engine call blocks (initialization, registration, and writes, which also busy-spin in
-native code with the GIL released), so each runs in a worker thread through
-``anyio.to_thread``; the transport therefore works under asyncio and trio alike. Writes go
-through a ``CapacityLimiter`` of ``threads`` tokens.
+Initialization and registration block, so they run in worker threads (``anyio.to_thread``).
+Writes do not hold a thread while they move: each op is submitted with ``transfer_submit_write``
+(in a worker thread of its link: the first submit to a peer blocks while the engine connects) and
+the endpoint's one poll loop (:mod:`aioembed_mooncake._transfers`) waits for them. Each link has
+its own bound on transfers in flight and on submit threads, so a peer that stops reading stalls
+only its own link. The transport works under asyncio and trio alike.
 
-Failure semantics (see the README): a write that fails or times out is *not* cancelled by the
-engine. Its bytes may still land at the destination later, and its source may still be read.
+Failure semantics (see the README): the engine cannot cancel a transfer; a write returns (or
+raises) only once every transfer it submitted has a final status, after which only bytes already
+in the peer's socket buffers can still land there.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import math
@@ -43,6 +47,7 @@ from aioembed_mooncake._engine import (
     start_engine,
 )
 from aioembed_mooncake._regions import EngineRegistrations, Piece, PieceIndex
+from aioembed_mooncake._transfers import DONE, PENDING, Credits, PendingTransfer, TransferPoller
 
 __all__ = ["DESCRIPTOR_VERSION", "MooncakeLink", "MooncakeTransport", "default_hostname"]
 
@@ -53,10 +58,17 @@ DESCRIPTOR_VERSION = 1
 TCP_QUEUE_PER_PEER = 1024
 """Transfers the engine's TCP transport queues per peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``).
 
-Past this (plus 1024 waiting admissions) it fails transfers at once (``queue-full``). The
-default ``max_batch_ops`` keeps ``threads * max_batch_ops <= TCP_QUEUE_PER_PEER``, so the ops
-in flight from one endpoint never exceed the queue.
+Past this (plus 1024 waiting admissions) it fails transfers at once (``queue-full``), so each link
+keeps at most this many transfers in flight.
 """
+
+_SCRATCH_BYTES = 64
+
+SUBMIT_THREADS_PER_LINK = 1
+"""Worker threads one link may hold for submits. A submit usually takes tens of microseconds, but
+the first transfer to a peer opens its data connection and blocks until the peer answers (about
+60 s against a frozen one, measured): so submits never run on the event loop, and a frozen peer
+holds at most this many threads, not the endpoint's."""
 
 _OPTIONS = (
     "protocol", "device_name", "hostname", "metadata_server", "threads",
@@ -200,15 +212,23 @@ class MooncakeTransport(Transport):
 
     Options (``TransferConfig.transport_options``): ``protocol`` (``auto`` | ``rdma`` | ``tcp``),
     ``device_name`` (RDMA devices, comma separated), ``hostname`` (address peers reach this
-    endpoint at), ``metadata_server`` (default ``P2PHANDSHAKE``), ``threads`` (worker threads
-    for writes, default 4), ``max_batch_bytes`` (default 64 MiB), ``max_batch_ops`` (default
-    ``1024 // threads``) and ``transfer_timeout`` (seconds, at least 5; engine default 30).
+    endpoint at), ``metadata_server`` (default ``P2PHANDSHAKE``), ``threads`` (worker threads for
+    registration and large submits, default 4), ``max_batch_bytes`` (largest single engine
+    transfer, default 64 MiB), ``max_batch_ops`` (transfers submitted at once per write, default
+    ``1024 // threads``) and ``transfer_timeout`` (seconds, at least 5; engine default 30: a
+    transfer that makes no progress for that long fails).
     """
 
     name: ClassVar[str] = "mooncake"
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
+    capabilities = TransportCapabilities(
         cuda=cuda_build_installed(), asyncio_only=False, cross_process=True,
         cancel_safe_writes=False,  # a timed-out write is not cancelled: its bytes may land later
+        revocable=False,  # no per-peer cut-off: unregistering memory does not stop admitted writes
+        # A write that gave up at transfer_timeout leaves transfers moving until the engine drops a
+        # connection without progress (see write_lifetime below); a writer process that ended had its
+        # connections closed by its kernel: only bytes already in the peer's socket buffers can land.
+        write_lifetime=32.0,
+        orphan_lifetime=2.0,
     )
 
     def __init__(self, config: _Config, engine: Any, session: str, rpc_port: int) -> None:
@@ -220,6 +240,9 @@ class MooncakeTransport(Transport):
         self._reg = EngineRegistrations()
         self._reg_lock = anyio.Lock()
         self._limiter = anyio.CapacityLimiter(config.threads)
+        self._poller = TransferPoller(engine.transfer_check_status)
+        self._scratch = (ctypes.c_char * _SCRATCH_BYTES)()  # where connect() reads a peer's byte into
+        self._scratch_address = ctypes.addressof(self._scratch)
         self._links: set[MooncakeLink] = set()
         self._inflight = 0
         self._idle = anyio.Event()
@@ -240,6 +263,22 @@ class MooncakeTransport(Transport):
         return self._reg.pieces
 
     @property
+    def write_lifetime(self) -> float:
+        """How long a failed write may still land: until the engine drops a connection that makes no
+        progress (its transfers cannot be cancelled), plus what its socket buffers hold."""
+        return float(self.progress_timeout) + 2.0
+
+    @property
+    def progress_timeout(self) -> int:
+        """Seconds without progress after which the engine's TCP lane drops a connection. The engine
+        reads ``MC_TCP_PROGRESS_TIMEOUT_SEC`` when it opens a lane (from the process environment then;
+        default 30), so the value in the environment now is the best estimate, never below 30."""
+        try:
+            return max(30, int(os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")))
+        except ValueError:
+            return 30
+
+    @property
     def transfer_timeout(self) -> int:
         """Seconds after which the engine gives up on a write."""
         if self.config.transfer_timeout is not None:
@@ -253,11 +292,18 @@ class MooncakeTransport(Transport):
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> Self:
-        config = _Config(options)
+        # Validating the options resolves host names and reads sysfs: blocking, so off the loop.
+        config = await anyio.to_thread.run_sync(_Config, options)
         started = await anyio.to_thread.run_sync(start_engine, config.engine_settings())
         log.info("mooncake transport: engine up, session %s, protocol %s%s", started.session, config.protocol,
                  f", devices {config.device_name}" if config.device_name else "")
-        return cls(config, started.engine, started.session, started.rpc_port)
+        self = cls(config, started.engine, started.session, started.rpc_port)
+        rc = await anyio.to_thread.run_sync(started.engine.register_memory, self._scratch_address, _SCRATCH_BYTES)
+        if rc != 0:
+            await self.aclose()
+            raise TransportError(f"mooncake transport: registering a {_SCRATCH_BYTES}-byte scratch buffer "
+                                 f"returned {rc}")
+        return self
 
     def _check_open(self) -> Any:
         if self.closed or self._engine is None:
@@ -272,9 +318,10 @@ class MooncakeTransport(Transport):
             for link in list(self._links):
                 link._closed = True
             self._links.clear()
-            # Writes already handed to the engine cannot be cancelled: let them end (they are
-            # bounded by transfer_timeout) before unregistering their memory.
+            # Writes already handed to the engine cannot be cancelled: let them end (the engine's
+            # progress timeout bounds them) before unregistering their memory.
             await self._idle.wait()
+            await self._poller.drain()
             async with self._reg_lock:
                 pieces = self._reg.clear()
                 engine = self._engine
@@ -286,6 +333,7 @@ class MooncakeTransport(Transport):
                     if rc != 0:
                         log.warning("mooncake transport: unregistering %d spans at close returned %d", len(pieces), rc)
                 self._reg.forget(pieces)
+            await anyio.to_thread.run_sync(engine.unregister_memory, self._scratch_address)
             box = [engine]
             del engine
             await anyio.to_thread.run_sync(destroy_engine, box, self.rpc_port)
@@ -387,6 +435,17 @@ class MooncakeTransport(Transport):
                     f"mooncake peer {session} is not reachable (probe returned {rc}); the peer advertises the "
                     "address in its transport_options.hostname, which must be reachable from this host"
                 )
+        # Open the data connection now, while the peer answers: the engine sets connections up under
+        # a lock every submit needs, so a first transfer to a peer that has frozen meanwhile would
+        # stall writes to every peer for about a minute. A one-byte read leaves the peer untouched.
+        first = min(announced, key=lambda r: r.address, default=None)
+        if first is not None:
+            read = engine.transfer_sync_read
+            rc = await anyio.to_thread.run_sync(read, session, self._scratch_address, first.address, 1,
+                                                abandon_on_cancel=True)
+            if rc != 0:
+                raise TransportError(f"mooncake peer {session}: opening the data connection (a one-byte read of "
+                                     f"its pool) returned {rc}")
         self._check_open()
         link = MooncakeLink(self, session, announced, segments)
         self._links.add(link)
@@ -394,18 +453,18 @@ class MooncakeTransport(Transport):
 
     # -- writes (called by links) --------------------------------------------------------
 
-    def _plan(self, ops: Sequence[WriteOp], link: MooncakeLink) -> list[list[tuple[int, int, int]]]:
-        """Validate ops and pack them into batches of (src, dst, length)."""
+    def _pieces(self, ops: Sequence[WriteOp], link: MooncakeLink) -> list[tuple[int, int, int]]:
+        """Validate ops and cut them into engine transfers of (src, dst, length): at the edges of
+        engine registrations on both sides, and every ``max_batch_bytes``."""
         regions = self._reg.regions
         local = self._reg.index()
-        cfg = self.config
-        step = cfg.max_batch_bytes
-        pieces: list[tuple[int, int, int]] = []
+        step = self.config.max_batch_bytes
         for op in ops:
             if op.length <= 0:
                 raise TransportError(f"write op with non-positive length: {op}")
             regions.check(op.src, op.length, "write source")
             link._announced.check(op.dst, op.length, f"write destination at {link.peer}")
+        pieces: list[tuple[int, int, int]] = []
         for op in ops:
             cuts = set(local.cut_points(op.src, op.length))
             cuts.update(link._segments.cut_points(op.dst, op.length))
@@ -413,18 +472,7 @@ class MooncakeTransport(Transport):
             bounds = [0, *sorted(cuts), op.length]
             for a, b in itertools.pairwise(bounds):
                 pieces.append((op.src + a, op.dst + a, b - a))
-        batches: list[list[tuple[int, int, int]]] = []
-        cur: list[tuple[int, int, int]] = []
-        cur_bytes = 0
-        for p in pieces:
-            if cur and (cur_bytes + p[2] > step or len(cur) >= cfg.max_batch_ops):
-                batches.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append(p)
-            cur_bytes += p[2]
-        if cur:
-            batches.append(cur)
-        return batches
+        return pieces
 
     async def _write(self, link: MooncakeLink, ops: Sequence[WriteOp]) -> None:
         if link._closed or self.closed:
@@ -433,53 +481,95 @@ class MooncakeTransport(Transport):
         if not ops:
             await anyio.lowlevel.checkpoint()
             return
-        batches = self._plan(ops, link)
+        pieces = self._pieces(ops, link)
         total = sum(op.length for op in ops)
-        results: list[tuple[int, int, int]] = []  # (rc, ops, bytes) of each batch
         started = time.monotonic()
-        # At most half the worker threads per write: a large write cannot take every thread,
-        # and the limiter queues batches first come, first served, so small writes interleave.
-        per_write = anyio.CapacityLimiter(max(1, self.config.threads // 2))
-        write = engine.batch_transfer_sync_write
-
-        async def run(batch: list[tuple[int, int, int]]) -> None:
-            async with per_write:
-                rc = await anyio.to_thread.run_sync(
-                    write, link.session, [b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch],
-                    limiter=self._limiter,
-                )
-            results.append((int(rc), len(batch), sum(b[2] for b in batch)))
-
+        failed: list[PendingTransfer] = []
+        stuck: list[PendingTransfer] = []
+        refused = 0
+        done = True
         self._inflight += 1
         if self._inflight == 1:
             self._idle = anyio.Event()
         try:
-            # A batch in the engine cannot be cancelled; worker threads are never abandoned, so a
-            # cancelled write returns only once its batches have ended.
-            if len(batches) == 1:
-                await run(batches[0])
-            else:
-                async with anyio.create_task_group() as tg:
-                    for batch in batches:
-                        tg.start_soon(run, batch)
+            per = min(link._credits.total, self.config.max_batch_ops)
+            deadline = anyio.current_time() + self.transfer_timeout
+            for i in range(0, len(pieces), per):
+                chunk = pieces[i:i + per]
+                taken = await link._credits.take(len(chunk))
+                transfers: list[PendingTransfer] = []
+                try:
+                    transfers = await self._submit(engine, link, chunk)
+                    done = await self._poller.wait(transfers, deadline)  # not cancellable: see wait()
+                finally:
+                    self._return_credits(link, transfers, taken)
+                refused += len(chunk) - len(transfers)
+                failed += [t for t in transfers if t.status != DONE]
+                if not done:
+                    stuck = [t for t in transfers if t.status == PENDING]
+                    break
+                if failed or refused:
+                    break
         finally:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-        failed = [r for r in results if r[0] != 0]
-        if failed:
-            elapsed = time.monotonic() - started
-            bad_ops, bad_bytes = sum(r[1] for r in failed), sum(r[2] for r in failed)
-            timed_out = elapsed >= self.transfer_timeout * 0.95
+        if stuck:
             raise TransportError(
-                f"mooncake write to peer {link.session} failed: {len(failed)} of {len(batches)} batch(es) "
-                f"returned {sorted({r[0] for r in failed})} ({bad_ops} engine ops, {bad_bytes} of {total} bytes, "
-                f"from {len(ops)} write ops) after {elapsed:.2f}s"
-                + (f" (transfer_timeout {self.transfer_timeout}s)" if timed_out else "")
-                + ". The engine does not cancel a failed write: the destination may still be written "
-                "after this error, and the source may still be read, so neither may be reused until the "
-                "peer is known to be gone or fenced"
-            )
+                f"mooncake write to peer {link.session} did not complete within transfer_timeout="
+                f"{self.transfer_timeout}s: {len(stuck)} engine transfers ({sum(t.length for t in stuck)} of {total} "
+                f"bytes) still pending. The engine cannot cancel them: they may still land until it drops a "
+                f"connection that makes no progress ({self.progress_timeout}s), so the destination may not be "
+                "reused before that", may_land=True)
+        if failed or refused:
+            self._raise_failed(link, failed, refused=refused, total=total, pieces=len(pieces), ops=len(ops),
+                               elapsed=time.monotonic() - started)
+
+    @staticmethod
+    def _return_credits(link: MooncakeLink, transfers: list[PendingTransfer], taken: int) -> None:
+        """Give back the link's credits of ``transfers``: now for the ended ones (and those never
+        submitted), when they end for the rest (a write that gave up leaves them in the engine)."""
+        pending = [t for t in transfers if t.status == PENDING]
+        for t in pending:
+            t.on_done = lambda: link._credits.give(1)
+        link._credits.give(taken - len(pending))
+
+    async def _submit(self, engine: Any, link: MooncakeLink,
+                      chunk: list[tuple[int, int, int]]) -> list[PendingTransfer]:
+        """Queue every transfer of ``chunk`` (stopping at the first the engine refuses: id 0)."""
+        submit = engine.transfer_submit_write
+
+        def run() -> list[PendingTransfer]:
+            out = []
+            for src, dst, n in chunk:
+                batch = int(submit(link.session, src, dst, n))
+                if batch == 0:
+                    break
+                out.append(PendingTransfer(batch, n))
+            return out
+
+        with anyio.CancelScope(shield=True):  # submitted transfers must be tracked, whatever happens
+            transfers = await anyio.to_thread.run_sync(run, limiter=link._submits)
+        self._poller.add(transfers)
+        return transfers
+
+    def _raise_failed(self, link: MooncakeLink, failed: list[PendingTransfer], *, refused: int, total: int,
+                      pieces: int, ops: int, elapsed: float) -> None:
+        statuses = sorted({t.status for t in failed})
+        timed_out = elapsed >= self.progress_timeout * 0.95
+        what = []
+        if failed:
+            what.append(f"{len(failed)} of {pieces} engine transfers ended with status {statuses} "
+                        f"({sum(t.length for t in failed)} bytes)")
+        if refused:
+            what.append(f"{refused} transfers refused at submit (peer unknown or unreachable)")
+        raise TransportError(
+            f"mooncake write to peer {link.session} failed: {'; '.join(what)}, of {total} bytes from {ops} write "
+            f"ops, after {elapsed:.2f}s" + (f" (no progress for the engine's {self.progress_timeout}s)"
+                                            if timed_out else "")
+            + ". The engine cannot cancel a transfer: bytes of this write already in the peer's socket "
+            "buffers may still be written there, so the destination may not be reused until that is ruled out"
+        )
 
 
 def _region(item: Any) -> MemoryRegion:
@@ -498,6 +588,8 @@ class MooncakeLink(Link):
         self._announced = announced
         self._segments = segments
         self._closed = False
+        self._credits = Credits(TCP_QUEUE_PER_PEER)  # this peer's share only: a stalled peer stalls itself
+        self._submits = anyio.CapacityLimiter(SUBMIT_THREADS_PER_LINK)
 
     @property
     def peer(self) -> str:

@@ -138,6 +138,23 @@ class UcxOptions:
 
         return cls(**kw)
 
+    def cuda_problem(self, environ: Mapping[str, str]) -> str | None:
+        """Why these options cannot move CUDA memory, or None if they can (or UCX decides)."""
+        tls = self.tls if self.tls is not None else environ.get("UCX_TLS")
+        if not tls:
+            return None  # UCX picks among every transport it has, CUDA ones included
+        setting = "transport_options.tls" if self.tls is not None else "the UCX_TLS environment variable"
+        names = {n.strip().lower() for n in tls.removeprefix("^").split(",")}
+        cuda = {"cuda", "cuda_copy", "cuda_ipc", "gdr_copy"}
+        if tls.startswith("^"):
+            if {"cuda_copy", "cuda_ipc"} <= names or "cuda" in names:
+                return f"{setting}={tls!r} excludes the CUDA transports"
+            return None
+        if "all" in names or names & cuda:
+            return None
+        return (f"{setting}={tls!r} has no CUDA transport: add cuda_copy (and cuda_ipc for GPUs of one "
+                f"host), e.g. {tls + ',cuda_copy,cuda_ipc'!r}")
+
     def context_key(self) -> tuple[str | None, str | None, tuple[tuple[str, str], ...]]:
         """The settings that are per process in UCX (one context per process)."""
         return (self.tls, self.progress_mode, tuple(sorted(self.ucx_options.items())))

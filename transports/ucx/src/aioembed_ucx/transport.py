@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import itertools
 import logging
+import os
 import socket
 import time
 import uuid
@@ -168,8 +169,12 @@ class UcxTransport(Transport):
     """Endpoint of the UCX transport (asyncio only). Options: see :class:`UcxOptions`."""
 
     name: ClassVar[str] = "ucx"
-    capabilities: ClassVar[TransportCapabilities] = TransportCapabilities(
-        cuda=True, asyncio_only=True, cross_process=True
+    # Not cancel-safe: after a write failed and the writer aborted its endpoint, bytes it had
+    # already sent can still be delivered into the owner's posted receives until the owner
+    # processes the disconnect (milliseconds on a running owner, at thaw for a frozen one).
+    capabilities = TransportCapabilities(
+        cuda=True, asyncio_only=True, cross_process=True, cancel_safe_writes=False, revocable=False,
+        write_lifetime=2.0, orphan_lifetime=2.0,
     )
 
     def __init__(self, options: UcxOptions, ucxx: Any, host: str) -> None:
@@ -230,6 +235,9 @@ class UcxTransport(Transport):
         self._check_open()
         for r in regions:
             _check_device(r)
+            if r.device != "cpu" and (problem := self.options.cuda_problem(os.environ)) is not None:
+                # Refused here, not as a ucxx ValueError in the middle of a write.
+                raise ConfigError(f"ucx transport cannot move {r.device} memory: {problem}")
         self._memory.add(list(regions))
         await asyncio.sleep(0)
 
@@ -488,11 +496,52 @@ async def _await_with_stall_timeout(fut: asyncio.Future[Any], progress: _Progres
             return fut.result()
 
 
-# ucxx's create_endpoint() frees its peer-info buffers when its connect timeout fires, while
-# UCX still has a stream receive posted into them: a peer that was frozen and wakes up later
-# then corrupts the heap (reproduced with ucxx 0.52: segfault after SIGSTOP/SIGCONT). So we
-# do the same steps ourselves and, on failure, keep the buffers and the endpoint alive.
-_GRAVEYARD: list[object] = []
+class _Graveyard:
+    """Endpoints of failed connects, kept with the buffers UCX may still write into.
+
+    ucxx's create_endpoint() frees its peer-info buffers when its connect timeout fires, while
+    UCX still has a stream receive posted into them: a peer that was frozen and wakes up later
+    then corrupts the heap (reproduced with ucxx 0.52: segfault after SIGSTOP/SIGCONT). So we do
+    the same steps ourselves and, on failure, keep the buffers and the endpoint. An entry is
+    dropped once its endpoint is no longer alive (UCX completed or cancelled what was posted on
+    it) and a grace period has passed; live ones are kept, and a warning says if they pile up.
+    """
+
+    GRACE = 30.0
+    WARN_AT = 1024
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[Any, tuple[object, ...], float | None]] = []  # (endpoint, buffers, dead since)
+        self._warned = False
+
+    def bury(self, endpoint: Any, *buffers: object) -> None:
+        self.prune(time.monotonic())
+        self._entries.append((endpoint, buffers, None))
+        if len(self._entries) >= self.WARN_AT and not self._warned:
+            self._warned = True
+            log.warning("ucx: %d endpoints of failed connects are still alive (peers frozen?); their "
+                        "buffers are kept while UCX may write into them", len(self._entries))
+
+    def prune(self, now: float) -> None:
+        kept: list[tuple[Any, tuple[object, ...], float | None]] = []
+        for endpoint, buffers, dead_since in self._entries:
+            try:
+                alive = bool(endpoint.alive)
+            except Exception:
+                alive = False
+            if alive:
+                kept.append((endpoint, buffers, None))
+            elif dead_since is None:
+                kept.append((endpoint, buffers, now))
+            elif now - dead_since < self.GRACE:
+                kept.append((endpoint, buffers, dead_since))
+        self._entries = kept
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_GRAVEYARD = _Graveyard()
 
 
 async def _create_endpoint(ucxx: Any, host: str, port: int) -> Any:
@@ -520,7 +569,7 @@ async def _create_endpoint(ucxx: Any, host: str, port: int) -> Any:
         await ucx_ep.stream_recv(theirs_arr).wait()
         await ucx_ep.stream_send(mine_arr).wait()
     except BaseException:
-        _GRAVEYARD.append((ucx_ep, mine, theirs, mine_arr, theirs_arr))
+        _GRAVEYARD.bury(ucx_ep, mine, theirs, mine_arr, theirs_arr)
         with contextlib.suppress(Exception):
             ucx_ep.close_blocking(period=10**8, max_attempts=1)
         raise

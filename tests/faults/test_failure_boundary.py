@@ -1,0 +1,151 @@
+"""The failure boundary: every fault reaches both sides as a typed error naming its cause, and the
+sender keeps serving afterwards.
+
+A plugin (here the MockTransport) may raise anything in ``connect``, ``write`` or ``register``; bad
+metadata is refused by ``send()`` before a row moves, and the receiver learns why at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from aioembed import (
+    EmbeddingReceiver,
+    EmbeddingSender,
+    InvalidRequest,
+    TransferAborted,
+    TransferConfig,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+)
+from aioembed.testing import MockTransport
+
+from ..session.conftest import LAYOUT, assert_same, make_request, wait_pools_free
+
+pytestmark = pytest.mark.anyio
+
+CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, handshake_timeout=1.0, input_timeout=2.5,
+                     round_timeout=5.0, heartbeat_interval=0.2)
+
+
+async def _serves(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str) -> None:
+    src = make_request(1500, 9)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender.send, room, src)
+        got = await receiver.receive(room)
+    assert_same(got.tensors, src)
+
+
+@pytest.mark.parametrize("exc_type", [RuntimeError, ValueError, OSError])
+@pytest.mark.parametrize("method", ["write", "register"])
+async def test_a_foreign_exception_in_write_or_register_fails_the_room_on_both_sides(
+        method: str, exc_type: type[Exception]) -> None:
+    writer = MockTransport(raise_on={method: exc_type(f"engine says no in {method}")})
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        handle = receiver.start("r")
+        with anyio.fail_after(5):
+            while not sender.rooms_in_flight:  # the receiver asked first: it is told when send() fails
+                await anyio.sleep(0.005)
+        outcome: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("r", make_request(1500, 1))
+            except BaseException as exc:  # must be a TransferError, not an ExceptionGroup or the raw one
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with pytest.raises(TransferFailed) as at_receiver:
+                await handle.result()
+        (err,) = outcome
+        assert isinstance(err, TransferFailed), repr(err)
+        for text in (str(err), str(at_receiver.value)):  # both sides name the cause
+            assert f"{exc_type.__name__}: engine says no in {method}" in text, text
+        del writer.raise_on[method]
+        await _serves(sender, receiver, "after")  # the sender still serves new rooms
+        await wait_pools_free(sender, receiver)
+
+
+@pytest.mark.parametrize("exc_type", [RuntimeError, ValueError, OSError])
+async def test_a_foreign_exception_in_connect_is_named_on_both_sides(exc_type: type[Exception]) -> None:
+    writer = MockTransport(raise_on={"connect": exc_type("engine says no in connect")})
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        outcome: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("r", make_request(1500, 1))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with pytest.raises(TransferTimeout) as at_receiver:
+                await receiver.receive("r")
+        (err,) = outcome
+        assert isinstance(err, TransferTimeout), repr(err)
+        for text in (str(err), str(at_receiver.value)):
+            assert f"{exc_type.__name__}: engine says no in connect" in text, text
+        del writer.raise_on["connect"]
+        await receiver.wait_connected(timeout=5)  # its HELLO is answered on the next try
+        await _serves(sender, receiver, "after")
+
+
+async def test_metadata_the_codec_refuses_is_refused_by_send_and_ends_the_room_at_once() -> None:
+    async with EmbeddingSender(LAYOUT, CFG) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG.replace(input_timeout=60.0), connect=sender.address) as receiver:
+        handle = receiver.start("r")
+        with anyio.fail_after(5):
+            while sender.rooms_in_flight < 1:  # the receiver already asked for it
+                await anyio.sleep(0.01)
+        deep: object = 1
+        for _ in range(20):
+            deep = [deep]
+        for bad in ({448: 1}, {"deep": deep}, {"x": object()}):
+            with pytest.raises(InvalidRequest, match="metadata"):
+                await sender.send("r", make_request(10, 1), bad)
+        t0 = time.monotonic()
+        with pytest.raises(TransferAborted, match="send\\(\\) refused the request: .*metadata"):
+            await handle.result()
+        assert time.monotonic() - t0 < 1.0  # at once, not after input_timeout
+        await _serves(sender, receiver, "after")
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_room_refused_while_being_sent_is_not_aborted() -> None:
+    async with EmbeddingSender(LAYOUT, CFG) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address) as receiver:
+        src = make_request(1500, 3)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "r", src)
+            with anyio.fail_after(5):
+                while not sender.rooms_in_flight:
+                    await anyio.sleep(0.001)
+            with pytest.raises(InvalidRequest, match="already being sent"):
+                await sender.send("r", src)
+            got = await receiver.receive("r")
+        assert_same(got.tensors, src)
+
+
+async def test_send_never_leaks_an_exception_group() -> None:
+    """Whatever fails inside the room's task group, send() raises one TransferError."""
+    writer = MockTransport(raise_on={"write": KeyError("not even an OSError")})
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        async def receive() -> None:
+            with pytest.raises(TransferError):
+                await receiver.receive("r")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            with pytest.raises(TransferError) as info:
+                await sender.send("r", make_request(500, 4))
+        assert not isinstance(info.value, BaseExceptionGroup)
+        assert "KeyError: 'not even an OSError'" in str(info.value)

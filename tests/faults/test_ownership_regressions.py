@@ -1,0 +1,233 @@
+"""Regressions of the block-ownership review: each of these failed on the code before the fix.
+
+1. A receiver frozen long enough to be declared dead, while a write into its blocks is in flight,
+   must not hand those blocks to the next room: the late write lands, the next room is intact.
+3. A finished zero-copy handle whose lease nobody took is given back (cancel, or garbage collection).
+4. ``aclose()`` from another task (a server's shutdown hook) is bounded and leaves the task that
+   entered ``async with`` alone.
+(2, FENCE_RELEASE after a failed non-cancel-safe write, is in ``test_fencing.py``.)
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from aioembed import (
+    EmbeddingReceiver,
+    EmbeddingSender,
+    PeerDead,
+    TransferConfig,
+    TransferError,
+    TransferStatus,
+)
+from aioembed.protocol.messages import Abort, Hello, Init
+from aioembed.testing import MockTransport, WriteCall, WriteFault
+
+from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
+from .rawpeer import raw_sender
+
+pytestmark = pytest.mark.anyio
+
+HB = TransferConfig(default_tokens=1024, pool_tokens=4096, heartbeat_interval=0.1, heartbeat_misses=3,
+                    handshake_timeout=2.0, input_timeout=10.0, round_timeout=10.0, resume_reserve_tokens=0)
+
+
+async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not pred():
+            await anyio.sleep(0.01)
+
+
+async def _in(portal: BlockingPortal, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` on the portal's loop without blocking ours."""
+    return await anyio.to_thread.run_sync(portal.call, fn, *args)
+
+
+# -- 1. late write after "peer dead" ------------------------------------------------------------
+
+
+async def test_frozen_receiver_declared_dead_never_lets_a_late_write_corrupt_the_next_room(
+        anyio_backend: str) -> None:
+    late = WriteFault(delay=2.5)  # the first write lands (and returns) 2.5 s after it was posted
+
+    def faults(call: WriteCall) -> WriteFault | None:
+        return late if call.index == 0 else None
+
+    # B reserves 24 of the pool's 32 blocks: every block but A's 8. Had A's blocks been freed when
+    # its sender declared the receiver dead (the old behaviour), B's reservation would include them.
+    src_a, src_b = make_request(1000, 1), make_request(3000, 2)
+    errors: dict[str, BaseException] = {}
+    async with EmbeddingSender(LAYOUT, HB, transport=MockTransport(faults=faults)) as sender:
+        # The receiver runs on its own loop in another thread: freezing it does not freeze the sender.
+        # (A portal is only ever driven from worker threads: trio refuses it from a loop's thread.)
+        portal_cm = start_blocking_portal(anyio_backend)
+        portal = await anyio.to_thread.run_sync(portal_cm.__enter__)
+        try:
+            receiver = await _in(portal, lambda: EmbeddingReceiver(LAYOUT, HB, connect=sender.address,
+                                                                   transport=MockTransport()))
+            cm = portal.wrap_async_context_manager(receiver)
+            await anyio.to_thread.run_sync(cm.__enter__)
+            try:
+                fut_a = await anyio.to_thread.run_sync(portal.start_task_soon, receiver.receive, "A")
+
+                async def send_a() -> None:
+                    try:
+                        await sender.send("A", src_a)
+                    except TransferError as exc:
+                        errors["send A"] = exc
+
+                async def freeze() -> None:
+                    time.sleep(1.0)  # noqa: ASYNC251  (the point: a long synchronous call on the loop)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(send_a)
+                    await _until(lambda: sender.writes_in_flight == 1)  # A's write is on its way
+                    await anyio.to_thread.run_sync(portal.start_task_soon, freeze)
+                    await _until(lambda: sender.peers == [], timeout=3)  # the sender declares it dead
+                    exc_a = await anyio.to_thread.run_sync(fut_a.exception, 5)
+                    assert isinstance(exc_a, PeerDead), exc_a
+                    stats = await _in(portal, lambda: receiver.allocator.stats)
+                    assert stats.fenced > 0  # A's blocks: a write may still reach them
+                    assert not late.landed.is_set()
+
+                    # A new room is served at once, into other blocks, while A's write is in flight.
+                    tg.start_soon(sender.send, "B", src_b)
+                    lease = await _in(portal, lambda: receiver.receive_leased("B", expected_tokens=3072))
+                    assert not late.landed.is_set()  # B was served while A's write was still in flight
+                    assert await anyio.to_thread.run_sync(late.landed.wait, 5), "A's write never landed"
+                    assert_same(lease.to_tensors(), src_b)  # untouched by the late write
+                    await _in(portal, lease.release)
+                assert isinstance(errors.get("send A"), PeerDead), errors
+                # A's write is over: the sender says so (DRAINED), the blocks come back.
+                with anyio.fail_after(5):
+                    while (await _in(portal, lambda: receiver.allocator.stats)).used:
+                        await anyio.sleep(0.02)
+                assert (await _in(portal, lambda: receiver.allocator.stats)).fenced == 0
+            finally:
+                await anyio.to_thread.run_sync(cm.__exit__, None, None, None)
+        finally:
+            await anyio.to_thread.run_sync(portal_cm.__exit__, None, None, None)
+
+
+# -- 3. leases nobody took -----------------------------------------------------------------------
+
+CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, heartbeat_interval=0.2)
+
+
+async def _leased_room(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str) -> Any:
+    handle = receiver.start(room, zero_copy=True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender.send, room, make_request(900, 3))
+        assert await handle.wait() is TransferStatus.SUCCESS
+    assert receiver.allocator.stats.used > 0
+    return handle
+
+
+async def test_cancel_on_a_finished_zero_copy_handle_gives_the_lease_back() -> None:
+    async with running(CFG) as (sender, [receiver]):
+        handle = await _leased_room(sender, receiver, "z")
+        handle.cancel()
+        await wait_pools_free(sender, receiver, timeout=1.0)
+        assert handle.status is TransferStatus.SUCCESS
+
+
+async def test_a_dropped_handle_gives_its_lease_back_with_a_resource_warning() -> None:
+    async with running(CFG) as (sender, [receiver]):
+        handle = await _leased_room(sender, receiver, "z")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del handle
+            gc.collect()
+        assert any(issubclass(w.category, ResourceWarning) and "'z'" in str(w.message) for w in caught)
+        await wait_pools_free(sender, receiver, timeout=1.0)
+
+
+async def test_a_dropped_lease_is_given_back_and_a_released_one_is_not_twice() -> None:
+    async with running(CFG) as (sender, [receiver]):
+        handle = await _leased_room(sender, receiver, "z")
+        lease = await handle.lease()
+        del handle
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del lease
+            gc.collect()
+        assert [w for w in caught if issubclass(w.category, ResourceWarning)]
+        await wait_pools_free(sender, receiver, timeout=1.0)
+        handle = await _leased_room(sender, receiver, "y")
+        lease = await handle.lease()
+        lease.release()
+        handle.cancel()  # taken and released: nothing more to give back (no double free)
+        await wait_pools_free(sender, receiver, timeout=1.0)
+
+
+async def test_lease_context_manager_and_release_from_another_thread() -> None:
+    async with running(CFG) as (sender, [receiver]):
+        src = make_request(700, 4)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "cm", src)
+            async with receiver.lease("cm") as lease:
+                assert_same(lease.to_tensors(), src)
+        await wait_pools_free(sender, receiver, timeout=1.0)
+        handle = await _leased_room(sender, receiver, "t")
+        lease = await handle.lease()
+        await anyio.to_thread.run_sync(lease.release)  # e.g. released by a worker thread
+        # back at the receiver's next heartbeat at the latest
+        await wait_pools_free(sender, receiver, timeout=3 * CFG.heartbeat_interval)
+
+
+# -- 4. aclose from another task ----------------------------------------------------------------
+
+
+async def test_aclose_from_a_shutdown_hook_is_bounded_and_leaves_the_lifespan_task_alone() -> None:
+    outcome: dict[str, Any] = {}
+    shutdown_done = anyio.Event()
+
+    async def lifespan(*, task_status: anyio.abc.TaskStatus[tuple[EmbeddingSender, EmbeddingReceiver]]) -> None:
+        try:
+            async with EmbeddingSender(LAYOUT, CFG) as sender, \
+                    EmbeddingReceiver(LAYOUT, CFG, connect=sender.address) as receiver:
+                await receiver.wait_connected()
+                handle = receiver.start("pending")  # a room in flight at shutdown
+                task_status.started((sender, receiver))
+                await shutdown_done.wait()  # the app runs until its shutdown hook is done
+                outcome["room"] = await handle.wait()
+            outcome["exited"] = True
+        except BaseException as exc:  # cancelled, or an error out of __aexit__
+            outcome["error"] = exc
+            raise
+
+    async with anyio.create_task_group() as tg:
+        sender, receiver = await tg.start(lifespan)
+        await _until(lambda: sender.rooms_in_flight == 1)
+        t0 = time.monotonic()
+        await receiver.aclose()  # from this task, not the one that entered `async with`
+        await sender.aclose()
+        assert time.monotonic() - t0 < 4.0
+        t1 = time.monotonic()
+        await receiver.aclose()  # a second close is a no-op
+        await sender.aclose()
+        assert time.monotonic() - t1 < 0.1
+        shutdown_done.set()
+    assert outcome == {"room": TransferStatus.ABORTED, "exited": True}
+
+
+async def test_aclose_is_bounded_when_the_sender_never_acknowledges() -> None:
+    async with raw_sender() as raw:
+        receiver = EmbeddingReceiver(LAYOUT, CFG, connect=raw.address)
+        async with receiver:
+            raw.welcome(await raw.expect(Hello), CFG.heartbeat_interval)
+            receiver.start("r")
+            await raw.expect(Init)
+            t0 = time.monotonic()
+            await receiver.aclose()  # its ABORT is never acknowledged: close anyway, in bounded time
+            assert time.monotonic() - t0 < 3.0
+            assert isinstance(await raw.expect(Abort), Abort)
