@@ -28,7 +28,7 @@ from aioembed.protocol.ownership import (
     Proof,
     Writer,
 )
-from aioembed.session.liveness import LoopWatch
+from aioembed.session.deadlines import DeadlineTimer
 
 __all__ = ["BlockKeeper"]
 
@@ -44,8 +44,8 @@ class BlockKeeper:
         self.ledger = BlockLedger()
         self.name = name
         self.observer = observer
-        self.watch = LoopWatch(stall_tolerance)
-        self._wake = anyio.Event()
+        self.timer = DeadlineTimer(self.ledger.next_deadline, self._due, self._stalled,
+                                   stall_tolerance=stall_tolerance)
         self.fenced_total: Counter[str] = Counter()
         """Blocks ever fenced, by reason name (for metrics)."""
         self.released_total: Counter[str] = Counter()
@@ -96,7 +96,7 @@ class BlockKeeper:
             else:
                 self._free(a)
         if changed:
-            self._wake.set()
+            self.timer.wake()
 
     def _free(self, a: Free) -> None:
         self.allocator.free(a.blocks)
@@ -115,26 +115,26 @@ class BlockKeeper:
     def fence(self, grant: int, reason: FenceReason) -> None:
         """The grant's room ended while its writer may still reach it."""
         self.apply(self.ledger.fence(grant, reason, now=anyio.current_time()))
-        self._wake.set()  # what is known about its sender may have scheduled a release
+        self.timer.wake()  # what is known about its sender may have scheduled a release
 
     def drained(self, sender: str, below_epoch: int, *, settle: float) -> None:
         self.apply(self.ledger.drained(sender, below_epoch, now=anyio.current_time(), settle=settle))
-        self._wake.set()  # timed releases may have been scheduled
+        self.timer.wake()  # timed releases may have been scheduled
 
     def revoked(self, sender: str, *, below_epoch: int) -> None:
         self.apply(self.ledger.revoked(sender, below_epoch=below_epoch))
 
     def writer_gone(self, sender: str, *, lifetime: float) -> None:
         self.apply(self.ledger.writer_gone(sender, now=anyio.current_time(), lifetime=lifetime))
-        self._wake.set()
+        self.timer.wake()
 
     def writer_back(self, sender: str) -> None:
         self.ledger.writer_back(sender)
-        self._wake.set()
+        self.timer.wake()
 
     def fence_released(self, writer: Writer, room: RoomId, *, settle: float) -> None:
         self.apply(self.ledger.fence_released(writer, room, now=anyio.current_time(), settle=settle))
-        self._wake.set()
+        self.timer.wake()
 
     def late_answer(self, writer: Writer, room: RoomId, proof: Proof, *, round: int | None = None) -> bool:
         """A writer's answer for a room no longer in flight here; True if it released something."""
@@ -150,26 +150,17 @@ class BlockKeeper:
     def stalled(self, now: float) -> None:
         """Our loop did not run for a while: timed releases start their windows again."""
         self.ledger.loop_stalled(now)
-        self._wake.set()
+        self.timer.wake()
 
     # -- the timer ---------------------------------------------------------------------------
 
     async def run_timers(self) -> None:
         """Free grants whose timed release came (a background task of the receiver)."""
-        while True:
-            self._wake = anyio.Event()
-            deadline = self.ledger.next_deadline()
-            if deadline is None:
-                await self._wake.wait()
-                continue
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                await self._wake.wait()
-            if self._wake.is_set():
-                continue  # the ledger changed: look again
-            now = anyio.current_time()
-            if self.watch.woke(now, deadline):
-                log.warning("%s: the event loop stalled %.2f s; timed releases of fenced blocks start again",
-                            self.name, now - deadline)
-                self.ledger.loop_stalled(now)
-                continue
-            self.apply(self.ledger.tick(now))
+        await self.timer.run()
+
+    def _due(self, now: float) -> None:
+        self.apply(self.ledger.tick(now))
+
+    def _stalled(self, now: float) -> None:
+        log.warning("%s: the event loop stalled; timed releases of fenced blocks start again", self.name)
+        self.ledger.loop_stalled(now)

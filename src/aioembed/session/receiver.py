@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import anyio
 import anyio.abc
@@ -41,6 +41,7 @@ from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext
+from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import Transport
 from aioembed.transports.boundary import GuardedTransport, guard
 from aioembed.transports.registry import open_transport
@@ -98,9 +99,8 @@ class EmbeddingReceiver:
         self._rooms: dict[RoomId, ReceiveRoomDriver] = {}
         self._room_ctx: RoomContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._scopes: set[anyio.CancelScope] = set()
-        self._tasks = 0
-        self._tasks_done = anyio.Event()
+        self._tasks = BackgroundTasks(f"receiver[{rank}]", log)
+        self._spawn = self._tasks.spawn
         self._closing = False
         self._closed = anyio.Event()
 
@@ -123,6 +123,7 @@ class EmbeddingReceiver:
                 forget=self._forget)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
+            self._tasks.attach(self._tg)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown()
@@ -159,14 +160,8 @@ class EmbeddingReceiver:
                         await r.handle.wait()
                     for c in self._conns.values():
                         await c.chan.drain()  # the ABORT frames must leave
-                for scope in list(self._scopes):
-                    scope.cancel()
-                if self._tasks:
-                    with anyio.move_on_after(CLOSE_GRACE):
-                        await self._tasks_done.wait()
-                    if self._tasks:
-                        log.error("receiver[%d]: %d background tasks did not end when cancelled",
-                                  self.rank, self._tasks)
+                self._tasks.cancel_all()
+                await self._tasks.wait_done(CLOSE_GRACE)
                 await self._teardown()
             finally:
                 self._closed.set()
@@ -179,28 +174,6 @@ class EmbeddingReceiver:
             await anyio.to_thread.run_sync(ctx.term)  # every socket is closed: returns at once, off the loop
         if self._transport is not None:
             await self._transport.aclose()
-
-    def _spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Run ``fn`` as a background task owned by this receiver (cancelled by ``aclose``)."""
-        if self._tg is None or self._closing:
-            log.debug("receiver[%d]: not starting %s: closing", self.rank, getattr(fn, "__name__", fn))
-            return
-        self._tasks += 1
-        self._tasks_done = anyio.Event() if self._tasks == 1 else self._tasks_done
-        self._tg.start_soon(self._owned, fn, args)
-
-    async def _owned(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
-        with anyio.CancelScope() as scope:
-            self._scopes.add(scope)
-            try:
-                await fn(*args)
-            except Exception:
-                log.exception("receiver[%d]: background task %s failed", self.rank, getattr(fn, "__name__", fn))
-            finally:
-                self._scopes.discard(scope)
-                self._tasks -= 1
-                if self._tasks == 0:
-                    self._tasks_done.set()
 
     # -- connections -------------------------------------------------------------------------
 

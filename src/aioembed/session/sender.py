@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
@@ -77,10 +77,12 @@ from aioembed.protocol.ownership import (
 )
 from aioembed.session.backend import check_backend
 from aioembed.session.copy_out import COPY_INLINE_BYTES
+from aioembed.session.deadlines import DeadlineTimer
 from aioembed.session.liveness import LoopWatch, PeerClock
 from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
 from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.send_room import SendContext, SendRoomDriver
+from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import MemoryRegion, Transport
 from aioembed.transports.boundary import GuardedTransport, guard
 from aioembed.transports.registry import open_transport
@@ -125,15 +127,16 @@ class EmbeddingSender:
         self._chan: ControlSocket | None = None
         self._room_ctx: SendContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._scopes: set[anyio.CancelScope] = set()
-        self._tasks = 0
-        self._tasks_done = anyio.Event()
+        self._tasks = BackgroundTasks("sender", log)
+        self._spawn = self._tasks.spawn
         self._closing = False
         self._closed = anyio.Event()
         self._active_sends = 0
         self._idle = anyio.Event()
         self._idle.set()
-        self._ledger_wake = anyio.Event()
+        # Retire writes that may still land once their transport's write lifetime (of our running time) passed.
+        self._timer = DeadlineTimer(self._ledger.next_deadline, lambda now: self._apply(self._ledger.tick(now)),
+                                    self._ledger_stalled, stall_tolerance=min(0.5, self.config.heartbeat_interval / 2))
         self._handlers: dict[type, Callable[[PeerSession, Any], None]] = {
             Init: self._on_init, Resume: self._on_resume, Abort: self._on_abort, Reject: self._on_reject,
         }
@@ -156,13 +159,14 @@ class EmbeddingSender:
                                          apply=self._apply, last_refusal=lambda: self._last_refusal)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
+            self._tasks.attach(self._tg)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown()
             raise
         self._spawn(self._chan.run)
         self._spawn(self._liveness_loop)
-        self._spawn(self._ledger_timers)
+        self._spawn(self._timer.run)
         log.info("sender: listening on %s (transport %s, id %s)", self.address, self._transport.name,
                  self.sender_id[:8])
         return self
@@ -196,11 +200,8 @@ class EmbeddingSender:
                     await self._idle.wait()  # active send() calls notify their ranks
                     if self._chan is not None:
                         await self._chan.drain()  # the final STATUS / ABORT_ACK frames must leave
-                for scope in list(self._scopes):
-                    scope.cancel()
-                if self._tasks:
-                    with anyio.move_on_after(CLOSE_GRACE):
-                        await self._tasks_done.wait()
+                self._tasks.cancel_all()
+                await self._tasks.wait_done(CLOSE_GRACE)
                 await self._teardown()
             finally:
                 self._closed.set()
@@ -221,27 +222,6 @@ class EmbeddingSender:
             await anyio.to_thread.run_sync(ctx.term)  # blocks up to the linger: off the loop
         if self._transport is not None:
             await self._transport.aclose()
-
-    def _spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Run ``fn`` as a background task owned by this sender (cancelled by ``aclose``)."""
-        if self._tg is None or self._closing:
-            return
-        self._tasks += 1
-        self._tasks_done = anyio.Event() if self._tasks == 1 else self._tasks_done
-        self._tg.start_soon(self._owned, fn, args)
-
-    async def _owned(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
-        with anyio.CancelScope() as scope:
-            self._scopes.add(scope)
-            try:
-                await fn(*args)
-            except Exception:
-                log.exception("sender: background task %s failed", getattr(fn, "__name__", fn))
-            finally:
-                self._scopes.discard(scope)
-                self._tasks -= 1
-                if self._tasks == 0:
-                    self._tasks_done.set()
 
     def _check_running(self) -> None:
         if self._tg is None or self._closing:
@@ -443,27 +423,11 @@ class EmbeddingSender:
                 if old is not None:
                     log.info("sender: the last write into dropped %s ended", old)
                     self._spawn(old.link.aclose)
-        self._ledger_wake.set()
+        self._timer.wake()
 
-    async def _ledger_timers(self) -> None:
-        """Retire poisoned writes once their transport's write lifetime (of our running time) passed."""
+    def _ledger_stalled(self, now: float) -> None:
         assert self._transport is not None
-        watch = LoopWatch(min(0.5, self.config.heartbeat_interval / 2))
-        while True:
-            self._ledger_wake = anyio.Event()
-            deadline = self._ledger.next_deadline()
-            if deadline is None:
-                await self._ledger_wake.wait()
-                continue
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                await self._ledger_wake.wait()
-            if self._ledger_wake.is_set():
-                continue
-            now = anyio.current_time()
-            if watch.woke(now, deadline):
-                self._ledger.loop_stalled(now, self._transport.write_lifetime)
-                continue
-            self._apply(self._ledger.tick(now))
+        self._ledger.loop_stalled(now, self._transport.write_lifetime)
 
     # -- control messages --------------------------------------------------------------------
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,6 +18,9 @@ import pytest
 from aioembed import EmbeddingSender, TransferConfig, TransferError
 from aioembed.samples import checksum, deterministic_request, standard_layout
 from aioembed.testing.processes import RoomSpec, SideSpec, spawn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procstate import is_stopped
 
 pytestmark = pytest.mark.anyio
 
@@ -35,11 +40,6 @@ MEASURED = [RoomSpec(f"h-b{i}", 1500) for i in range(24)]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 async def _send(sender: EmbeddingSender, r: RoomSpec) -> None:
@@ -73,7 +73,7 @@ async def test_a_frozen_receiver_does_not_slow_down_rooms_to_a_healthy_one() -> 
             while sender.rooms_in_flight < len(FROZEN_ROOMS):
                 await anyio.sleep(0.01)
         os.kill(frozen.pid, signal.SIGSTOP)
-        while not _stopped(frozen.pid):
+        while not is_stopped(frozen.pid):
             await anyio.sleep(0.001)
         outcomes: dict[str, BaseException | None] = {}
 

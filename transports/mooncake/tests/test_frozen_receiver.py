@@ -21,6 +21,7 @@ from aioembed.samples import deterministic_request
 
 sys.path.insert(0, str(Path(__file__).parent))
 from frozen_receiver_proc import A_TOKENS, B_TOKENS, CONFIG, LAYOUT
+from procstate import is_stopped
 
 pytestmark = pytest.mark.anyio
 
@@ -28,11 +29,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 async def test_frozen_receiver_resumed_after_being_declared_dead() -> None:
@@ -57,7 +53,7 @@ async def test_frozen_receiver_resumed_after_being_declared_dead() -> None:
                 while sender.rooms_in_flight < 1:
                     await anyio.sleep(0.01)
                 os.kill(proc.pid, signal.SIGSTOP)
-                while not _stopped(proc.pid):
+                while not is_stopped(proc.pid):
                     await anyio.sleep(0.001)
 
                 async def send(room: str, tokens: int) -> None:

@@ -22,6 +22,9 @@ from aioembed.transports.base import MemoryRegion, WriteOp
 
 from aioembed_mooncake import MooncakeTransport
 
+sys.path.insert(0, str(Path(__file__).parent))
+from procstate import wait_stopped
+
 pytestmark = pytest.mark.anyio
 
 TIMEOUT = 5  # the engine's minimum transfer_timeout
@@ -80,16 +83,6 @@ async def test_write_to_killed_peer_fails_fast(peer: tuple[subprocess.Popen[str]
             assert link.session in msg and "4096" in msg and "may still be written" in msg
 
 
-def _wait_stopped(pid: int) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop")
-
-
 async def test_write_to_hung_peer_fails_within_transfer_timeout(
     peer: tuple[subprocess.Popen[str], dict[str, object]],
 ) -> None:
@@ -101,7 +94,7 @@ async def test_write_to_hung_peer_fails_within_transfer_timeout(
         dst = int(str(info["addr"]))
         await link.write([WriteOp(src.data_ptr(), dst + 8192, 16)])
         os.kill(proc.pid, signal.SIGSTOP)
-        _wait_stopped(proc.pid)  # SIGSTOP is asynchronous: the peer could still take the write in
+        wait_stopped(proc.pid)  # SIGSTOP is asynchronous: the peer could still take the write in
         started = time.monotonic()
         with pytest.raises(TransportError) as err:
             await link.write([WriteOp(src.data_ptr(), dst, SIZE)])

@@ -1,0 +1,53 @@
+"""One task that acts when the earliest of a changing set of deadlines comes, counting only time
+the process was running.
+
+Timed releases of fenced blocks (receiver) and the expiry of writes that may still land (sender)
+are windows of *running* time: data that waited in a socket buffer lands as soon as a frozen
+process thaws. A wake-up later than the stall tolerance means the loop did not run meanwhile, and
+the owner is told to restart its windows instead of acting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+
+from aioembed.session.liveness import LoopWatch
+
+__all__ = ["DeadlineTimer"]
+
+
+class DeadlineTimer:
+    """Calls ``due(now)`` when ``next_deadline()`` comes, or ``stalled(now)`` after a late wake-up."""
+
+    def __init__(self, next_deadline: Callable[[], float | None], due: Callable[[float], None],
+                 stalled: Callable[[float], None], *, stall_tolerance: float) -> None:
+        self._next = next_deadline
+        self._due = due
+        self._stalled = stalled
+        self.watch = LoopWatch(stall_tolerance)
+        self._wake: anyio.Event | None = None
+
+    def wake(self) -> None:
+        """The deadlines changed: look again."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def run(self) -> None:
+        """The timer task (cancel it to stop)."""
+        while True:
+            self._wake = wake = anyio.Event()
+            deadline = self._next()
+            if deadline is None:
+                await wake.wait()
+                continue
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await wake.wait()
+            if wake.is_set():
+                continue  # the deadlines changed: look again
+            now = anyio.current_time()
+            if self.watch.woke(now, deadline):
+                self._stalled(now)
+                continue
+            self._due(now)
