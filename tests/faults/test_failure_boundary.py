@@ -112,7 +112,7 @@ async def test_metadata_the_codec_refuses_is_refused_by_send_and_ends_the_room_a
             with pytest.raises(InvalidRequest, match="metadata"):
                 await sender.send("r", make_request(10, 1), bad)
         t0 = time.monotonic()
-        with pytest.raises(TransferAborted, match="send\\(\\) refused the request: .*metadata"):
+        with pytest.raises(TransferAborted, match=r"send\(\) refused the request: .*metadata"):
             await handle.result()
         assert time.monotonic() - t0 < 1.0  # at once, not after input_timeout
         await _serves(sender, receiver, "after")

@@ -129,7 +129,7 @@ async def test_two_large_zero_copy_rooms_one_is_admitted_the_other_fails_at_once
                 tg.start_soon(send, room)
         assert time.monotonic() - t0 < 5.0  # not round_timeout
         assert len(leases) == 1 and len(errors) == 1, (leases, errors)
-        (failed, exc), = errors.items()
+        (_failed, exc), = errors.items()
         assert "cannot be received zero-copy now" in str(exc) and "release leases" in str(exc)
         (ok, lease), = leases.items()
         assert isinstance(lease, Lease)

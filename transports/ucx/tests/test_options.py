@@ -114,7 +114,7 @@ async def test_cuda_memory_with_a_tls_that_cannot_move_it_is_refused_at_register
 
     t = await open_transport("ucx", UCX_OPTIONS)  # tls="tcp" (one UCX setting per process)
     try:
-        with pytest.raises(ConfigError, match="transport_options.tls") as info:
+        with pytest.raises(ConfigError, match=r"transport_options\.tls") as info:
             await t.register([MemoryRegion(1 << 40, 4096, "cuda:0")])  # refused before anything touches it
         assert "cuda_copy" in str(info.value) or "excludes" in str(info.value)
         await t.register([MemoryRegion(1 << 40, 4096, "cpu")])  # CPU memory is fine with it
