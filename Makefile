@@ -9,6 +9,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Transport plugins and the pip extra each is installed with on a CPU-only machine.
 PLUGINS := mooncake:non-cuda ucx:cu12
 PYTEST_ARGS ?=
+# A hung test fails with a traceback after this long instead of stalling CI until its own limit.
+TEST_TIMEOUT ?= --timeout=300
 
 .PHONY: demo test install install-plugins system-deps check lint typecheck test-core test-plugins soak bench clean
 
@@ -55,13 +57,13 @@ typecheck: install-plugins
 	done
 
 test-core: install
-	$(PY) tools/run_pytest.py tests -m "not slow" $(PYTEST_ARGS)
+	$(PY) tools/run_pytest.py tests -m "not slow" $(TEST_TIMEOUT) $(PYTEST_ARGS)
 
 test-plugins: install-plugins
 	@for d in transports/*/tests; do \
 	  [ -d "$$d" ] || continue; \
 	  echo "== $$d"; \
-	  (cd "$$(dirname $$d)" && ../../$(PY) ../../tools/run_pytest.py tests $(PYTEST_ARGS)); \
+	  (cd "$$(dirname $$d)" && ../../$(PY) ../../tools/run_pytest.py tests $(TEST_TIMEOUT) $(PYTEST_ARGS)); \
 	done
 
 # Everything: lint, types, core tests, every transport plugin's tests (slow soaks excluded).

@@ -21,12 +21,13 @@ from aioembed.errors import (
 from aioembed.layout import Field, Layout
 from aioembed.memory import AllocatorStats, BlockAllocator, BlockPool
 from aioembed.protocol.room import TransferStatus
-from aioembed.session import EmbeddingReceiver, EmbeddingSender, Lease, Received, ReceiveHandle, TransferStats
+from aioembed.session import EmbeddingReceiver, EmbeddingSender, Lease, Part, Received, ReceiveHandle, TransferStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Lease",
+    "Part",
     "TransferStatus",
     "TransferStats",
     "Received",

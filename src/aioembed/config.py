@@ -59,6 +59,11 @@ class TransferConfig:
     """Largest per-request metadata record, msgpack-encoded."""
     max_rooms_per_peer: int = 4096
     """Most rooms one peer may have open at once on a sender."""
+    max_senders: int = 64
+    """Most senders one receiver keeps a connection to (idle ones are closed to make room)."""
+    sender_idle_timeout: float = 300.0
+    """Seconds a receiver keeps a connection to a sender with no room in flight (and no blocks it
+    may still write) before closing it."""
     handshake_timeout: float = 10.0
     """Seconds for the HELLO / WELCOME handshake."""
     input_timeout: float = 60.0
@@ -91,12 +96,12 @@ class TransferConfig:
         object.__setattr__(self, "transport_options", MappingProxyType(dict(self.transport_options)))
         _check_str("transport", self.transport)
         for name in ("block_size", "default_tokens", "pool_tokens", "max_request_tokens",
-                     "max_metadata_bytes", "max_rooms_per_peer", "heartbeat_misses", "copy_threads"):
+                     "max_metadata_bytes", "max_rooms_per_peer", "heartbeat_misses", "copy_threads", "max_senders"):
             _check_int(name, getattr(self, name), 1, _MAX_INT)
         if self.max_round_tokens is not None:
             _check_int("max_round_tokens", self.max_round_tokens, 1, _MAX_INT)
         for name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeout",
-                     "heartbeat_interval"):
+                     "heartbeat_interval", "sender_idle_timeout"):
             _check_seconds(name, getattr(self, name))
         bs = self.block_size
         if self.resume_reserve_tokens is not None:

@@ -25,7 +25,7 @@ __all__ = [
     "TransportError",
 ]
 
-RoomId = int | str
+RoomId = int | str | tuple[int | str, int]
 
 
 class AioembedError(Exception):

@@ -29,6 +29,9 @@ class TransferObserver:
         """One round of one room ended: on the receiver from INIT/RESUME to STATUS, on the sender
         the write of the round."""
 
+    def sender_room_finished(self, *, sender: str, outcome: str, nbytes: int) -> None:
+        """On a receiver: a room (or a part of one) from the sender at ``sender`` ended."""
+
     def blocks_fenced(self, *, reason: str, blocks: int, sender: str) -> None:
         """A receiver fenced ``blocks`` because a write of ``sender`` may still reach them;
         ``reason``: ``abort_unacked``, ``write_failed``, ``peer_silent``, ``session_dropped``,
@@ -91,6 +94,10 @@ class PrometheusMetrics(TransferObserver):
                                 registry=reg)
         self.peers = prom.Gauge("peers_alive", "Receivers connected to a sender", namespace=namespace,
                                 registry=reg)
+        self.sender_rooms = prom.Counter("sender_rooms", "Rooms (or parts) a receiver got from each sender, "
+                                         "by outcome", ["sender", "outcome"], namespace=namespace, registry=reg)
+        self.sender_bytes = prom.Counter("sender_bytes", "Payload bytes a receiver got from each sender", ["sender"],
+                                         namespace=namespace, registry=reg)
         self.fences = prom.Counter("blocks_fenced", "Blocks fenced because a write may still reach them",
                                    ["reason", "sender"], namespace=namespace, registry=reg)
         self.fence_releases = prom.Counter("blocks_unfenced", "Fenced blocks released, by the proof that made it safe",
@@ -105,6 +112,11 @@ class PrometheusMetrics(TransferObserver):
 
     def round_finished(self, *, side: str, seconds: float) -> None:
         self.round_seconds.labels(side=side).observe(seconds)
+
+    def sender_room_finished(self, *, sender: str, outcome: str, nbytes: int) -> None:
+        self.sender_rooms.labels(sender=sender, outcome=outcome).inc()
+        if outcome == "success":
+            self.sender_bytes.labels(sender=sender).inc(nbytes)
 
     def blocks_fenced(self, *, reason: str, blocks: int, sender: str) -> None:
         self.fences.labels(reason=reason, sender=sender).inc(blocks)

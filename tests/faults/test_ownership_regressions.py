@@ -231,3 +231,12 @@ async def test_aclose_is_bounded_when_the_sender_never_acknowledges() -> None:
             await receiver.aclose()  # its ABORT is never acknowledged: close anyway, in bounded time
             assert time.monotonic() - t0 < 3.0
             assert isinstance(await raw.expect(Abort), Abort)
+
+
+async def test_entering_and_closing_at_once_does_not_hang() -> None:
+    """Background tasks scheduled by __aenter__ and not started yet when aclose() runs must not run."""
+    with anyio.fail_after(5):
+        async with EmbeddingSender(LAYOUT, CFG) as sender, EmbeddingReceiver(LAYOUT, CFG, connect=sender.address):
+            pass
+        async with EmbeddingReceiver(LAYOUT, CFG):
+            pass

@@ -22,6 +22,7 @@ from aioembed.errors import ProtocolError
 __all__ = [
     "MAX_BLOCKS_PER_MESSAGE",
     "MAX_FRAME_BYTES",
+    "MAX_PARTS",
     "PROTOCOL_VERSION",
     "Abort",
     "AbortAck",
@@ -56,7 +57,8 @@ MAX_TEXT = 4096
 MAX_DESCRIPTOR = 1 << 20
 MAX_METADATA_DEPTH = 16
 
-RoomId: TypeAlias = int | str
+RoomId: TypeAlias = int | str | tuple[int | str, int]
+"""A room id (int or str), or on the wire a part of a room: ``(room id, part index)``."""
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -143,8 +145,11 @@ def _block_list(name: str, v: Any) -> tuple[int, ...]:
     return tuple(v)
 
 
-def validate_room(name: str, v: Any) -> RoomId:
-    """A room id is a 64-bit signed int or a non-empty str of at most 256 characters."""
+MAX_PARTS = 4096
+"""Most parts one room may be assembled from."""
+
+
+def _plain_room(name: str, v: Any) -> int | str:
     if isinstance(v, bool):
         raise ProtocolError(f"field {name!r}: room id must be int or str, got bool")
     if isinstance(v, int):
@@ -156,6 +161,17 @@ def validate_room(name: str, v: Any) -> RoomId:
             raise ProtocolError(f"field {name!r}: room id must have 1..{MAX_ROOM_STR} characters")
         return v
     raise ProtocolError(f"field {name!r}: room id must be int or str, got {type(v).__name__}")
+
+
+def validate_room(name: str, v: Any) -> RoomId:
+    """A room id is a 64-bit signed int or a non-empty str of at most 256 characters; on the wire,
+    part ``p`` of a room assembled from parts is ``[room, p]`` (a tuple here)."""
+    if isinstance(v, (list, tuple)):
+        if len(v) != 2 or isinstance(v[1], bool) or not isinstance(v[1], int) or not 0 <= v[1] < MAX_PARTS:
+            raise ProtocolError(f"field {name!r}: a room part must be [room id, part index in "
+                                f"0..{MAX_PARTS - 1}], got {v!r:.80}")
+        return (_plain_room(name, v[0]), v[1])
+    return _plain_room(name, v)
 
 
 def _check_plain(v: Any, depth: int) -> None:

@@ -1,8 +1,9 @@
 """Sessions: the sender and receiver that drive rooms over the control channel and a transport."""
 
+from aioembed.session.assembly import Part
 from aioembed.session.handle import Received, ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 
-__all__ = ["EmbeddingReceiver", "EmbeddingSender", "Lease", "ReceiveHandle", "Received", "TransferStats"]
+__all__ = ["EmbeddingReceiver", "EmbeddingSender", "Lease", "Part", "ReceiveHandle", "Received", "TransferStats"]

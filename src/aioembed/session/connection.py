@@ -124,6 +124,11 @@ class SenderConnection:
         self._answered = anyio.Event()
         self._lost = anyio.Event()
         self._closed = False
+        self.stop_scope = anyio.CancelScope()
+        """Cancelled to close this connection (its tasks run under it)."""
+        self.activity = anyio.Event()
+        """Set (and replaced) whenever a room starts on this connection."""
+        self.last_used = 0.0
         self._disconnected = False
         self._gone_sender: str | None = None
         self.clock = PeerClock(0.0)
@@ -144,6 +149,12 @@ class SenderConnection:
         }
 
     # -- public-ish ----------------------------------------------------------------------------
+
+    def touch(self) -> None:
+        """A room is starting on this connection: it is not idle."""
+        self.last_used = anyio.current_time()
+        self.activity.set()
+        self.activity = anyio.Event()
 
     @property
     def ready(self) -> bool:
@@ -167,7 +178,9 @@ class SenderConnection:
         self.chan.send([encode(msg)])
 
     def close(self) -> None:
-        """Close the sockets (the owner cancels ``run`` first)."""
+        """Close the sockets (the owner cancels ``run`` first). Idempotent."""
+        if self._closed:
+            return
         self._closed = True
         with contextlib.suppress(zmq.ZMQError):
             self.chan.sock.disable_monitor()

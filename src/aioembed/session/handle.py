@@ -41,6 +41,8 @@ class Received:
     num_tokens: int
     rounds: int
     stats: TransferStats
+    part_metadata: tuple[dict[str, Any], ...] = ()
+    """For a room received in parts: each part's metadata, in part order (``metadata`` merges them)."""
 
 
 class ReceiveHandle:

@@ -14,7 +14,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,26 @@ class Lease:
         self._returns = returns
         self._state = {"released": False}
         self._finalizer = weakref.finalize(self, _dropped, returns, grants, room, self._state)
+        self.part_metadata: tuple[dict[str, Any], ...] = ()
+        """For a room received in parts: each part's metadata, in part order."""
+
+    @classmethod
+    def combine(cls, room: RoomId, leases: Sequence[Lease], *, metadata: dict[str, Any],
+                stats: TransferStats) -> Lease:
+        """One lease over the parts' leases (in token order), which it takes over."""
+        if not leases or any(lease.released for lease in leases):
+            raise TransferError(f"room {room!r}: cannot combine released or missing part leases", room=room)
+        views: dict[str, list[torch.Tensor]] = {name: [] for name in leases[0].views}
+        grants: list[int] = []
+        for lease in leases:
+            for name, vs in lease.views.items():
+                views[name].extend(vs)
+            grants.extend(lease._grants)
+            lease._state["released"] = True  # its grants are the combined lease's now
+            lease._finalizer.detach()
+        return cls(room=room, views=views, metadata=metadata, num_tokens=sum(lease.num_tokens for lease in leases),
+                   rounds=max(lease.rounds for lease in leases), stats=stats, grants=grants,
+                   returns=leases[0]._returns)
 
     @property
     def released(self) -> bool:

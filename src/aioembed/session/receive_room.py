@@ -91,6 +91,8 @@ class ReceiveRoomDriver:
     expected_tokens: int | None = None
     zero_copy: bool = False
     out: Mapping[str, torch.Tensor] | None = None
+    exact_tokens: bool = False
+    """A part of a room: the sender must send exactly ``expected_tokens`` rows."""
     machine: ReceiverRoomState = field(init=False)
     writer: Writer | None = field(default=None, init=False)
     """The writer the room was announced to (``None`` until INIT)."""
@@ -312,10 +314,11 @@ class ReceiveRoomDriver:
         self._inbox_send.close()
         self._inbox.close()
         m = self.machine
-        self.ctx.observer.room_finished(
-            side="receiver", outcome=outcome_of(error if result is None else None),
-            nbytes=(m.total or 0) * self.ctx.layout.bytes_per_token, rounds=m.round + 1,
-            seconds=time.perf_counter() - t_start)
+        outcome = outcome_of(error if result is None else None)
+        nbytes = (m.total or 0) * self.ctx.layout.bytes_per_token
+        self.ctx.observer.room_finished(side="receiver", outcome=outcome, nbytes=nbytes, rounds=m.round + 1,
+                                        seconds=time.perf_counter() - t_start)
+        self.ctx.observer.sender_room_finished(sender=self.conn.address, outcome=outcome, nbytes=nbytes)
         if result is not None:
             self.handle._finish(result=result, status=TransferStatus.SUCCESS)
             log.debug("receiver[%d]: room=%r: done, %d tokens in %d rounds", self.ctx.rank, self.room,
@@ -379,6 +382,11 @@ class ReceiveRoomDriver:
             raise cls(f"room {self.room!r}: sender {self.conn.address} reported {self.machine.state.name}: "
                       f"{self.machine.error}", room=self.room)
         assert grant is not None  # on_status accepts data only with a reservation outstanding
+        if self.exact_tokens and arrived.total != self.expected_tokens:
+            self._end_grant(Proof.STATUS)  # its write is over (the STATUS says so); the room is not
+            raise TransferFailed(f"room {self.room!r}: sender {self.conn.address} sends {arrived.total} tokens for "
+                                 f"this part, the receiver expects {self.expected_tokens} (its Part range)",
+                                 room=self.room)
         self._next = None
         keeper.apply(ledger.landed(grant))  # only this room moves its announced grant: still ANNOUNCED
         if arrived.complete:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Self
@@ -34,6 +34,7 @@ from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import RoomId, validate_room
 from aioembed.protocol.ownership import FenceReason
+from aioembed.session.assembly import Part, RoomAssembly, check_parts
 from aioembed.session.backend import check_backend
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.connection import LossKind, SenderConnection
@@ -46,7 +47,7 @@ from aioembed.transports.base import Transport
 from aioembed.transports.boundary import GuardedTransport, guard
 from aioembed.transports.registry import open_transport
 
-__all__ = ["CLOSE_GRACE", "EmbeddingReceiver"]
+__all__ = ["CLOSE_GRACE", "EmbeddingReceiver", "Part"]
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class EmbeddingReceiver:
         self._transport: GuardedTransport | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._conns: dict[str, SenderConnection] = {}
-        self._rooms: dict[RoomId, ReceiveRoomDriver] = {}
+        self._rooms: dict[RoomId, ReceiveRoomDriver | RoomAssembly] = {}
         self._room_ctx: RoomContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._tasks = BackgroundTasks(f"receiver[{rank}]", log)
@@ -171,7 +172,8 @@ class EmbeddingReceiver:
             c.close()
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
-            await anyio.to_thread.run_sync(ctx.term)  # every socket is closed: returns at once, off the loop
+            # Every socket is closed by now; destroy() makes sure a stray one cannot block term().
+            await anyio.to_thread.run_sync(ctx.destroy, 0)
         if self._transport is not None:
             await self._transport.aclose()
 
@@ -180,17 +182,58 @@ class EmbeddingReceiver:
     def _connection(self, address: str) -> SenderConnection:
         conn = self._conns.get(address)
         if conn is not None:
+            conn.touch()
             return conn
         assert self._ctx is not None and self._transport is not None and self._room_ctx is not None
+        if len(self._conns) >= self.config.max_senders:
+            self._close_an_idle_connection()
         conn = SenderConnection(
             address, ctx=self._ctx, config=self.config, layout=self.layout, pool=self.pool, rank=self.rank,
             world=self.world, receiver_id=self.receiver_id, keeper=self.keeper, transport=self._transport,
             returns=self._room_ctx.returns, spawn=self._spawn)
         self._conns[address] = conn
-        self._spawn(conn.chan.run)
-        self._spawn(conn.monitor.run)
-        self._spawn(conn.run)
+        self._spawn(self._run_connection, conn)
         return conn
+
+    async def _run_connection(self, conn: SenderConnection) -> None:
+        """One sender's tasks, under one scope: stopped together when the connection is closed."""
+        try:
+            with conn.stop_scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(conn.chan.run)
+                    tg.start_soon(conn.monitor.run)
+                    tg.start_soon(conn.run)
+                    tg.start_soon(self._close_when_idle, conn)
+        finally:
+            if self._conns.get(conn.address) is conn:
+                del self._conns[conn.address]
+            conn.close()  # its socket tasks have ended
+
+    def _idle(self, conn: SenderConnection) -> bool:
+        """No room uses ``conn`` and no block its sender may still write is held: it can go."""
+        return not conn.rooms and not (conn.sender_id and self.keeper.ledger.grants(sender=conn.sender_id))
+
+    async def _close_when_idle(self, conn: SenderConnection) -> None:
+        timeout = self.config.sender_idle_timeout
+        while True:
+            activity = conn.activity
+            with anyio.move_on_after(timeout):
+                await activity.wait()
+            if not activity.is_set() and self._idle(conn):
+                log.info("receiver[%d]: closing the idle connection to sender %s", self.rank, conn.address)
+                conn.stop_scope.cancel()
+                return
+
+    def _close_an_idle_connection(self) -> None:
+        idle = [c for c in self._conns.values() if self._idle(c)]
+        if not idle:
+            raise InvalidRequest(f"this receiver already has {len(self._conns)} senders with rooms or fenced blocks "
+                                 f"(max_senders={self.config.max_senders})")
+        oldest = min(idle, key=lambda c: c.last_used)
+        log.info("receiver[%d]: closing the connection to sender %s to make room (max_senders=%d)", self.rank,
+                 oldest.address, self.config.max_senders)
+        del self._conns[oldest.address]
+        oldest.stop_scope.cancel()
 
     def _sender_address(self, sender: str | None) -> str:
         address = sender if sender is not None else self.connect_to
@@ -219,65 +262,114 @@ class EmbeddingReceiver:
 
     # -- public API --------------------------------------------------------------------------
 
-    def start(self, room: RoomId, *, expected_tokens: int | None = None, zero_copy: bool = False,
-              out: Mapping[str, torch.Tensor] | None = None, sender: str | None = None) -> ReceiveHandle:
+    def start(self, room: int | str, *, expected_tokens: int | None = None, zero_copy: bool = False,
+              out: Mapping[str, torch.Tensor] | None = None, sender: str | None = None,
+              parts: Sequence[Part] | None = None) -> ReceiveHandle:
         """Begin receiving ``room``; returns at once with a handle.
 
         With ``zero_copy`` the result is a :class:`Lease` on pool blocks (``handle.lease()``)
         instead of freshly allocated tensors (``handle.result()``). With ``out``, rows are copied
         into the caller's tensors (one per field, enough rows, contiguous; reusing buffers saves
         the page faults of fresh allocations) and ``result().tensors`` are views of them.
-        ``sender`` names the sender's address for this room (default: ``connect``).
+        ``sender`` names the sender's address for this room (default: ``connect``). ``parts``
+        assembles the room from parts sent by several senders (see :class:`Part`).
         """
         self._check_out(out, zero_copy)
         self._check_running()
+        if isinstance(room, (tuple, list)):
+            raise InvalidRequest(f"room={room!r}: a room id is an int or a str")
         try:
             validate_room("room", room)
         except ProtocolError as exc:
             raise InvalidRequest(str(exc)) from None
+        if room in self._rooms:
+            raise InvalidRequest(f"room {room!r} is already being received")
+        handle = ReceiveHandle(room)
+        handle._scope = anyio.CancelScope()
+        if parts is not None:
+            if sender is not None or expected_tokens is not None:
+                raise InvalidRequest("with parts=, each Part names its sender and its tokens: drop sender= and "
+                                     "expected_tokens=")
+            total = check_parts(room, parts, self.config.max_request_tokens)
+            output = None if zero_copy else self._output_for(room, total, out)
+            asm = RoomAssembly(room, handle, parts, zero_copy=zero_copy, output=output,
+                               start_part=lambda i, p, o: self._start_driver(
+                                   (room, i), p.sender, expected_tokens=p.tokens, exact=True, zero_copy=zero_copy,
+                                   out=o, handle=None))
+            self._rooms[room] = asm
+            self._spawn(self._run_assembly, asm)
+            return handle
         cfg = self.config
         if expected_tokens is not None and (
             not isinstance(expected_tokens, int) or not 1 <= expected_tokens <= cfg.max_request_tokens
         ):
             raise InvalidRequest(f"expected_tokens={expected_tokens!r} must be in "
                                  f"[1, max_request_tokens={cfg.max_request_tokens}]")
-        conn = self._connection(self._sender_address(sender))
-        if room in self._rooms:
-            raise InvalidRequest(f"room {room!r} is already being received")
-        if conn.writer is not None and self.keeper.ledger.holds_room(conn.writer, room):
-            raise InvalidRequest(f"room {room!r}: blocks of an earlier attempt are still fenced (a write of "
+        self._start_driver(room, self._sender_address(sender), expected_tokens=expected_tokens, exact=False,
+                           zero_copy=zero_copy, out=out, handle=handle)
+        return handle
+
+    def _start_driver(self, key: RoomId, address: str, *, expected_tokens: int | None, exact: bool,
+                      zero_copy: bool, out: Mapping[str, torch.Tensor] | None,
+                      handle: ReceiveHandle | None) -> ReceiveHandle:
+        """Start the driver of one room, or of one part (``key`` = ``(room, part)``) of one."""
+        conn = self._connection(address)
+        if key in conn.rooms:
+            raise InvalidRequest(f"room {key!r} is already being received from sender {address}")
+        if conn.writer is not None and self.keeper.ledger.holds_room(conn.writer, key):
+            raise InvalidRequest(f"room {key!r}: blocks of an earlier attempt are still fenced (a write of "
                                  f"sender {conn.address} may still reach them); use another room id")
         assert self._room_ctx is not None
-        handle = ReceiveHandle(room)
-        handle._scope = anyio.CancelScope()
-        r = ReceiveRoomDriver(room, handle, conn, self._room_ctx, expected_tokens=expected_tokens,
-                        zero_copy=zero_copy, out=out)
-        self._rooms[room] = r
-        conn.rooms[room] = r
+        if handle is None:
+            handle = ReceiveHandle(key)
+            handle._scope = anyio.CancelScope()
+        r = ReceiveRoomDriver(key, handle, conn, self._room_ctx, expected_tokens=expected_tokens,
+                              zero_copy=zero_copy, out=out, exact_tokens=exact)
+        if not isinstance(key, tuple):
+            self._rooms[key] = r
+        conn.rooms[key] = r
         self._spawn(r.run)
         return handle
 
-    async def receive(self, room: RoomId, *, expected_tokens: int | None = None,
-                      out: Mapping[str, torch.Tensor] | None = None, sender: str | None = None) -> Received:
+    async def _run_assembly(self, asm: RoomAssembly) -> None:
+        try:
+            await asm.run()
+        finally:
+            if self._rooms.get(asm.room) is asm:
+                del self._rooms[asm.room]
+
+    def _output_for(self, room: RoomId, total: int, out: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The room's output: the caller's tensors (checked) or fresh ones, for ``total`` tokens."""
+        if out is None:
+            return self.layout.empty(total, device=self.pool.device)
+        short = {n: int(t.shape[0]) for n, t in out.items() if t.shape[0] < total}
+        if short:
+            raise InvalidRequest(f"room {room!r}: its parts hold {total} tokens but out= holds only {short}")
+        return {n: t[:total] for n, t in out.items()}
+
+    async def receive(self, room: int | str, *, expected_tokens: int | None = None,
+                      out: Mapping[str, torch.Tensor] | None = None, sender: str | None = None,
+                      parts: Sequence[Part] | None = None) -> Received:
         """Receive ``room`` completely. Cancelling this call aborts the room on both sides.
 
-        ``out``: optional preallocated tensors to copy into (see :meth:`start`).
+        ``out``: optional preallocated tensors to copy into; ``parts``: assemble the room from parts
+        sent by several senders (see :meth:`start`).
         """
-        handle = self.start(room, expected_tokens=expected_tokens, out=out, sender=sender)
+        handle = self.start(room, expected_tokens=expected_tokens, out=out, sender=sender, parts=parts)
         try:
             return await handle.result()
         except anyio.get_cancelled_exc_class():
             handle.cancel("receive() was cancelled")
             raise
 
-    async def receive_leased(self, room: RoomId, *, expected_tokens: int | None = None,
-                             sender: str | None = None) -> Lease:
+    async def receive_leased(self, room: int | str, *, expected_tokens: int | None = None,
+                             sender: str | None = None, parts: Sequence[Part] | None = None) -> Lease:
         """Receive ``room`` without copying it out of the pool: the rows stay in pool blocks,
         exposed as views under a :class:`Lease`. Release it promptly (``lease.release()``,
         ``async with lease:``, or use :meth:`lease`): its blocks are unavailable to other rooms until
         then. The whole request must fit the pool at once; a larger one fails with ``TransferFailed``.
         """
-        handle = self.start(room, expected_tokens=expected_tokens, zero_copy=True, sender=sender)
+        handle = self.start(room, expected_tokens=expected_tokens, zero_copy=True, sender=sender, parts=parts)
         try:
             return await handle.lease()
         except anyio.get_cancelled_exc_class():
@@ -285,10 +377,10 @@ class EmbeddingReceiver:
             raise
 
     @asynccontextmanager
-    async def lease(self, room: RoomId, *, expected_tokens: int | None = None,
-                    sender: str | None = None) -> AsyncIterator[Lease]:
+    async def lease(self, room: int | str, *, expected_tokens: int | None = None,
+                    sender: str | None = None, parts: Sequence[Part] | None = None) -> AsyncIterator[Lease]:
         """``async with receiver.lease(room) as lease:``: receive zero-copy, release on exit."""
-        lease = await self.receive_leased(room, expected_tokens=expected_tokens, sender=sender)
+        lease = await self.receive_leased(room, expected_tokens=expected_tokens, sender=sender, parts=parts)
         try:
             yield lease
         finally:

@@ -219,7 +219,9 @@ class EmbeddingSender:
             self._auth.stop()
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
-            await anyio.to_thread.run_sync(ctx.term)  # blocks up to the linger: off the loop
+            # term() blocks up to the linger (final frames leave): off the loop; destroy() closes any
+            # socket left so that it cannot block for ever.
+            await anyio.to_thread.run_sync(ctx.destroy, 200)
         if self._transport is not None:
             await self._transport.aclose()
 
@@ -230,20 +232,28 @@ class EmbeddingSender:
     # -- public API --------------------------------------------------------------------------
 
     async def send(
-        self, room: RoomId, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None
+        self, room: int | str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None,
+        *, part: int | None = None,
     ) -> None:
         """Deliver ``tensors`` (one per layout field, same token count) to every expected rank.
 
         Returns once every rank holds every token; raises a :class:`TransferError` otherwise.
         The tensors are read in place (not copied) and must stay unchanged until this returns.
+        ``part``: these rows are part ``part`` of a room the receiver assembles from parts sent by
+        several encoders (``receive(room, parts=[...])``): only that part's rows, in token order.
         """
+        await self._send_key(self._room_key(room, part), tensors, metadata)
+
+    async def _send_key(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
+                        metadata: Mapping[str, Any] | None) -> None:
+        """``send()`` of the room (or room part) with wire id ``room``."""
         try:
             num_tokens, meta = self._check_request(room, tensors, metadata)
             sources = await self._sources_of(room, tensors)
         except (InvalidRequest, LayoutError) as exc:
             # A receiver that already asked for the room learns why at once, not at its input_timeout.
-            if not isinstance(room, bool) and isinstance(room, (int, str)) and self._room_is_waiting(room):
-                self.abort(room, f"send() refused the request: {exc}")
+            if self._room_is_waiting(room):
+                self._abort_key(room, f"send() refused the request: {exc}")
             raise
         r = self._rooms.get(room)
         if r is not None and r.active:
@@ -277,15 +287,24 @@ class EmbeddingSender:
                 await self._send_finished(r, source=source, registered=registered, num_tokens=num_tokens,
                                           t_start=t_start, error=error)
 
+    @staticmethod
+    def _room_key(room: int | str, part: int | None) -> RoomId:
+        """The room's wire id: the room itself, or ``(room, part)`` for a part of it."""
+        if isinstance(room, (tuple, list)):
+            raise InvalidRequest(f"room={room!r}: a room id is an int or a str (name a part with part=)")
+        try:
+            validate_room("room", room)
+            if part is not None:
+                return validate_room("room", (room, part))
+        except ProtocolError as exc:
+            raise InvalidRequest(f"{exc} (part={part!r})" if part is not None else str(exc)) from None
+        return room
+
     def _check_request(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                        metadata: Mapping[str, Any] | None) -> tuple[int, dict[str, Any]]:
         """Everything about a request that can be refused before a byte moves; (tokens, metadata)."""
         self._check_running()
         cfg = self.config
-        try:
-            validate_room("room", room)
-        except ProtocolError as exc:
-            raise InvalidRequest(str(exc)) from None
         num_tokens = self.layout.validate(tensors)
         if not 1 <= num_tokens <= cfg.max_request_tokens:
             raise InvalidRequest(f"room {room!r}: {num_tokens} tokens; allowed 1..{cfg.max_request_tokens} "
@@ -374,17 +393,16 @@ class EmbeddingSender:
         except TransportError as exc:
             log.warning("sender: unregistering a source failed: %s", exc)
 
-    def abort(self, room: RoomId, reason: str = "aborted by the sender") -> None:
-        """End ``room`` without sending it (e.g. the encoder failed on the request).
+    def abort(self, room: int | str, reason: str = "aborted by the sender", *, part: int | None = None) -> None:
+        """End ``room`` (or part ``part`` of it) without sending it (e.g. the encoder failed on it).
 
         Ranks that already asked for it are told at once (their ``receive()`` raises
         ``TransferAborted`` with ``reason``); ranks that ask later within ``input_timeout`` are
         told when they ask. A ``send()`` in progress for the room is aborted too.
         """
-        try:
-            validate_room("room", room)
-        except ProtocolError as exc:
-            raise InvalidRequest(str(exc)) from None
+        self._abort_key(self._room_key(room, part), reason)
+
+    def _abort_key(self, room: RoomId, reason: str) -> None:
         r = self._rooms.get(room)
         if r is not None:
             r.machine.fail(reason, aborted=True)

@@ -50,17 +50,21 @@ class BackgroundTasks:
         self._tg.start_soon(self._owned, fn, args)
 
     async def _owned(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
-        with anyio.CancelScope() as scope:
-            self._scopes.add(scope)
-            try:
-                await fn(*args)
-            except Exception:  # a bug: logged, and the owner goes on
-                self._log.exception("%s: background task %s failed", self.name, getattr(fn, "__name__", fn))
-            finally:
-                self._scopes.discard(scope)
-                self._count -= 1
-                if self._count == 0:
-                    self._done.set()
+        try:
+            if self._closing:
+                return  # scheduled before cancel_all() and started after it: it must not run
+            with anyio.CancelScope() as scope:
+                self._scopes.add(scope)
+                try:
+                    await fn(*args)
+                except Exception:  # a bug: logged, and the owner goes on
+                    self._log.exception("%s: background task %s failed", self.name, getattr(fn, "__name__", fn))
+                finally:
+                    self._scopes.discard(scope)
+        finally:
+            self._count -= 1
+            if self._count == 0:
+                self._done.set()
 
     def cancel_all(self) -> None:
         """Stop every task (from any task); no new one starts after this."""

@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -229,8 +230,13 @@ async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
         with anyio.CancelScope(shield=True):
             if process.returncode is None:
                 process.kill()
-            await process.wait()
-            await process.aclose()
+            # Bounded: a child that is already reaped (or a lost SIGCHLD) must not hang the test run.
+            with anyio.move_on_after(10) as scope:
+                await process.wait()
+                await process.aclose()
+            if scope.cancelled_caught:
+                warnings.warn(f"side process {process.pid} did not report its exit within 10 s after kill",
+                              RuntimeWarning, stacklevel=2)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,246 @@
+"""One pool, many encoders: a receiver takes rooms (and parts of rooms) from any number of senders.
+
+Three senders and two receivers, each receiver with one pool: rooms from any sender, rooms
+assembled from parts sent by two or three senders (resumed within each part), bit for bit; one
+sender failing touches only its rooms and parts; memory is shared first come, first served.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from contextlib import AsyncExitStack, suppress
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aioembed import (
+    EmbeddingReceiver,
+    EmbeddingSender,
+    InvalidRequest,
+    Part,
+    TransferConfig,
+    TransferError,
+    TransferFailed,
+)
+from aioembed.metrics import TransferObserver
+from aioembed.testing import MockTransport
+
+from .conftest import LAYOUT, assert_same, make_request, wait_pools_free
+
+pytestmark = pytest.mark.anyio
+
+CFG = TransferConfig(default_tokens=1024, max_round_tokens=1024, pool_tokens=16384, resume_reserve_tokens=1024,
+                     input_timeout=30.0, round_timeout=30.0)
+
+
+def split(total: int, senders: list[str], rng: random.Random) -> list[Part]:
+    cuts = sorted(rng.sample(range(1, total), len(senders) - 1))
+    bounds = [0, *cuts, total]
+    return [Part(s, a, b) for s, (a, b) in zip(senders, itertools.pairwise(bounds), strict=True)]
+
+
+def rows(src: dict[str, torch.Tensor], part: Part) -> dict[str, torch.Tensor]:
+    return {n: t[part.start:part.end].contiguous() for n, t in src.items()}
+
+
+async def test_three_senders_two_receivers_rooms_and_parts_bit_for_bit() -> None:
+    rng = random.Random(18)
+    async with AsyncExitStack() as stack:
+        senders = [await stack.enter_async_context(EmbeddingSender(LAYOUT, CFG)) for _ in range(3)]
+        receivers = [await stack.enter_async_context(EmbeddingReceiver(LAYOUT, CFG)) for _ in range(2)]
+        plans: list[dict[str, Any]] = []
+        for i in range(64):
+            total = rng.randint(300, 4000)
+            chosen = rng.sample(range(3), rng.choice([1, 1, 2, 3]))
+            plans.append({"room": f"r{i}", "receiver": receivers[i % 2], "src": make_request(total, i),
+                          "senders": chosen, "total": total})
+        results: dict[str, Any] = {}
+
+        async def receive(plan: dict[str, Any]) -> None:
+            r: EmbeddingReceiver = plan["receiver"]
+            if len(plan["senders"]) == 1:
+                results[plan["room"]] = await r.receive(plan["room"], sender=senders[plan["senders"][0]].address)
+            else:
+                plan["parts"] = split(plan["total"], [senders[k].address for k in plan["senders"]], rng)
+                results[plan["room"]] = await r.receive(plan["room"], parts=plan["parts"])
+
+        async def send(plan: dict[str, Any]) -> None:
+            if len(plan["senders"]) == 1:
+                await senders[plan["senders"][0]].send(plan["room"], plan["src"], {"room": plan["room"]})
+                return
+            while "parts" not in plan:  # the language side splits the request (known to it from the request)
+                await anyio.sleep(0.001)
+            async with anyio.create_task_group() as tg:
+                for i, (k, part) in enumerate(zip(plan["senders"], plan["parts"], strict=True)):
+                    tg.start_soon(lambda k=k, part=part, i=i: senders[k].send(
+                        plan["room"], rows(plan["src"], part), {f"image{i}": [part.start, part.end]}, part=i))
+
+        async with anyio.create_task_group() as tg:
+            for plan in plans:
+                tg.start_soon(receive, plan)
+                tg.start_soon(send, plan)
+        split_rooms = 0
+        for plan in plans:
+            got = results[plan["room"]]
+            assert_same(got.tensors, plan["src"])
+            if len(plan["senders"]) > 1:
+                split_rooms += 1
+                assert len(got.part_metadata) == len(plan["senders"])
+                assert got.metadata == {f"image{i}": [p.start, p.end] for i, p in enumerate(plan["parts"])}
+                assert got.rounds >= max(-(-p.tokens // CFG.round_tokens) for p in plan["parts"])
+        assert split_rooms >= 20
+        assert sorted(receivers[0].senders) == sorted(s.address for s in senders)  # one connection per sender
+        for s in senders:
+            await wait_pools_free(s, *receivers)
+
+
+async def test_a_failing_sender_fails_only_its_rooms_and_parts_naming_it() -> None:
+    bad_transport = MockTransport(raise_on={"write": RuntimeError("the encoder's NIC died")})
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport()) as good, \
+            EmbeddingSender(LAYOUT, CFG, transport=bad_transport) as bad, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport()) as receiver:
+        full = make_request(3000, 1)
+        parts = [Part(good.address, 0, 1000), Part(bad.address, 1000, 3000)]
+        alone = make_request(2000, 2)
+        outcome: dict[str, Any] = {}
+
+        async def receive(room: str, **kw: Any) -> None:
+            try:
+                outcome[room] = await receiver.receive(room, **kw)
+            except TransferError as exc:
+                outcome[room] = exc
+
+        async def quietly(coro: Any) -> None:
+            with suppress(TransferError):
+                await coro
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: receive("split", parts=parts))
+            tg.start_soon(lambda: receive("good", sender=good.address))
+            tg.start_soon(lambda: receive("bad", sender=bad.address))
+            tg.start_soon(quietly, good.send("split", rows(full, parts[0]), part=0))
+            tg.start_soon(quietly, bad.send("split", rows(full, parts[1]), part=1))
+            tg.start_soon(good.send, "good", alone)
+            tg.start_soon(quietly, bad.send("bad", make_request(500, 3)))
+        assert_same(outcome["good"].tensors, alone)  # the other sender's room is untouched
+        for room in ("split", "bad"):
+            err = outcome[room]
+            assert isinstance(err, TransferFailed), err
+            assert bad.address in str(err) and "the encoder's NIC died" in str(err)
+        assert "part 1 (tokens 1000..3000)" in str(outcome["split"])
+        del bad_transport.raise_on["write"]
+        async with anyio.create_task_group() as tg:  # and the failing sender serves again once it is well
+            tg.start_soon(bad.send, "again", alone)
+            got = await receiver.receive("again", sender=bad.address)
+        assert_same(got.tensors, alone)
+        await wait_pools_free(good, receiver)
+
+
+async def test_memory_goes_to_rooms_in_the_order_they_asked_across_senders() -> None:
+    """Rooms from a busy sender cannot starve a quiet sender's room: reservations are first come,
+    first served across all senders (one room at a time fits this pool)."""
+    cfg = CFG.replace(pool_tokens=2048, default_tokens=1024, resume_reserve_tokens=1024)
+    async with EmbeddingSender(LAYOUT, cfg) as busy, EmbeddingSender(LAYOUT, cfg) as quiet, \
+            EmbeddingReceiver(LAYOUT, cfg) as receiver:
+        order: list[str] = []
+
+        async def receive(room: str, sender: EmbeddingSender) -> None:
+            await receiver.receive(room, sender=sender.address, expected_tokens=1024)
+            order.append(room)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(receive, f"busy{i}", busy)
+                await anyio.sleep(0.02)  # they ask in this order
+                if i == 1:
+                    tg.start_soon(receive, "quiet", quiet)
+                    await anyio.sleep(0.02)
+            await anyio.sleep(0.1)
+            for i in range(6):  # the busy encoder answers its rooms first...
+                tg.start_soon(busy.send, f"busy{i}", make_request(1024, i))
+            await anyio.sleep(0.2)
+            tg.start_soon(quiet.send, "quiet", make_request(1024, 99))  # ...the quiet one later
+        # The quiet room asked third: it got memory third, and nothing asked after it went first.
+        assert order.index("quiet") <= 3, order
+        assert set(order[:2]) == {"busy0", "busy1"}, order
+
+
+async def test_connections_are_bounded_and_idle_ones_close() -> None:
+    cfg = CFG.replace(max_senders=2, sender_idle_timeout=0.3)
+    async with AsyncExitStack() as stack:
+        senders = [await stack.enter_async_context(EmbeddingSender(LAYOUT, cfg)) for _ in range(3)]
+        receiver = await stack.enter_async_context(EmbeddingReceiver(LAYOUT, cfg))
+        for s in senders[:2]:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.send, "r", make_request(100, 1))
+                await receiver.receive("r", sender=s.address)
+        assert len(receiver.senders) == 2
+        async with anyio.create_task_group() as tg:  # a third sender: the least recently used idle one goes
+            tg.start_soon(senders[2].send, "r", make_request(100, 1))
+            await receiver.receive("r", sender=senders[2].address)
+        assert senders[0].address not in receiver.senders and len(receiver.senders) == 2
+        with anyio.fail_after(3):  # idle ones close after sender_idle_timeout
+            while receiver.senders:
+                await anyio.sleep(0.05)
+        # Busy connections are never closed to make room: the caller is told.
+        h1 = receiver.start("a", sender=senders[0].address)
+        h2 = receiver.start("b", sender=senders[1].address)
+        with pytest.raises(InvalidRequest, match="max_senders"):
+            receiver.start("c", sender=senders[2].address)
+        h1.cancel()
+        h2.cancel()
+
+
+async def test_a_part_with_the_wrong_length_fails_naming_both_counts() -> None:
+    async with EmbeddingSender(LAYOUT, CFG) as a, EmbeddingSender(LAYOUT, CFG) as b, \
+            EmbeddingReceiver(LAYOUT, CFG) as receiver:
+        parts = [Part(a.address, 0, 500), Part(b.address, 500, 1500)]
+
+        async def quietly(coro: Any) -> None:
+            with suppress(TransferError):
+                await coro
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(quietly, a.send("r", make_request(500, 1), part=0))
+            tg.start_soon(quietly, b.send("r", make_request(700, 2), part=1))  # 700, not 1000
+            with pytest.raises(TransferFailed, match="sends 700 tokens for this part, the receiver expects 1000"):
+                await receiver.receive("r", parts=parts)
+        await wait_pools_free(a, receiver)
+
+
+async def test_parts_are_checked() -> None:
+    async with EmbeddingSender(LAYOUT, CFG) as s, EmbeddingReceiver(LAYOUT, CFG) as receiver:
+        for parts, match in (([], "1.."), ([Part(s.address, 0, 10), Part(s.address, 20, 30)], "gaps"),
+                             ([Part(s.address, 5, 10)], "start at 0"), ([Part("", 0, 10)], "sender")):
+            with pytest.raises(InvalidRequest, match=match):
+                receiver.start("r", parts=parts)
+        with pytest.raises(InvalidRequest, match="drop sender"):
+            receiver.start("r", parts=[Part(s.address, 0, 10)], sender=s.address)
+        with pytest.raises(InvalidRequest, match="part index"):
+            await s.send("r", make_request(10, 1), part=-1)
+
+
+class Counting(TransferObserver):
+    def __init__(self) -> None:
+        self.by_sender: dict[tuple[str, str], int] = {}
+
+    def sender_room_finished(self, *, sender: str, outcome: str, nbytes: int) -> None:
+        self.by_sender[sender, outcome] = self.by_sender.get((sender, outcome), 0) + 1
+
+
+async def test_metrics_per_sender() -> None:
+    observer = Counting()
+    async with EmbeddingSender(LAYOUT, CFG) as a, EmbeddingSender(LAYOUT, CFG) as b, \
+            EmbeddingReceiver(LAYOUT, CFG, observer=observer) as receiver:
+        parts = [Part(a.address, 0, 300), Part(b.address, 300, 900)]
+        src = make_request(900, 5)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: a.send("r", rows(src, parts[0]), part=0))
+            tg.start_soon(lambda: b.send("r", rows(src, parts[1]), part=1))
+            tg.start_soon(lambda: a.send("s", src))
+            await receiver.receive("r", parts=parts)
+            await receiver.receive("s", sender=a.address)
+        assert observer.by_sender == {(a.address, "success"): 2, (b.address, "success"): 1}
