@@ -65,7 +65,8 @@ async def running_inprocess(config: TransferConfig, *, host: str = "127.0.0.1", 
             EmbeddingReceiver(LAYOUT, config, connect=sender.address) as receiver,
         ):
             await receiver.wait_connected()
-            lang = language_server.LanguageService(receiver, http, encoder_url)
+            encoders = [language_server.Encoder(encoder_url, sender.address)]
+            lang = language_server.LanguageService(receiver, http, encoders)
             try:
                 async with serving(language_server.build_app(lang), host, language_port,
                                    log_level=log_level) as language_url:

@@ -4,12 +4,14 @@ Runs a small vision encoder (``tiny_vit.py``: random weights from a fixed seed) 
 is sent and hands each image's rows to the language model process with
 ``EmbeddingSender.send(room, rows, metadata)``. HTTP API:
 
-* ``POST /encode`` ``{"room": str, "image": {"width", "height", "rgb": base64}, "metadata": {...}}``
-  answers ``202 {"room", "tokens", "grid"}`` at once; the encode and the transfer run in a
-  background task owned by the app, and the language side learns the outcome from its
-  ``receive(room)``. (Bad input: 400; a room already in flight: 409; shutting down: 503.)
+* ``POST /encode`` ``{"room": str, "image": {"width", "height", "rgb": base64}, "metadata": {...},
+  "part": int?}`` answers ``202 {"room", "part", "tokens", "grid"}`` at once; the encode and the
+  transfer run in a background task owned by the app, and the language side learns the outcome
+  from its ``receive(room)``. With ``part``, the image is part ``part`` of a multi-image room whose
+  images the language server spread over several encoders (``send(room, rows, part=part)``).
+  (Bad input: 400; a room already in flight: 409; shutting down: 503.)
 * ``GET /healthz`` -> ``{"ok": true, "control_address": ..., ...}``: the control address is what
-  a language server connects its ``EmbeddingReceiver`` to.
+  a language server names as the sender of the rooms it sends there.
 
 Run (transport from ``--config FILE``, else the ``AIOEMBED_*`` environment)::
 
@@ -95,16 +97,16 @@ class EncoderService:
             scope.cancel()
         await self._idle.wait()  # a cancelled send() ends promptly; an encode ends with its thread
 
-    def submit(self, room: str, image: Image, metadata: dict[str, Any]) -> None:
-        """Start encoding ``image`` and sending it as ``room``; returns at once."""
+    def submit(self, room: str, image: Image, metadata: dict[str, Any], part: int | None = None) -> None:
+        """Start encoding ``image`` and sending it as ``room`` (or as part ``part`` of it); returns at once."""
         if not self._accepting or self._tg is None:
             raise RuntimeError("the encoder is shutting down")
         scope = anyio.CancelScope()
-        self.in_flight[room] = scope
+        self.in_flight[_key(room, part)] = scope
         self._idle = anyio.Event()
-        self._tg.start_soon(self._encode_and_send, room, image, metadata, scope)
+        self._tg.start_soon(self._encode_and_send, room, part, image, metadata, scope)
 
-    async def _encode_and_send(self, room: str, image: Image, metadata: dict[str, Any],
+    async def _encode_and_send(self, room: str, part: int | None, image: Image, metadata: dict[str, Any],
                                scope: anyio.CancelScope) -> None:
         try:
             with scope:
@@ -115,7 +117,8 @@ class EncoderService:
                 meta = {**metadata, "model": MODEL_NAME, "image_size": [image.width, image.height],
                         "grid_thw": [1, rows_h, cols], "patch_size": PATCH,
                         "encode_seconds": round(time.perf_counter() - t0, 6)}
-                await self.sender.send(room, rows, meta)  # returns once the language side holds every row
+                # Returns once the language side holds every row (of this part, for a multi-image room).
+                await self.sender.send(room, rows, meta, part=part)
                 self.sent += 1
             if scope.cancelled_caught:
                 self.failed += 1
@@ -127,9 +130,13 @@ class EncoderService:
             self.failed += 1
             log.exception("room %s: encode failed", room)
         finally:
-            del self.in_flight[room]
+            del self.in_flight[_key(room, part)]
             if not self.in_flight:
                 self._idle.set()
+
+
+def _key(room: str, part: int | None) -> str:
+    return room if part is None else f"{room}#{part}"
 
 
 def build_app(service: EncoderService) -> Starlette:
@@ -147,15 +154,19 @@ def build_app(service: EncoderService) -> Starlette:
             metadata = body.get("metadata") or {}
             if not isinstance(metadata, dict):
                 raise ValueError("metadata must be an object")
+            part = body.get("part")
+            if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
+                raise ValueError("part must be a non-negative integer (this image's index in a multi-image room)")
         except ValueError as exc:  # includes JSON decoding errors
             return JSONResponse({"error": str(exc)}, status_code=400)
         if not service.accepting:
             return JSONResponse({"error": "the encoder is shutting down"}, status_code=503)
-        if room in service.in_flight:
-            return JSONResponse({"error": f"room {room!r} is already in flight"}, status_code=409)
-        service.submit(room, image, metadata)
+        if _key(room, part) in service.in_flight:
+            return JSONResponse({"error": f"room {room!r} (part {part}) is already in flight"}, status_code=409)
+        service.submit(room, image, metadata, part)
         rows, cols = image.grid
-        return JSONResponse({"room": room, "tokens": rows * cols, "grid": [1, rows, cols]}, status_code=202)
+        return JSONResponse({"room": room, "part": part, "tokens": rows * cols, "grid": [1, rows, cols]},
+                            status_code=202)
 
     async def healthz(request: Request) -> JSONResponse:
         sender = service.sender

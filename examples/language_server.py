@@ -1,22 +1,28 @@
 """The language-model process of a disaggregated multimodal LLM: receives image embeddings with aioembed.
 
-For each ``POST /generate`` it names a room, starts ``receiver`` on it, asks the encoder over
-HTTP to encode the image for that room, and awaits the rows. A real server would now splice
-the embeddings into the prompt at the image-pad tokens and run the LLM; this example answers
-with a JSON summary of what arrived instead:
-``{"room", "tokens", "rounds", "bytes", "seconds": {...}, "embedding": {"mean", "std", ...},
-"sha256", "metadata", ...}``.
+One language server, one receive pool, any number of encoder servers. For each ``POST /generate``
+it names a room, lets a router pick an encoder for each image (the one with the fewest images in
+flight), starts ``receiver`` on the room, asks the chosen encoders over HTTP to encode their
+images for that room, and awaits the rows. A request with several images whose images went to
+different encoders is one room assembled from parts (``receive(room, parts=[...])``): the language
+side knows each image's token count from the request, so each part's token range is fixed before
+anything is encoded. A real server would now splice the embeddings into the prompt at the
+image-pad tokens and run the LLM; this example answers with a JSON summary of what arrived instead:
+``{"room", "tokens", "rounds", "bytes", "encoders", "seconds": {...}, "embedding": {...}, "sha256",
+"metadata", ...}``.
 
-* ``POST /generate`` ``{"image": {"width", "height", "rgb": base64}, "prompt": str}`` -> 200 summary;
-  400 bad input, 502 the encoder or the transfer failed, 504 a transfer deadline passed.
-* ``GET /healthz`` -> 200 once the receiver's handshake with the encoder holds, else 503.
+* ``POST /generate`` ``{"image": {"width", "height", "rgb": base64}, "prompt": str}`` or
+  ``{"images": [image, ...], ...}`` -> 200 summary; 400 bad input, 502 an encoder or the transfer
+  failed, 504 a transfer deadline passed.
+* ``GET /healthz`` -> 200 once the receiver's handshake with every encoder holds, else 503.
 
-Run after the encoder, with the same transport settings::
+Run after the encoders, with the same transport settings::
 
     python examples/language_server.py --config examples/config.mooncake.toml \\
-        --encoder-url http://127.0.0.1:8001 --port 8000
+        --encoder-url http://127.0.0.1:8001 --encoder-url http://127.0.0.1:8002 --port 8000
 
-The encoder's control address is asked from its ``/healthz`` unless ``--control-address`` is given.
+Each encoder's control address is asked from its ``/healthz`` unless ``--control-address`` is
+given (one per ``--encoder-url``, in the same order).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -37,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from aioembed import AioembedError, EmbeddingReceiver, Received, ReceiveHandle, TransferError, TransferTimeout
+from aioembed import AioembedError, EmbeddingReceiver, Part, Received, ReceiveHandle, TransferError, TransferTimeout
 from aioembed.samples import checksum
 
 from app_common import StopSignal, describe, load_config, run_main, serving
@@ -45,15 +52,53 @@ from tiny_vit import IMAGE_PAD_ID, LAYOUT, Image, summarize_embeddings
 
 log = logging.getLogger("language_server")
 
+MAX_IMAGES = 64
+"""Most images one request may carry."""
+
+
+@dataclass
+class Encoder:
+    """One encoder server: where to ask (HTTP) and its sender's control address."""
+
+    url: str
+    control: str
+    in_flight: int = 0
+    """Images sent to it and not yet received."""
+    images: int = 0
+    """Images it was asked to encode so far."""
+
+
+class Router:
+    """Picks the encoder of each image: the one with the fewest images in flight, ties in turn.
+
+    A real deployment's router may also weigh load reports or locality; what matters to aioembed
+    is only that the language side names each room's (or each part's) sender.
+    """
+
+    def __init__(self, encoders: Sequence[Encoder]) -> None:
+        if not encoders:
+            raise ValueError("at least one encoder is needed")
+        self.encoders = list(encoders)
+        self._turn = 0
+
+    def pick(self) -> Encoder:
+        n = len(self.encoders)
+        order = [self.encoders[(self._turn + i) % n] for i in range(n)]
+        self._turn = (self._turn + 1) % n
+        chosen = min(order, key=lambda e: e.in_flight)
+        chosen.in_flight += 1
+        chosen.images += 1
+        return chosen
+
 
 class LanguageService:
-    """Turns one HTTP request into one room: ask the encoder, receive the rows, summarise them."""
+    """Turns one HTTP request into one room: route its images, ask the encoders, receive, summarise."""
 
-    def __init__(self, receiver: EmbeddingReceiver, http: httpx.AsyncClient, encoder_url: str, *,
+    def __init__(self, receiver: EmbeddingReceiver, http: httpx.AsyncClient, encoders: Sequence[Encoder], *,
                  drain_seconds: float = 10.0) -> None:
         self.receiver = receiver
         self.http = http
-        self.encoder_url = encoder_url.rstrip("/")
+        self.router = Router(encoders)
         self.drain_seconds = drain_seconds
         self.served = 0
         self.accepting = True
@@ -74,29 +119,32 @@ class LanguageService:
             handle.cancel("the language server is shutting down")
         await self._idle.wait()
 
-    async def generate(self, image_json: dict[str, Any], prompt: str) -> tuple[int, dict[str, Any]]:
-        """Returns (HTTP status, JSON body) for one image."""
+    async def generate(self, images: Sequence[Image], images_json: Sequence[dict[str, Any]],
+                       prompt: str) -> tuple[int, dict[str, Any]]:
+        """Returns (HTTP status, JSON body) for one request of one or more images."""
         if not self.accepting:
             return 503, {"error": "the language server is shutting down"}
         t0 = time.perf_counter()
         room = f"gen-{uuid.uuid4().hex}"
-        # Start receiving *before* asking the encoder: the receive (handshake, reservation of
-        # default_tokens, INIT to the sender) runs concurrently with the HTTP call and the encode.
-        handle = self.receiver.start(room)
+        chosen = [self.router.pick() for _ in images]
+        # Start receiving *before* asking the encoders: the receive (handshakes, reservations, INIT
+        # to each sender) runs concurrently with the HTTP calls and the encodes.
+        if len(images) == 1:
+            handle = self.receiver.start(room, sender=chosen[0].control)
+        else:
+            parts, at = [], 0
+            for enc, image in zip(chosen, images, strict=True):
+                parts.append(Part(enc.control, at, at + image.num_tokens))
+                at += image.num_tokens
+            handle = self.receiver.start(room, parts=parts)
         self._handles.add(handle)
         self._idle = anyio.Event()
         try:
-            try:
-                resp = await self.http.post(f"{self.encoder_url}/encode", json={
-                    "room": room, "image": image_json, "metadata": {"prompt_chars": len(prompt)}})
-            except httpx.HTTPError as exc:
-                handle.cancel("the encoder could not be asked")
-                return 502, {"room": room, "error": f"encoder unreachable at {self.encoder_url}: {exc!r}"}
+            refused = await self._ask_encoders(room, chosen, images_json, len(prompt))
             http_seconds = time.perf_counter() - t0
-            if resp.status_code != 202:
-                handle.cancel("the encoder refused the request")
-                status = 400 if resp.status_code == 400 else 502
-                return status, {"room": room, "error": f"encoder answered {resp.status_code}: {resp.text[:500]}"}
+            if refused is not None:
+                handle.cancel("an encoder could not take its image")
+                return refused
             got = await handle.result()
         except TransferTimeout as exc:
             return 504, {"room": room, "error": f"{type(exc).__name__}: {exc}"}
@@ -106,11 +154,42 @@ class LanguageService:
             handle.cancel("the request was cancelled")
             raise
         finally:
+            for enc in chosen:
+                enc.in_flight -= 1
             self._handles.discard(handle)
             if not self._handles:
                 self._idle.set()
         self.served += 1
-        return 200, summarize(got, seconds=time.perf_counter() - t0, encoder_http=http_seconds)
+        body = summarize(got, seconds=time.perf_counter() - t0, encoder_http=http_seconds)
+        body["encoders"] = [enc.url for enc in chosen]
+        return 200, body
+
+    async def _ask_encoders(self, room: str, chosen: Sequence[Encoder], images_json: Sequence[dict[str, Any]],
+                            prompt_chars: int) -> tuple[int, dict[str, Any]] | None:
+        """POST each image to its encoder, concurrently; the first refusal as (status, body), else ``None``."""
+        refusals: list[tuple[int, dict[str, Any]]] = []
+        multi = len(chosen) > 1
+
+        async def ask(i: int) -> None:
+            enc = chosen[i]
+            payload: dict[str, Any] = {"room": room, "image": images_json[i],
+                                       "metadata": {"prompt_chars": prompt_chars, "image": i}}
+            if multi:
+                payload["part"] = i
+            try:
+                resp = await self.http.post(f"{enc.url}/encode", json=payload)
+            except httpx.HTTPError as exc:
+                refusals.append((502, {"room": room, "error": f"encoder unreachable at {enc.url}: {exc!r}"}))
+                return
+            if resp.status_code != 202:
+                status = 400 if resp.status_code == 400 else 502
+                refusals.append((status, {"room": room, "error": f"encoder {enc.url} answered {resp.status_code}: "
+                                                                 f"{resp.text[:500]}"}))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(chosen)):
+                tg.start_soon(ask, i)
+        return refusals[0] if refusals else None
 
 
 def summarize(got: Received, *, seconds: float, encoder_http: float) -> dict[str, Any]:
@@ -130,6 +209,7 @@ def summarize(got: Received, *, seconds: float, encoder_http: float) -> dict[str
         "mrope_grid": [int(pos[:, i].max().item()) + 1 for i in range(3)],
         "sha256": checksum(got.tensors),
         "metadata": got.metadata,
+        "part_metadata": list(got.part_metadata),
     }
 
 
@@ -141,23 +221,26 @@ def build_app(service: LanguageService) -> Starlette:
             body = await request.json()
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
-            image_json = body.get("image")
-            Image.from_json(image_json)  # refuse bad input here, before a room is opened
-            assert isinstance(image_json, dict)  # from_json accepted it: an object
+            images_json = body["images"] if "images" in body else [body.get("image")]
+            if not isinstance(images_json, list) or not 1 <= len(images_json) <= MAX_IMAGES:
+                raise ValueError(f"images must be a list of 1..{MAX_IMAGES} images")
+            images = [Image.from_json(j) for j in images_json]  # refuse bad input before a room is opened
             prompt = body.get("prompt", "")
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string")
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        status, payload = await service.generate(image_json, prompt)
+        status, payload = await service.generate(images, images_json, prompt)
         return JSONResponse(payload, status_code=status)
 
     async def healthz(request: Request) -> JSONResponse:
         r = service.receiver
         st = r.allocator.stats
-        ok = r.connected and service.accepting
+        encoders = [{"url": e.url, "control_address": e.control, "connected": r.connected_to(e.control),
+                     "images": e.images, "in_flight": e.in_flight} for e in service.router.encoders]
+        ok = service.accepting and all(e["connected"] for e in encoders)
         return JSONResponse({
-            "ok": ok, "role": "language", "control_address": r.connect_to, "encoder_url": service.encoder_url,
+            "ok": ok, "role": "language", "encoders": encoders,
             "transport": r.config.transport, "rooms_in_flight": r.rooms_in_flight, "served": service.served,
             "pool_blocks": {"free": st.free, "total": st.total, "fenced": st.fenced},
         }, status_code=200 if ok else 503)
@@ -191,26 +274,45 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default=os.environ.get("LANGUAGE_HOST", "127.0.0.1"), help="HTTP host")
     p.add_argument("--port", type=int, default=int(os.environ.get("LANGUAGE_PORT", "8000")),
                    help="HTTP port (0: any free port)")
-    p.add_argument("--encoder-url", default=os.environ.get("ENCODER_URL", "http://127.0.0.1:8001"),
-                   help="the encoder server's HTTP URL")
-    p.add_argument("--control-address", default=os.environ.get("ENCODER_CONTROL_ADDRESS"),
-                   help="the encoder's control address (default: asked from its /healthz)")
+    p.add_argument("--encoder-url", action="append", default=None,
+                   help="an encoder server's HTTP URL; repeat for several encoders (default: $ENCODER_URLS, "
+                        "comma-separated, else http://127.0.0.1:8001)")
+    p.add_argument("--control-address", action="append", default=None,
+                   help="an encoder's control address, one per --encoder-url in the same order (default: asked "
+                        "from each encoder's /healthz; $ENCODER_CONTROL_ADDRESSES, comma-separated)")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the encoder at startup")
     p.add_argument("--log-level", default="warning", help="logging level (debug, info, warning)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.encoder_url is None:
+        args.encoder_url = _env_list("ENCODER_URLS") or _env_list("ENCODER_URL") or ["http://127.0.0.1:8001"]
+    if args.control_address is None:
+        args.control_address = _env_list("ENCODER_CONTROL_ADDRESSES") or _env_list("ENCODER_CONTROL_ADDRESS")
+    if args.control_address and len(args.control_address) != len(args.encoder_url):
+        p.error(f"{len(args.control_address)} control addresses for {len(args.encoder_url)} encoders: give one "
+                "per --encoder-url, or none")
+    return args
+
+
+def _env_list(name: str) -> list[str]:
+    return [x.strip() for x in os.environ.get(name, "").split(",") if x.strip()]
 
 
 async def amain(args: argparse.Namespace, stop: StopSignal) -> int:
     """Connect to the encoder, serve until a signal, drain, then close in order."""
     config = load_config(args.config)
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http:
-        control = args.control_address or await discover_control_address(http, args.encoder_url, args.wait)
-        async with EmbeddingReceiver(LAYOUT, config, connect=control) as receiver:
-            await receiver.wait_connected()  # fail fast on a transport or layout mismatch
-            service = LanguageService(receiver, http, args.encoder_url)
+        urls = [u.rstrip("/") for u in args.encoder_url]
+        controls = args.control_address or [await discover_control_address(http, u, args.wait) for u in urls]
+        encoders = [Encoder(u, c) for u, c in zip(urls, controls, strict=True)]
+        # One receiver and one pool for every encoder: each room names its sender (or its parts' senders).
+        async with EmbeddingReceiver(LAYOUT, config) as receiver:
+            for enc in encoders:
+                await receiver.wait_connected(sender=enc.control)  # fail fast on a transport or layout mismatch
+            service = LanguageService(receiver, http, encoders)
             async with serving(build_app(service), args.host, args.port, log_level=args.log_level) as url:
                 print(f"language_server: {describe(config)}", flush=True)
-                print(f"language_server: receiving from {control} (encoder {args.encoder_url})", flush=True)
+                for enc in encoders:
+                    print(f"language_server: receiving from {enc.control} (encoder {enc.url})", flush=True)
                 print(f"language_server: serving on {url} (POST /generate, GET /healthz)", flush=True)
                 await stop.wait()
                 await service.drain()

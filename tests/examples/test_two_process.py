@@ -121,3 +121,62 @@ async def test_two_processes(transport: str, tmp_path: Path) -> None:
 
         for proc in (language, encoder):
             assert_clean_exit(proc, await proc.wait_exit())
+
+
+async def test_two_encoders_one_language_server(tmp_path: Path) -> None:
+    """The deployment shape of the examples: one language server (one pool) and two encoders; the router
+    spreads images over both, and a multi-image request is one room assembled from parts."""
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("the mooncake transport is not installed")
+    import torch
+
+    from aioembed.samples import checksum
+
+    from tiny_vit import build_model, encode, test_pattern
+
+    with server_processes() as procs:
+        encoders = []
+        for name in ("encoder-a", "encoder-b"):
+            proc = ServerProcess(name, ["encoder_server.py", "--config", "examples/config.mooncake.toml",
+                                        "--port", "0"], clean_env(), tmp_path)
+            procs.append(proc)
+            encoders.append(proc)
+        urls = [await e.wait_ready() for e in encoders]
+        args = ["language_server.py", "--config", "examples/config.mooncake.toml", "--port", "0"]
+        for url in urls:
+            args += ["--encoder-url", url]
+        language = ServerProcess("language", args, clean_env(), tmp_path)
+        procs.append(language)
+        language_url = await language.wait_ready()
+        model = build_model()
+        async with httpx.AsyncClient(timeout=60) as client:
+            health = (await client.get(f"{language_url}/healthz")).json()
+            assert health["ok"] and [e["connected"] for e in health["encoders"]] == [True, True], health
+
+            # single images: the router alternates while nothing is in flight
+            used = []
+            for i in range(4):
+                image = test_pattern(224, 224, seed=i)
+                resp = await client.post(f"{language_url}/generate", json={"image": image.to_json()})
+                assert resp.status_code == 200, resp.text
+                body = resp.json()
+                assert body["sha256"] == checksum(encode(model, image))
+                used += body["encoders"]
+            assert sorted(set(used)) == sorted(urls)
+
+            # a multi-image request: one room, its images encoded by both encoders, rows in image order
+            images = [test_pattern(672, 448, seed=7), test_pattern(224, 224, seed=8), test_pattern(100, 60, seed=9)]
+            resp = await client.post(f"{language_url}/generate", json={"images": [im.to_json() for im in images]})
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            rows = [encode(model, im) for im in images]
+            whole = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
+            assert body["tokens"] == sum(im.num_tokens for im in images) == 384 + 64 + 8
+            assert body["sha256"] == checksum(whole)  # bit for bit, assembled from two processes
+            assert set(body["encoders"]) == set(urls)
+            assert [m["image_size"] for m in body["part_metadata"]] == [[672, 448], [224, 224], [100, 60]]
+
+            pool = (await client.get(f"{language_url}/healthz")).json()["pool_blocks"]
+            assert pool["free"] == pool["total"]
+        for proc in (language, *encoders):
+            assert_clean_exit(proc, await proc.stop())

@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of each idle CPU measurement (default 10, quick 1.5)")
     parser.add_argument("--idle-rooms", type=int, default=1000, help="pending rooms of the idle workload")
     parser.add_argument("--memory-tokens", type=int, default=50000, help="request size of the memory workload")
+    parser.add_argument("--senders", type=int, default=4, help="encoders of the many-senders workload (default 4)")
+    parser.add_argument("--senders-tokens", type=int, default=4096,
+                        help="tokens per room of the many-senders workload (default 4096)")
     parser.add_argument("--process-model", choices=("auto", "one", "two"), default="auto",
                         help="'two': the receiver in a child process, the sender (and the raw baseline's source) "
                              "here; 'one': both in this process; auto (default): two where the transport crosses "
@@ -109,8 +112,10 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     repeat = args.repeat if args.repeat is not None else (3 if quick else 7)
     if repeat < 1:
         raise ConfigError(f"--repeat={repeat} must be >= 1")
-    if args.hidden < 1 or args.idle_rooms < 1 or args.memory_tokens < 1 or args.trace_concurrency < 1:
-        raise ConfigError("--hidden, --idle-rooms, --memory-tokens and --trace-concurrency must be >= 1")
+    if min(args.hidden, args.idle_rooms, args.memory_tokens, args.trace_concurrency, args.senders,
+           args.senders_tokens) < 1:
+        raise ConfigError("--hidden, --idle-rooms, --memory-tokens, --trace-concurrency, --senders and "
+                          "--senders-tokens must be >= 1")
     idle_s = args.idle_seconds if args.idle_seconds is not None else (1.5 if quick else 10.0)
     if not (idle_s > 0 and math.isfinite(idle_s)):
         raise ConfigError(f"--idle-seconds={idle_s} must be > 0")
@@ -129,6 +134,8 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         idle_rooms=args.idle_rooms,
         idle_seconds=idle_s,
         memory_tokens=args.memory_tokens,
+        senders=args.senders,
+        senders_tokens=args.senders_tokens,
         process_model=_process_model(args.process_model, base.transport),
     )
 
@@ -274,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         async def main() -> None:
             runners = {
                 "sizes": measurer.run_sizes, "concurrency": measurer.run_concurrency,
-                "resume": measurer.run_resume, "trace": measurer.run_trace,
+                "resume": measurer.run_resume, "trace": measurer.run_trace, "senders": measurer.run_senders,
                 "idle": measurer.run_idle, "memory": measurer.run_memory,
             }
             for w in opts.workloads:

@@ -31,7 +31,7 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,7 @@ __all__ = [
     "plan_steps",
 ]
 
-WORKLOADS: tuple[str, ...] = ("sizes", "concurrency", "resume", "trace", "idle", "memory")
+WORKLOADS: tuple[str, ...] = ("sizes", "concurrency", "resume", "trace", "senders", "idle", "memory")
 
 Tick = Callable[[str], None]
 """Progress callback: called with a description when a point starts (``"> ..."``) and ends."""
@@ -113,6 +113,10 @@ class BenchOptions:
     idle_rooms: int = 1000
     idle_seconds: float = 10.0
     memory_tokens: int = 50000
+    senders: int = 4
+    """Encoders of the many-senders workload."""
+    senders_tokens: int = 4096
+    """Tokens per room of the many-senders workload."""
     process_model: str = "one"
     """``"one"``: sender and receiver in this process; ``"two"``: the receiver in a child process."""
 
@@ -210,41 +214,52 @@ def summarize_point(
 
 
 class _Pair(ABC):
-    """Sender and receiver of one workload: runs one transfer and times it."""
+    """Sender(s) and receiver of one workload: runs one transfer and times it.
+
+    ``via`` picks the sender (of ``senders``) that serves the room; the receiver names it per room.
+    """
+
+    senders: list[EmbeddingSender]
 
     @abstractmethod
-    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                   via: int = 0) -> tuple[float, int]:
         """One copying transfer (``receive()``); returns (seconds, rounds)."""
 
     @abstractmethod
-    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                    via: int = 0) -> tuple[float, int]:
         """One zero-copy transfer (``receive_leased()``), timed until the lease is in hand."""
 
 
 class _LocalPair(_Pair):
     """Both sides in this process."""
 
-    def __init__(self, sender: EmbeddingSender, receiver: EmbeddingReceiver) -> None:
-        self.sender = sender
+    def __init__(self, senders: list[EmbeddingSender], receiver: EmbeddingReceiver) -> None:
+        self.senders = senders
         self.receiver = receiver
 
-    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                   via: int = 0) -> tuple[float, int]:
+        sender = self.senders[via]
         t0 = time.perf_counter()
-        handle = self.receiver.start(room, expected_tokens=expected)
+        handle = self.receiver.start(room, expected_tokens=expected, sender=sender.address)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self.sender.send, room, data)
+            tg.start_soon(sender.send, room, data)
             got = await handle.result()
         dt = time.perf_counter() - t0
         rounds = got.rounds
         del got
         return dt, rounds
 
-    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
+    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                    via: int = 0) -> tuple[float, int]:
+        sender = self.senders[via]
         recv: Any = self.receiver
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self.sender.send, room, data)
-            lease = await _maybe_await(recv.receive_leased(room, expected_tokens=expected))
+            tg.start_soon(sender.send, room, data)
+            lease = await _maybe_await(recv.receive_leased(room, expected_tokens=expected, sender=sender.address))
         dt = time.perf_counter() - t0
         rounds = int(getattr(lease, "rounds", 0))
         await _maybe_await(lease.release())
@@ -262,8 +277,8 @@ class _RemotePair(_Pair):
     child reports on) until both ``send()`` here has returned and the child has the rows.
     """
 
-    def __init__(self, sender: EmbeddingSender, process: anyio.abc.Process, stderr_path: str) -> None:
-        self.sender = sender
+    def __init__(self, senders: list[EmbeddingSender], process: anyio.abc.Process, stderr_path: str) -> None:
+        self.senders = senders
         self.process = process
         self.stderr_path = stderr_path
         self._ids = itertools.count(1)
@@ -321,7 +336,7 @@ class _RemotePair(_Pair):
             await self.process.stdin.send(json.dumps(cmd).encode() + b"\n")
 
     async def _transfer(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                        lease: bool) -> tuple[float, int]:
+                        lease: bool, via: int) -> tuple[float, int]:
         if self._ended is not None:
             await self._fail(self._ended)
         cid = next(self._ids)
@@ -329,13 +344,15 @@ class _RemotePair(_Pair):
         box: list[dict[str, Any]] = []
         self._waiting[cid] = (done, box)
         send_end = [0.0]
+        sender = self.senders[via]
 
         async def send() -> None:
-            await self.sender.send(room, data)
+            await sender.send(room, data)
             send_end[0] = time.monotonic()
 
         t0 = time.monotonic()
-        await self.command({"op": "recv", "id": cid, "room": room, "expected": expected, "lease": lease})
+        await self.command({"op": "recv", "id": cid, "room": room, "expected": expected, "lease": lease,
+                            "sender": sender.address})
         async with anyio.create_task_group() as tg:
             tg.start_soon(send)
             await done.wait()
@@ -346,11 +363,13 @@ class _RemotePair(_Pair):
             raise PeerProcessError(f"room {room!r} failed in the receiver child process: {ev['error']}")
         return max(send_end[0], float(ev["t"])) - t0, int(ev.get("rounds") or 0)
 
-    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
-        return await self._transfer(room, data, expected, False)
+    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                   via: int = 0) -> tuple[float, int]:
+        return await self._transfer(room, data, expected, False, via)
 
-    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None) -> tuple[float, int]:
-        return await self._transfer(room, data, expected, True)
+    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                    via: int = 0) -> tuple[float, int]:
+        return await self._transfer(room, data, expected, True, via)
 
 
 def _config_mapping(cfg: TransferConfig) -> dict[str, Any]:
@@ -388,44 +407,55 @@ class Measurer:
             yield sender, receiver
 
     @asynccontextmanager
-    async def _session(self, cfg: TransferConfig) -> AsyncIterator[_Pair]:
-        if self.opts.process_model != "two":
-            async with self._local_session(cfg) as (sender, receiver):
-                yield _LocalPair(sender, receiver)
-            return
-        async with EmbeddingSender(self.layout, cfg) as sender:
-            spec = {"config": _config_mapping(cfg), "hidden": self.opts.hidden, "connect": sender.address}
-            cmd = [sys.executable, "-m", "aioembed.bench.peer", json.dumps(spec)]
-            with tempfile.NamedTemporaryFile("w+b", prefix="aioembed-bench-peer-", suffix=".stderr",
-                                             delete=False) as err:
-                path = err.name
-                process = await anyio.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            pair = _RemotePair(sender, process, path)
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(pair.read_events)
-                    try:
-                        await pair.wait_ready(timeout=max(60.0, cfg.handshake_timeout * 4))
-                        yield pair
-                    finally:
-                        with anyio.CancelScope(shield=True):
-                            with anyio.move_on_after(10):
-                                try:
-                                    await pair.command({"op": "exit"})
-                                    if process.stdin is not None:
-                                        await process.stdin.aclose()
-                                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                                    pass
-                                await process.wait()
-                            if process.returncode is None:
-                                process.kill()
-                                await process.wait()
-                            tg.cancel_scope.cancel()
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await process.aclose()
-                os.unlink(path)
+    async def _session(self, cfg: TransferConfig, senders: int = 1) -> AsyncIterator[_Pair]:
+        async with AsyncExitStack() as stack:
+            opened = [await stack.enter_async_context(EmbeddingSender(self.layout, cfg)) for _ in range(senders)]
+            if self.opts.process_model != "two":
+                receiver = await stack.enter_async_context(
+                    EmbeddingReceiver(self.layout, cfg, connect=opened[0].address))
+                for s in opened:
+                    await receiver.wait_connected(sender=s.address)
+                yield _LocalPair(opened, receiver)
+                return
+            async with self._child_receiver(cfg, opened) as pair:
+                yield pair
+
+    @asynccontextmanager
+    async def _child_receiver(self, cfg: TransferConfig, senders: list[EmbeddingSender]) -> AsyncIterator[_Pair]:
+        """The receiver in a child process (:mod:`aioembed.bench.peer`), connected to every sender."""
+        spec = {"config": _config_mapping(cfg), "hidden": self.opts.hidden, "connect": senders[0].address,
+                "senders": [s.address for s in senders]}
+        cmd = [sys.executable, "-m", "aioembed.bench.peer", json.dumps(spec)]
+        with tempfile.NamedTemporaryFile("w+b", prefix="aioembed-bench-peer-", suffix=".stderr",
+                                         delete=False) as err:
+            path = err.name
+            process = await anyio.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        pair = _RemotePair(senders, process, path)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pair.read_events)
+                try:
+                    await pair.wait_ready(timeout=max(60.0, cfg.handshake_timeout * 4))
+                    yield pair
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        with anyio.move_on_after(10):
+                            try:
+                                await pair.command({"op": "exit"})
+                                if process.stdin is not None:
+                                    await process.stdin.aclose()
+                            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                                pass
+                            await process.wait()
+                        if process.returncode is None:
+                            process.kill()
+                            await process.wait()
+                        tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await process.aclose()
+            os.unlink(path)
 
     @asynccontextmanager
     async def _baseline(self, cfg: TransferConfig, sources: Mapping[str, torch.Tensor],
@@ -441,14 +471,14 @@ class Measurer:
             await b.aclose()
 
     async def _copy(self, pair: _Pair, data: Mapping[str, torch.Tensor],
-                    expected: int | None) -> tuple[float, int]:
+                    expected: int | None, via: int = 0) -> tuple[float, int]:
         """One copying transfer; returns (seconds, rounds). The output is dropped after the clock stops."""
-        return await pair.copy(self._next_room("c"), data, expected)
+        return await pair.copy(self._next_room("c"), data, expected, via)
 
     async def _lease(self, pair: _Pair, data: Mapping[str, torch.Tensor],
-                     expected: int | None) -> tuple[float, int]:
+                     expected: int | None, via: int = 0) -> tuple[float, int]:
         """One zero-copy transfer: timed until the lease is in hand; released after."""
-        return await pair.lease(self._next_room("z"), data, expected)
+        return await pair.lease(self._next_room("z"), data, expected, via)
 
     @staticmethod
     def _slice(src: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
@@ -577,13 +607,14 @@ class Measurer:
                      sizes: Sequence[int], concurrency: int, *, lease: bool, expected: bool,
                      latencies: list[float] | None, rounds: list[int] | None) -> float:
         """Run ``sizes`` with ``concurrency`` rooms in flight; returns the makespan."""
-        it = iter(sizes)
+        it = iter(enumerate(sizes))
         one: Callable[..., Awaitable[tuple[float, int]]] = self._lease if lease else self._copy
         slices = {n: self._slice(src, n) for n in set(sizes)}
+        spread = len(pair.senders)
 
         async def worker() -> None:
-            for n in it:
-                dt, r = await one(pair, slices[n], n if expected else None)
+            for i, n in it:  # rooms go to the senders in turn
+                dt, r = await one(pair, slices[n], n if expected else None, i % spread)
                 if latencies is not None:
                     latencies.append(dt)
                 if rounds is not None:
@@ -676,6 +707,43 @@ class Measurer:
             ),
             "config": config_dict(cfg),
             "points": points,
+        }
+
+    # -- many senders --------------------------------------------------------------------
+
+    async def run_senders(self) -> dict[str, Any]:
+        """Several encoders into one receiver's pool: aggregate throughput of rooms spread over them."""
+        opts, cfg = self.opts, self.concurrency_config()
+        k, tokens = opts.senders, opts.senders_tokens
+        count = k * (4 if opts.quick else 8)
+        concurrency = k * 2
+        sizes = [tokens] * count
+        src = make_source(self.layout, tokens, seed=opts.seed)
+        self.tick(f"senders: {k} encoders x {count // k} rooms of {tokens} tokens")
+        async with self._session(cfg, senders=k) as pair, self._baseline(cfg, src, tokens) as baseline:
+            series, lat, _zlat, _rounds = await self._batch_point(pair, baseline, src=src, sizes=sizes,
+                                                                  concurrency=concurrency, reps=opts.repeat,
+                                                                  expected=True)
+        ls = summarize(lat)
+        point = summarize_point(
+            workload="senders", label=f"{k} senders, {count} x {tokens} tok, x{concurrency}",
+            nbytes=count * tokens * self.layout.bytes_per_token, series=series,
+            raw_methods=self._raw_methods(baseline), transfers=count,
+            extra={"senders": k, "tokens": tokens, "concurrency": concurrency, "transfers_per_batch": count,
+                   "latency_p50_s": ls.median, "latency_p99_s": ls.p99,
+                   "transfers_per_s": count / summarize(series.samples["aioembed"]).median},
+        )
+        self.tick("")
+        return {
+            "description": (
+                f"{k} encoders (one EmbeddingSender and transport endpoint each, in the benchmark process) into one "
+                f"receiver pool ({'a child process' if opts.process_model == 'two' else 'this process'}): "
+                f"{count} rooms of {tokens} tokens, room i from encoder i mod {k}, {concurrency} rooms in flight, "
+                "expected_tokens given (one round each); throughput = all bytes / makespan (aggregate over the "
+                "encoders); raw = the same requests moved one after another by the raw baseline (one endpoint pair)"
+            ),
+            "config": dict(config_dict(cfg), senders=k),
+            "points": [point],
         }
 
     def trace_config(self, largest: int = 0) -> TransferConfig:

@@ -1,13 +1,15 @@
 """The receiver side of the two-process benchmark mode, in a child process.
 
-``aioembed bench`` runs the sender in its own process and, for transports that cross processes
+``aioembed bench`` runs the sender(s) in its own process and, for transports that cross processes
 (``capabilities.cross_process``), the :class:`~aioembed.EmbeddingReceiver` here, in a child
 started as ``python -m aioembed.bench.peer SPEC_JSON`` (spec: ``config``, ``hidden``,
-``connect``). The child talks JSON lines, like :mod:`aioembed.testing.processes`:
+``connect``, and ``senders``: every sender's address, for the many-senders workload). The child
+talks JSON lines, like :mod:`aioembed.testing.processes`:
 
-* stdout ``{"event": "ready", "pid": ...}`` once connected to the sender;
-* stdin ``{"op": "recv", "id": i, "room": r, "expected": n | null, "lease": bool}``: start the
-  room (``receive()``, or ``receive_leased()`` when ``lease``); stdout
+* stdout ``{"event": "ready", "pid": ...}`` once connected to every sender;
+* stdin ``{"op": "recv", "id": i, "room": r, "expected": n | null, "lease": bool, "sender": a}``:
+  start the room from the sender at ``a`` (default ``connect``) with ``receive()``, or
+  ``receive_leased()`` when ``lease``; stdout
   ``{"event": "done", "id": i, "t": T, "rounds": k}`` when the rows are in hand, where ``T`` is
   ``time.monotonic()`` at that moment (one system-wide clock on Linux, so the parent times the
   transfer from its own start to ``max(send returned, T)``); a lease is released after ``T``
@@ -43,13 +45,14 @@ async def _one(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
     cid = cmd["id"]
     try:
         expected = cmd.get("expected")
+        sender = cmd.get("sender")
         if cmd.get("lease"):
-            lease = await receiver.receive_leased(cmd["room"], expected_tokens=expected)
+            lease = await receiver.receive_leased(cmd["room"], expected_tokens=expected, sender=sender)
             t = time.monotonic()
             rounds = lease.rounds
             lease.release()
         else:
-            got = await receiver.receive(cmd["room"], expected_tokens=expected)
+            got = await receiver.receive(cmd["room"], expected_tokens=expected, sender=sender)
             t = time.monotonic()
             rounds = got.rounds
             del got
@@ -67,7 +70,8 @@ async def _run(spec: dict[str, Any]) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     tasks: set[asyncio.Task[None]] = set()
     async with EmbeddingReceiver(layout, config, connect=spec["connect"]) as receiver:
-        await receiver.wait_connected(timeout=config.handshake_timeout * 3)
+        for address in spec.get("senders") or [spec["connect"]]:
+            await receiver.wait_connected(timeout=config.handshake_timeout * 3, sender=address)
         _emit(event="ready", pid=os.getpid())
         while True:
             line = await reader.readline()

@@ -247,7 +247,11 @@ class EmbeddingReceiver:
     @property
     def connected(self) -> bool:
         """True while a handshake with the default sender holds."""
-        conn = self._conns.get(self.connect_to) if self.connect_to is not None else None
+        return self.connected_to(self.connect_to) if self.connect_to is not None else False
+
+    def connected_to(self, sender: str) -> bool:
+        """True while a handshake with the sender at ``sender`` holds (never connects; see :meth:`wait_connected`)."""
+        conn = self._conns.get(sender)
         return conn is not None and conn.ready
 
     async def wait_connected(self, timeout: float | None = None, *, sender: str | None = None) -> None:

@@ -32,7 +32,10 @@ import torch
 
 from aioembed.config import TransferConfig
 from aioembed.errors import AioembedError
+from aioembed.layout import Layout
 from aioembed.samples import checksum, deterministic_request, standard_layout
+from aioembed.session.assembly import Part
+from aioembed.session.handle import Received
 
 __all__ = [
     "ProcessSide",
@@ -47,11 +50,22 @@ __all__ = [
 
 @dataclass
 class RoomSpec:
-    """One room of a two-process run."""
+    """One room of a multi-process run.
+
+    ``tokens`` is always the whole room's length: both sides derive the same rows from the room id.
+    A sender sends the whole room, or with ``part`` set, rows ``[start, end)`` as that part. A
+    receiver takes it from ``sender`` (default: its side's ``connect``), or assembles it from
+    ``parts``, each ``[sender address, start, end]``.
+    """
 
     room: int | str
     tokens: int
     expected_tokens: int | None = None
+    sender: str = ""
+    parts: list[list[Any]] = field(default_factory=list)
+    part: int | None = None
+    start: int = 0
+    end: int | None = None
 
 
 @dataclass
@@ -73,6 +87,8 @@ class SideSpec:
     """Receiver: at most this long after the last room, wait for fenced blocks to come back."""
     wait_for_receivers: int = 0
     """Sender: send nothing until this many receivers hold a session (start-up is never raced)."""
+    backend: str = "asyncio"
+    """The side's event loop: ``asyncio`` or ``trio``."""
     env: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -116,12 +132,15 @@ async def _run_side(spec: SideSpec) -> None:
             async def send_one(room: RoomSpec) -> None:
                 async with limiter:
                     data = deterministic_request(layout, room.tokens, room.room)
+                    if room.part is not None:
+                        data = {n: t[room.start:room.end].contiguous() for n, t in data.items()}
+                    meta = {"tokens": room.tokens, "sum": checksum(data)}
                     try:
-                        await sender.send(room.room, data, {"tokens": room.tokens, "sum": checksum(data)})
+                        await sender.send(room.room, data, meta, part=room.part)
                     except AioembedError as exc:
-                        report(room, False, error=str(exc), kind=type(exc).__name__)
+                        report(room, False, error=str(exc), kind=type(exc).__name__, part=room.part)
                     else:
-                        report(room, True, tokens=room.tokens)
+                        report(room, True, tokens=int(next(iter(data.values())).shape[0]), part=room.part)
 
             async with anyio.create_task_group() as tg:
                 for room in spec.rooms:
@@ -129,25 +148,24 @@ async def _run_side(spec: SideSpec) -> None:
             await anyio.sleep(spec.linger)
             _emit(event="done", pool_free=sender.rooms_in_flight == 0, stats=results)
     elif spec.role == "receive":
-        async with EmbeddingReceiver(layout, config, connect=spec.connect, rank=spec.rank,
+        async with EmbeddingReceiver(layout, config, connect=spec.connect or None, rank=spec.rank,
                                      world=spec.world) as receiver:
-            await receiver.wait_connected(timeout=config.handshake_timeout * 3)
+            named = {r.sender for r in spec.rooms if r.sender} | {str(p[0]) for r in spec.rooms for p in r.parts}
+            for address in sorted(named | ({spec.connect} if spec.connect else set())):
+                await receiver.wait_connected(timeout=config.handshake_timeout * 3, sender=address)
             _emit(event="ready", address=spec.connect, pid=os.getpid())
 
             async def receive_one(room: RoomSpec) -> None:
+                parts = [Part(str(a), int(b), int(e)) for a, b, e in room.parts] or None
                 async with limiter:
                     try:
-                        got = await receiver.receive(room.room, expected_tokens=room.expected_tokens)
+                        got = await receiver.receive(room.room, expected_tokens=room.expected_tokens,
+                                                     sender=room.sender or None, parts=parts)
                     except AioembedError as exc:
                         report(room, False, error=str(exc), kind=type(exc).__name__)
                         return
-                    want = deterministic_request(layout, room.tokens, room.room)
-                    same = got.num_tokens == room.tokens and all(
-                        torch.equal(got.tensors[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want
-                    )
-                    meta_ok = got.metadata.get("sum") == checksum(want)
-                    report(room, same and meta_ok, tokens=got.num_tokens, rounds=got.rounds,
-                           error=None if same and meta_ok else "data or metadata differ from the source")
+                    problem = _check_received(layout, room, got, parts)
+                    report(room, problem is None, tokens=got.num_tokens, rounds=got.rounds, error=problem)
 
             async with anyio.create_task_group() as tg:
                 for room in spec.rooms:
@@ -162,6 +180,22 @@ async def _run_side(spec: SideSpec) -> None:
                   stats=dict(results, free=st.free, total=st.total, fenced=st.fenced))
     else:
         raise SystemExit(f"unknown role {spec.role!r}")
+
+
+def _check_received(layout: Layout, room: RoomSpec, got: Received, parts: list[Part] | None) -> str | None:
+    """What differs between ``got`` and the rows both sides derive from the room id (``None``: nothing)."""
+    want = deterministic_request(layout, room.tokens, room.room)
+    if got.num_tokens != room.tokens:
+        return f"{got.num_tokens} tokens arrived, {room.tokens} were sent"
+    if not all(torch.equal(got.tensors[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want):
+        return "data differ from the source"
+    if parts is None:
+        return None if got.metadata.get("sum") == checksum(want) else "metadata differ from the source"
+    for i, p in enumerate(parts):
+        rows = {n: t[p.start:p.end] for n, t in want.items()}
+        if got.part_metadata[i].get("sum") != checksum(rows):
+            return f"metadata of part {i} differ from the source"
+    return None
 
 
 class ProcessSide:
@@ -243,10 +277,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry: run one side described by ``--spec``."""
     parser = argparse.ArgumentParser(prog="python -m aioembed.testing.processes")
     parser.add_argument("--spec", required=True, help="SideSpec as JSON")
-    parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     args = parser.parse_args(argv)
     spec = SideSpec.from_json(args.spec)
-    anyio.run(_run_side, spec, backend=args.backend)
+    if spec.backend not in ("asyncio", "trio"):
+        raise SystemExit(f"backend={spec.backend!r}: expected 'asyncio' or 'trio'")
+    anyio.run(_run_side, spec, backend=spec.backend)
 
 
 if __name__ == "__main__":
