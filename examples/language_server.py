@@ -9,7 +9,9 @@ side knows each image's token count from the request, so each part's token range
 anything is encoded. A real server would now splice the embeddings into the prompt at the
 image-pad tokens and run the LLM; this example answers with a JSON summary of what arrived instead:
 ``{"room", "tokens", "rounds", "bytes", "encoders", "seconds": {...}, "embedding": {...}, "sha256",
-"metadata", ...}``.
+"metadata", ...}``. A single-image room is *streamed*: the server consumes it in chunks as the rows
+land (where a real server would run chunked prefill) and reports ``first_chunk_seconds`` next to
+``last_byte_seconds``.
 
 * ``POST /generate`` ``{"image": {"width", "height", "rgb": base64}, "prompt": str}`` or
   ``{"images": [image, ...], ...}`` -> 200 summary; 400 bad input, 502 an encoder or the transfer
@@ -44,7 +46,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from aioembed import AioembedError, EmbeddingReceiver, Part, Received, ReceiveHandle, TransferError, TransferTimeout
+from aioembed import (
+    AioembedError,
+    Chunk,
+    EmbeddingReceiver,
+    Part,
+    Received,
+    ReceiveHandle,
+    RoomStream,
+    TransferError,
+    TransferTimeout,
+)
 from aioembed.samples import checksum
 
 from app_common import StopSignal, describe, load_config, run_main, serving
@@ -95,11 +107,12 @@ class LanguageService:
     """Turns one HTTP request into one room: route its images, ask the encoders, receive, summarise."""
 
     def __init__(self, receiver: EmbeddingReceiver, http: httpx.AsyncClient, encoders: Sequence[Encoder], *,
-                 drain_seconds: float = 10.0) -> None:
+                 drain_seconds: float = 10.0, chunk_tokens: int = 256) -> None:
         self.receiver = receiver
         self.http = http
         self.router = Router(encoders)
         self.drain_seconds = drain_seconds
+        self.chunk_tokens = chunk_tokens
         self.served = 0
         self.accepting = True
         self._handles: set[ReceiveHandle] = set()
@@ -129,7 +142,12 @@ class LanguageService:
         chosen = [self.router.pick() for _ in images]
         # Start receiving *before* asking the encoders: the receive (handshakes, reservations, INIT
         # to each sender) runs concurrently with the HTTP calls and the encodes.
-        if len(images) == 1:
+        stream: RoomStream[Chunk] | None = None
+        if len(images) == 1 and self.chunk_tokens > 0:
+            # One image: stream it, so that prefill could start on the first rows while the rest travel.
+            stream = self.receiver.stream(room, sender=chosen[0].control, chunk_tokens=self.chunk_tokens)
+            handle = stream.handle
+        elif len(images) == 1:
             handle = self.receiver.start(room, sender=chosen[0].control)
         else:
             parts, at = [], 0
@@ -145,6 +163,7 @@ class LanguageService:
             if refused is not None:
                 handle.cancel("an encoder could not take its image")
                 return refused
+            streamed = await self._prefill_in_chunks(stream, t0) if stream is not None else {}
             got = await handle.result()
         except TransferTimeout as exc:
             return 504, {"room": room, "error": f"{type(exc).__name__}: {exc}"}
@@ -161,8 +180,25 @@ class LanguageService:
                 self._idle.set()
         self.served += 1
         body = summarize(got, seconds=time.perf_counter() - t0, encoder_http=http_seconds)
+        body.update(streamed)
         body["encoders"] = [enc.url for enc in chosen]
         return 200, body
+
+    @staticmethod
+    async def _prefill_in_chunks(stream: RoomStream[Chunk], t0: float) -> dict[str, Any]:
+        """Consume the room chunk by chunk as the rows land. A real server would run a prefill step on
+        each chunk here; this one checks the image-pad tokens per chunk and times the first and last."""
+        first = last = 0.0
+        sizes: list[int] = []
+        pads = 0
+        async with stream:
+            async for chunk in stream:
+                last = time.perf_counter() - t0
+                first = first or last
+                sizes.append(chunk.num_tokens)
+                pads += int((chunk.tensors["token_ids"] == IMAGE_PAD_ID).sum().item())
+        return {"chunks": sizes, "streamed_image_pad_tokens": pads,
+                "first_chunk_seconds": round(first, 6), "last_byte_seconds": round(last, 6)}
 
     async def _ask_encoders(self, room: str, chosen: Sequence[Encoder], images_json: Sequence[dict[str, Any]],
                             prompt_chars: int) -> tuple[int, dict[str, Any]] | None:
@@ -281,6 +317,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="an encoder's control address, one per --encoder-url in the same order (default: asked "
                         "from each encoder's /healthz; $ENCODER_CONTROL_ADDRESSES, comma-separated)")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the encoder at startup")
+    p.add_argument("--chunk-tokens", type=int, default=int(os.environ.get("LANGUAGE_CHUNK_TOKENS", "256")),
+                   help="stream single-image rooms in chunks of this many tokens (as a chunked prefill would take "
+                        "them); 0: receive whole (default 256)")
     p.add_argument("--log-level", default="warning", help="logging level (debug, info, warning)")
     args = p.parse_args(argv)
     if args.encoder_url is None:
@@ -308,7 +347,7 @@ async def amain(args: argparse.Namespace, stop: StopSignal) -> int:
         async with EmbeddingReceiver(LAYOUT, config) as receiver:
             for enc in encoders:
                 await receiver.wait_connected(sender=enc.control)  # fail fast on a transport or layout mismatch
-            service = LanguageService(receiver, http, encoders)
+            service = LanguageService(receiver, http, encoders, chunk_tokens=args.chunk_tokens)
             async with serving(build_app(service), args.host, args.port, log_level=args.log_level) as url:
                 print(f"language_server: {describe(config)}", flush=True)
                 for enc in encoders:

@@ -21,13 +21,27 @@ from aioembed.errors import (
 from aioembed.layout import Field, Layout
 from aioembed.memory import AllocatorStats, BlockAllocator, BlockPool
 from aioembed.protocol.room import TransferStatus
-from aioembed.session import EmbeddingReceiver, EmbeddingSender, Lease, Part, Received, ReceiveHandle, TransferStats
+from aioembed.session import (
+    Chunk,
+    EmbeddingReceiver,
+    EmbeddingSender,
+    Lease,
+    LeasedChunk,
+    Part,
+    Received,
+    ReceiveHandle,
+    RoomStream,
+    TransferStats,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Chunk",
     "Lease",
+    "LeasedChunk",
     "Part",
+    "RoomStream",
     "TransferStatus",
     "TransferStats",
     "Received",

@@ -59,6 +59,9 @@ class TransferConfig:
     """Largest per-request metadata record, msgpack-encoded."""
     max_rooms_per_peer: int = 4096
     """Most rooms one peer may have open at once on a sender."""
+    stream_chunk_tokens: int = 2048
+    """Streaming receive: the sender announces rows within a round every this many tokens (rounded up
+    to whole blocks), so chunks reach the caller before the round ends; 0: only at round ends."""
     max_senders: int = 64
     """Most senders one receiver keeps a connection to (idle ones are closed to make room)."""
     sender_idle_timeout: float = 300.0
@@ -69,7 +72,8 @@ class TransferConfig:
     input_timeout: float = 60.0
     """Seconds a receiver waits for the first data of a room, and a sender for the receivers' INIT."""
     round_timeout: float = 30.0
-    """Seconds for one resume round (free blocks, RESUME, write, STATUS)."""
+    """Seconds for one resume round (free blocks, RESUME, write, STATUS). The sender waits a second
+    longer for a RESUME, so the receiver, which knows why a round is late, reports first."""
     room_timeout: float = 600.0
     """Hard deadline for a whole room, whatever happens."""
     heartbeat_interval: float = 1.0
@@ -100,6 +104,7 @@ class TransferConfig:
             _check_int(name, getattr(self, name), 1, _MAX_INT)
         if self.max_round_tokens is not None:
             _check_int("max_round_tokens", self.max_round_tokens, 1, _MAX_INT)
+        _check_int("stream_chunk_tokens", self.stream_chunk_tokens, 0, _MAX_INT)
         for name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeout",
                      "heartbeat_interval", "sender_idle_timeout"):
             _check_seconds(name, getattr(self, name))

@@ -84,11 +84,16 @@ class TransportError(AioembedError):
 
 
 class TransferError(AioembedError):
-    """A transfer of a room did not complete."""
+    """A transfer of a room did not complete.
+
+    ``delivered``: for a streamed room (``receiver.stream()``), the token range ``(0, n)`` the
+    stream had handed to the caller before this error (``None`` otherwise).
+    """
 
     def __init__(self, message: str, *, room: RoomId | None = None) -> None:
         super().__init__(message)
         self.room = room
+        self.delivered: tuple[int, int] | None = None
 
 
 class TransferFailed(TransferError):

@@ -69,6 +69,7 @@ class _GrantModel:
     writer: Writer | None = None
     written: bool = False  # a write was posted into it (once per grant, like one round)
     room_open: bool = True  # the room still reads it
+    chunk: int = 0  # a write into the first ``chunk`` blocks was posted (a PROGRESS is due once it lands)
 
 
 NUM_BLOCKS = 12
@@ -159,6 +160,33 @@ class BlockLedgerMachine(RuleBasedStateMachine):
         g.written = True
         wid = next(self.ids)
         self.writes[wid] = _Write(wid, g.writer.sender, g.writer.epoch, g.id, g.blocks)
+
+    @rule(data=st.data())
+    def sender_writes_a_chunk(self, data: st.DataObject) -> None:
+        """A streaming room: the writer posts the first blocks of the round on their own."""
+        grants = [g for g in self.live(GrantState.ANNOUNCED) if g.writer is not None and not g.written
+                  and not g.chunk and len(g.blocks) > 1 and self._current(g.writer)]
+        if not grants:
+            return
+        g = data.draw(st.sampled_from(grants))
+        assert g.writer is not None
+        g.chunk = data.draw(st.integers(1, len(g.blocks) - 1))
+        wid = next(self.ids)
+        self.writes[wid] = _Write(wid, g.writer.sender, g.writer.epoch, g.id, g.blocks[:g.chunk])
+
+    @rule(data=st.data())
+    def progress_splits(self, data: st.DataObject) -> None:
+        """The writer's PROGRESS, sent once the chunk's write landed: those blocks become readable."""
+        grants = [g for g in self.live(GrantState.ANNOUNCED) if g.chunk and g.room_open
+                  and not any(set(w.blocks) & set(g.blocks[:g.chunk]) for w in self.writes.values())]
+        if not grants:
+            return
+        g = data.draw(st.sampled_from(grants))
+        head = self.ledger.split(g.id, g.chunk)
+        assert self.ledger.grant(head).state is GrantState.READABLE
+        assert self.ledger.grant(head).blocks == g.blocks[:g.chunk]
+        self.grants[head] = _GrantModel(head, g.room, g.blocks[:g.chunk], g.writer, written=True)
+        g.blocks, g.chunk = g.blocks[g.chunk:], 0
 
     def _current(self, writer: Writer) -> bool:
         """Is ``writer`` a live process in its current session (the only place it posts new writes)?"""
@@ -622,3 +650,25 @@ def test_write_ledger_drains_a_replaced_session_once_its_writes_end() -> None:
     assert not [a for a in actions if isinstance(a, SendDrained)]
     actions = ledger.tick(3.0)
     assert SendDrained(k2, 2) in actions and DrainedSession(k1) in actions
+
+
+def test_split_hands_landed_blocks_to_the_reader_and_fences_only_the_rest() -> None:
+    ledger = BlockLedger()
+    w = Writer("p1", 1)
+    gid = ledger.reserve("r", (4, 5, 6, 7))
+    with pytest.raises(OwnershipError, match="split"):
+        ledger.split(gid, 2)  # RESERVED: nobody wrote anything yet
+    ledger.announce(gid, w)
+    for bad in (0, 4):
+        with pytest.raises(OwnershipError, match="at least one must stay announced"):
+            ledger.split(gid, bad)
+    head = ledger.split(gid, 3)
+    assert ledger.grant(head).blocks == (4, 5, 6) and ledger.grant(head).state is GrantState.READABLE
+    assert ledger.grant(gid).blocks == (7,) and ledger.owner_of(4) is ledger.grant(head)
+    # the room fails mid-round: only the block still being written is fenced
+    (fence,) = ledger.fence(gid, FenceReason.ABORT_UNACKED)
+    assert isinstance(fence, Fence) and fence.blocks == (7,)
+    (free,) = ledger.consumed(head)  # the reader lets go of the landed rows
+    assert isinstance(free, Free) and free.blocks == (4, 5, 6) and free.proof is Proof.CONSUMED
+    (late,) = ledger.ended(gid, Proof.ABORT_ACK)
+    assert late.blocks == (7,) and len(ledger) == 0

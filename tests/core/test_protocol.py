@@ -31,7 +31,8 @@ from aioembed.protocol.messages import (
 )
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-ALL_TYPES = (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, Ping, Pong, m.FenceRelease, m.Drained)
+ALL_TYPES = (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, Ping, Pong, m.FenceRelease, m.Drained,
+             m.Progress)
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ROUNDTRIP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -79,7 +80,9 @@ welcomes = st.builds(
 )
 rejects = st.builds(Reject, reason=texts(max_size=300), room=st.none() | room_ids)
 inits = st.builds(Init, room=room_ids, blocks=block_lists, allocated_tokens=tokens,
-                  expected_ranks=st.integers(1, 1 << 16))
+                  expected_ranks=st.integers(1, 1 << 16), progress_tokens=tokens)
+progresses = st.builds(m.Progress, room=room_ids, round=rounds, sent_tokens=tokens, total_tokens=tokens,
+                       metadata=st.none() | metadata)
 resumes = st.builds(Resume, room=room_ids, round=rounds, sent_tokens=tokens, blocks=block_lists,
                     allocated_tokens=tokens)
 statuses = st.builds(
@@ -95,7 +98,7 @@ drains = st.builds(m.Drained, below_epoch=st.integers(1, INT64_MAX))
 STRATEGIES = {
     Hello: hellos, Welcome: welcomes, Reject: rejects, Init: inits, Resume: resumes, Status: statuses,
     Abort: aborts, AbortAck: abort_acks, Ping: pings, Pong: pongs, m.FenceRelease: fence_releases,
-    m.Drained: drains,
+    m.Drained: drains, m.Progress: progresses,
 }
 messages = st.one_of(*STRATEGIES.values())
 
@@ -143,6 +146,8 @@ SAMPLES: list[Any] = [
     Pong(nonce=INT64_MAX, peer_id="p"),
     m.FenceRelease(room="r"),
     m.Drained(below_epoch=7),
+    m.Progress(room=("req", 2), round=1, sent_tokens=8320, total_tokens=20000, metadata={"grid": [1, 2]}),
+    Init(room=8, blocks=(1,), allocated_tokens=100, expected_ranks=1, progress_tokens=2048),
 ]
 SAMPLE_IDS = [f"{type(s).__name__}-{i}" for i, s in enumerate(SAMPLES)]
 

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from aioembed import BlockPool, Field, Layout
 from aioembed.errors import ProtocolError
 from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
-from aioembed.protocol.messages import Init, Resume, Status, decode, encode
+from aioembed.protocol.messages import Init, Progress, Resume, Status, decode, encode
 from aioembed.protocol.room import Arrived, RankPhase, ReceiverRoomState, SenderRoomState, TransferStatus, WriteTask
 
 TS = TransferStatus
@@ -310,15 +310,16 @@ def test_sender_states_init_then_input() -> None:
     task = s.start_write(0)
     assert task == WriteTask(rank=0, round=0, start=0, count=8, blocks=(5, 2))
     assert s.writing(0) and not s.writing(1)
-    st0 = s.write_done(task, metadata={"ignored": "until done"})
-    assert st0 == Status(room="s", state="TRANSFERRING", total_tokens=10, sent_tokens=8, round=0)
+    st0 = s.write_done(task, metadata={"m": 1})
+    # the metadata goes with the first announcement to the rank, and only then
+    assert st0 == Status(room="s", state="TRANSFERRING", total_tokens=10, sent_tokens=8, round=0, metadata={"m": 1})
     assert s.ranks[0].phase is RankPhase.AWAITING_RESUME
     s.on_resume(0, round=1, sent_tokens=8, blocks=(7,), allocated_tokens=2)
     assert s.ranks[0].phase is RankPhase.READY
     t1 = s.start_write(0)
     assert t1 == WriteTask(rank=0, round=1, start=8, count=2, blocks=(7,))
     st1 = s.write_done(t1, metadata={"m": 1})
-    assert st1 == Status(room="s", state="SUCCESS", total_tokens=10, sent_tokens=10, round=1, metadata={"m": 1})
+    assert st1 == Status(room="s", state="SUCCESS", total_tokens=10, sent_tokens=10, round=1)
     assert s.ranks[0].phase is RankPhase.DONE
     assert s.state is TS.TRANSFERRING  # rank 1 has not even sent INIT
     s.on_init(1, blocks=(1, 2, 3), allocated_tokens=12, expected_ranks=2)
@@ -524,6 +525,7 @@ class _Rank:
         self.blocks: list[int] = []
         self.out: dict[str, torch.Tensor] | None = None
         self.statuses = 0
+        self.announced = False
         self.reservations: list[int] = []
 
 
@@ -579,12 +581,14 @@ class DuelMachine(RuleBasedStateMachine):
         rank = self.ranks[i]
         # the receiver does not know the length: it may reserve more than the total
         ids, tokens = self._draw_reservation(data, rank, self.pool_blocks * self.bs)
-        rank.room.init_sent(blocks=len(ids), allocated_tokens=tokens)
+        # a streaming rank asks for PROGRESS every k blocks within a round
+        progress = data.draw(st.sampled_from([0, 0, self.bs, 2 * self.bs]), label="progress")
+        rank.room.init_sent(blocks=len(ids), allocated_tokens=tokens, progress_tokens=progress)
         msg = decode(encode(Init(room=self.room_id, blocks=ids, allocated_tokens=tokens,
-                                 expected_ranks=self.world)))
+                                 expected_ranks=self.world, progress_tokens=progress)))
         assert isinstance(msg, Init)
         self.sender.on_init(i, blocks=msg.blocks, allocated_tokens=msg.allocated_tokens,
-                            expected_ranks=msg.expected_ranks)
+                            expected_ranks=msg.expected_ranks, progress_tokens=msg.progress_tokens)
         self.inited.add(i)
         # a second INIT of the same rank is refused
         assert_illegal(self.sender, lambda: self.sender.on_init(
@@ -606,21 +610,42 @@ class DuelMachine(RuleBasedStateMachine):
         task = self.sender.start_write(i)
         assert task.blocks == tuple(rank.blocks)
         assert task.start == rank.room.received
-        write_task(task, self.src, rank.pool, self.bs)
         meta = {"room": str(self.room_id), "rank": i}
+        at = task.start
+        for upto in self.sender.progress_points(task):  # chunks announced within the round, in order
+            write_task(WriteTask(task.rank, task.round, at, upto - at, task.blocks[(at - task.start) // self.bs:]),
+                       self.src, rank.pool, self.bs)
+            pmsg = decode(encode(self.sender.write_progress(task, upto, metadata=meta)))
+            assert isinstance(pmsg, Progress)
+            part = rank.room.on_progress(pmsg)
+            assert part.partial and (part.start, part.start + part.count) == (at, upto)
+            assert part.offset == at - task.start and part.offset % self.bs == 0
+            assert (part.metadata == meta) == (not rank.announced)  # metadata with the first announcement only
+            rank.announced = True
+            if rank.out is None:
+                rank.out = LAYOUT.empty(self.total)
+            rank.pool.copy_out(rank.blocks[part.offset // self.bs:], part.count, rank.out, out_start=part.start)
+            at = upto
+            # the same PROGRESS again, or one past the round's end, is refused
+            assert_illegal(rank.room, lambda pmsg=pmsg: rank.room.on_progress(pmsg), room=self.room_id)
+        write_task(WriteTask(task.rank, task.round, at, task.start + task.count - at,
+                             task.blocks[(at - task.start) // self.bs:]), self.src, rank.pool, self.bs)
         msg = decode(encode(self.sender.write_done(task, metadata=meta)))
         assert isinstance(msg, Status)
         arrived = rank.room.on_status(msg)
-        rank.statuses += 1
         assert arrived is not None
-        assert arrived.start == task.start and arrived.count == task.count and arrived.total == self.total
+        assert arrived.start == at and arrived.start + arrived.count == task.start + task.count
+        assert arrived.total == self.total and arrived.offset == at - task.start
+        assert (arrived.metadata == meta) == (not rank.announced)
+        rank.announced = True
+        rank.statuses += 1
         if rank.out is None:
             rank.out = LAYOUT.empty(self.total)  # allocated once, when the total is known
-        rank.pool.copy_out(rank.blocks, arrived.count, rank.out, out_start=arrived.start)
+        rank.pool.copy_out(rank.blocks[arrived.offset // self.bs:], arrived.count, rank.out, out_start=arrived.start)
         rank.free |= set(rank.blocks)
         rank.blocks = []
         assert arrived.complete == (arrived.start + arrived.count == self.total)
-        assert (arrived.metadata == meta) == arrived.complete
+        assert rank.room.metadata == meta  # kept from the first announcement
 
     @rule(data=st.data())
     def resume(self, data: st.DataObject) -> None:

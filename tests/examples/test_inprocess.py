@@ -56,6 +56,10 @@ async def test_inprocess_servers_deliver_the_encoders_rows() -> None:
 
         second = await _generate(client, run.language_url, large)
         assert second["tokens"] == 192 and second["rounds"] == 2  # over the 128-token reservation: resumed
+        # streamed in chunks as the rows landed: every token once, the first chunk before the last byte
+        assert sum(second["chunks"]) == 192 and len(second["chunks"]) >= 2
+        assert second["streamed_image_pad_tokens"] == 192
+        assert 0 < second["first_chunk_seconds"] <= second["last_byte_seconds"]
         assert second["mrope_grid"] == [1, 12, 16]
         assert second["sha256"] == checksum(encode(model, large))
 

@@ -118,6 +118,9 @@ async def test_two_processes(transport: str, tmp_path: Path) -> None:
                 language.process.send_signal(signal.SIGTERM)
                 encoder.process.send_signal(signal.SIGINT)
             assert late[0]["tokens"] == big.num_tokens == 1536 and late[0]["rounds"] == 2
+            # a long request, consumed in chunks of 256 tokens as they landed (a chunked prefill's view)
+            assert sum(late[0]["chunks"]) == 1536 and max(late[0]["chunks"]) <= 256 and len(late[0]["chunks"]) >= 6
+            assert late[0]["first_chunk_seconds"] < late[0]["last_byte_seconds"]
 
         for proc in (language, encoder):
             assert_clean_exit(proc, await proc.wait_exit())

@@ -95,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of each idle CPU measurement (default 10, quick 1.5)")
     parser.add_argument("--idle-rooms", type=int, default=1000, help="pending rooms of the idle workload")
     parser.add_argument("--memory-tokens", type=int, default=50000, help="request size of the memory workload")
+    parser.add_argument("--stream-tokens", type=int, default=None,
+                        help="request size of the streaming workload (default 100000, quick 20000)")
     parser.add_argument("--senders", type=int, default=4, help="encoders of the many-senders workload (default 4)")
     parser.add_argument("--senders-tokens", type=int, default=4096,
                         help="tokens per room of the many-senders workload (default 4096)")
@@ -113,9 +115,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     if repeat < 1:
         raise ConfigError(f"--repeat={repeat} must be >= 1")
     if min(args.hidden, args.idle_rooms, args.memory_tokens, args.trace_concurrency, args.senders,
-           args.senders_tokens) < 1:
-        raise ConfigError("--hidden, --idle-rooms, --memory-tokens, --trace-concurrency, --senders and "
-                          "--senders-tokens must be >= 1")
+           args.senders_tokens, args.stream_tokens or 1) < 1:
+        raise ConfigError("--hidden, --idle-rooms, --memory-tokens, --trace-concurrency, --senders, "
+                          "--senders-tokens and --stream-tokens must be >= 1")
     idle_s = args.idle_seconds if args.idle_seconds is not None else (1.5 if quick else 10.0)
     if not (idle_s > 0 and math.isfinite(idle_s)):
         raise ConfigError(f"--idle-seconds={idle_s} must be > 0")
@@ -136,6 +138,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         memory_tokens=args.memory_tokens,
         senders=args.senders,
         senders_tokens=args.senders_tokens,
+        stream_tokens=args.stream_tokens if args.stream_tokens is not None else (20000 if quick else 100000),
         process_model=_process_model(args.process_model, base.transport),
     )
 
@@ -282,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
             runners = {
                 "sizes": measurer.run_sizes, "concurrency": measurer.run_concurrency,
                 "resume": measurer.run_resume, "trace": measurer.run_trace, "senders": measurer.run_senders,
+                "stream": measurer.run_stream,
                 "idle": measurer.run_idle, "memory": measurer.run_memory,
             }
             for w in opts.workloads:

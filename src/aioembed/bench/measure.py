@@ -65,7 +65,7 @@ __all__ = [
     "plan_steps",
 ]
 
-WORKLOADS: tuple[str, ...] = ("sizes", "concurrency", "resume", "trace", "senders", "idle", "memory")
+WORKLOADS: tuple[str, ...] = ("sizes", "concurrency", "resume", "trace", "senders", "stream", "idle", "memory")
 
 Tick = Callable[[str], None]
 """Progress callback: called with a description when a point starts (``"> ..."``) and ends."""
@@ -117,6 +117,8 @@ class BenchOptions:
     """Encoders of the many-senders workload."""
     senders_tokens: int = 4096
     """Tokens per room of the many-senders workload."""
+    stream_tokens: int = 100000
+    """Tokens of the streaming workload's request."""
     process_model: str = "one"
     """``"one"``: sender and receiver in this process; ``"two"``: the receiver in a child process."""
 
@@ -231,6 +233,12 @@ class _Pair(ABC):
                     via: int = 0) -> tuple[float, int]:
         """One zero-copy transfer (``receive_leased()``), timed until the lease is in hand."""
 
+    @abstractmethod
+    async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                     chunk_tokens: int) -> tuple[float, float, int]:
+        """One streamed transfer (``receiver.stream()``, copying): (seconds to the first chunk, seconds to
+        the last, chunks)."""
+
 
 class _LocalPair(_Pair):
     """Both sides in this process."""
@@ -264,6 +272,20 @@ class _LocalPair(_Pair):
         rounds = int(getattr(lease, "rounds", 0))
         await _maybe_await(lease.release())
         return dt, rounds
+
+    async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                     chunk_tokens: int) -> tuple[float, float, int]:
+        sender = self.senders[0]
+        first, chunks = 0.0, 0
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, room, data)
+            async with self.receiver.stream(room, expected_tokens=expected, chunk_tokens=chunk_tokens) as parts:
+                async for _chunk in parts:
+                    chunks += 1
+                    if chunks == 1:
+                        first = time.perf_counter() - t0
+        return first, time.perf_counter() - t0, chunks
 
 
 class PeerProcessError(RuntimeError):
@@ -366,6 +388,33 @@ class _RemotePair(_Pair):
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                    via: int = 0) -> tuple[float, int]:
         return await self._transfer(room, data, expected, False, via)
+
+    async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
+                     chunk_tokens: int) -> tuple[float, float, int]:
+        if self._ended is not None:
+            await self._fail(self._ended)
+        cid = next(self._ids)
+        done = anyio.Event()
+        box: list[dict[str, Any]] = []
+        self._waiting[cid] = (done, box)
+        send_end = [0.0]
+
+        async def send() -> None:
+            await self.senders[0].send(room, data)
+            send_end[0] = time.monotonic()
+
+        t0 = time.monotonic()
+        await self.command({"op": "stream", "id": cid, "room": room, "expected": expected,
+                            "chunk_tokens": chunk_tokens, "sender": self.senders[0].address})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            await done.wait()
+        if not box:
+            await self._fail(self._ended or "no answer from the receiver child process")
+        ev = box[0]
+        if "error" in ev:
+            raise PeerProcessError(f"room {room!r} failed in the receiver child process: {ev['error']}")
+        return float(ev["t_first"]) - t0, max(send_end[0], float(ev["t"])) - t0, int(ev["chunks"])
 
     async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                     via: int = 0) -> tuple[float, int]:
@@ -707,6 +756,72 @@ class Measurer:
             ),
             "config": config_dict(cfg),
             "points": points,
+        }
+
+    # -- streaming -----------------------------------------------------------------------
+
+    async def run_stream(self) -> dict[str, Any]:
+        """Time to the first chunk against time to the whole room, and what the extra PROGRESS frames cost."""
+        opts = self.opts
+        n = opts.stream_tokens
+        cfg = self.opts.base_config.replace(block_size=128, default_tokens=8192, pool_tokens=65536,
+                                            max_round_tokens=None)
+        chunk = cfg.stream_chunk_tokens or 2048
+        src = make_source(self.layout, n, seed=opts.seed)
+        nbytes = n * self.layout.bytes_per_token
+        self.tick(f"stream: {n} tokens")
+        variants = ["receive", "stream", "stream_per_round", "receive_expected", "stream_expected"]
+        firsts: dict[str, list[float]] = {v: [] for v in variants if v.startswith("stream")}
+        chunks: dict[str, int] = {}
+        series = _Series()
+        async with self._session(cfg) as pair, self._baseline(cfg, src, n) as baseline:
+            if baseline is not None:
+                variants += [f"raw:{m}" for m in baseline.methods]
+            for rep, order in enumerate(_rotations(variants, max(2, opts.repeat // 2) + 1)):
+                for v in order:
+                    expected = n if v.endswith("expected") else None
+                    if v.startswith("stream"):
+                        per = 0 if v == "stream_per_round" else chunk
+                        first, whole, count = await pair.stream(self._next_room("s"), src, expected, per)
+                        if rep > 0:
+                            firsts[v].append(first)
+                            series.add(v, whole)
+                            chunks[v] = count
+                    else:
+                        dt, rounds = await self._run_variant(pair, baseline, v if v.startswith("raw:") else
+                                                             "aioembed", data=src, n=n, expected=expected)
+                        if rep > 0:
+                            series.add(v, dt, rounds)
+        self.tick("")
+        med = {v: summarize(xs).median for v, xs in series.samples.items()}
+        first_med = {v: summarize(xs).median for v, xs in firsts.items()}
+        rows = []
+        for v, whole_with in (("stream", "receive"), ("stream_per_round", "receive"),
+                              ("stream_expected", "receive_expected")):
+            rows.append({
+                "variant": v, "expected_tokens": n if v.endswith("expected") else None,
+                "chunk_tokens": 0 if v == "stream_per_round" else chunk, "chunks": chunks.get(v),
+                "first_chunk_s": first_med[v], "whole_room_s": med[v],
+                "first_over_whole": ratio(first_med[v], med[v]),
+                "whole_over_receive": ratio(med[v], med[whole_with]),
+            })
+        raw = [m for m in med if m.startswith("raw:")]
+        return {
+            "description": (
+                f"one request of {n} tokens received with stream() (copying chunks; chunk_tokens={chunk}, or one "
+                "chunk per round) against receive() of the same request; first_chunk_s = time to the first chunk "
+                "in hand, whole_room_s = to the last; whole_over_receive = what announcing rows within rounds "
+                "costs; without expected_tokens the room takes rounds from an 8192-token first reservation"
+            ),
+            "config": dict(config_dict(cfg), stream_chunk_tokens=chunk),
+            "tokens": n,
+            "bytes": nbytes,
+            "rows": rows,
+            "receive_s": med["receive"],
+            "receive_expected_s": med["receive_expected"],
+            "raw_s": min((med[m] for m in raw), default=None),
+            "samples_s": series.samples,
+            "first_chunk_samples_s": firsts,
         }
 
     # -- many senders --------------------------------------------------------------------

@@ -14,6 +14,9 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
   ``time.monotonic()`` at that moment (one system-wide clock on Linux, so the parent times the
   transfer from its own start to ``max(send returned, T)``); a lease is released after ``T``
   was taken; ``{"event": "done", "id": i, "error": "..."}`` on failure;
+* stdin ``{"op": "stream", "id": i, "room": r, "expected": n | null, "chunk_tokens": c, "sender": a}``:
+  receive the room with ``receiver.stream()``; stdout ``{"event": "done", "id": i, "t_first": T1,
+  "t": T, "chunks": k}`` (the first chunk in hand at ``T1``, the last at ``T``);
 * stdin ``{"op": "exit"}`` or end of input: close the receiver and exit.
 
 The child runs under asyncio (which every transport supports) and reads stdin through the
@@ -62,6 +65,23 @@ async def _one(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
     _emit(event="done", id=cid, t=t, rounds=rounds)
 
 
+async def _stream(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
+    cid = cmd["id"]
+    chunks, t_first = 0, 0.0
+    try:
+        async with receiver.stream(cmd["room"], expected_tokens=cmd.get("expected"), sender=cmd.get("sender"),
+                                   chunk_tokens=cmd.get("chunk_tokens")) as parts:
+            async for _chunk in parts:
+                chunks += 1
+                if chunks == 1:
+                    t_first = time.monotonic()
+        t = time.monotonic()
+    except Exception as exc:
+        _emit(event="done", id=cid, error=f"{type(exc).__name__}: {exc}")
+        return
+    _emit(event="done", id=cid, t=t, t_first=t_first, chunks=chunks)
+
+
 async def _run(spec: dict[str, Any]) -> None:
     layout = standard_layout(int(spec["hidden"]))
     config = TransferConfig.from_mapping(spec["config"], source="bench peer spec")
@@ -80,8 +100,8 @@ async def _run(spec: dict[str, Any]) -> None:
             cmd = json.loads(line)
             if cmd.get("op") == "exit":
                 break
-            if cmd.get("op") == "recv":
-                task = asyncio.create_task(_one(receiver, cmd))
+            if cmd.get("op") in ("recv", "stream"):
+                task = asyncio.create_task(_one(receiver, cmd) if cmd["op"] == "recv" else _stream(receiver, cmd))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         for task in list(tasks):

@@ -132,6 +132,15 @@ def _other_table(result: Mapping[str, Any]) -> Table | None:
         rows.append(("resume", "two rounds / one round (median time)", _fmt_ratio(s.get("two_over_one"))))
         if "zero_copy_two_over_one" in s:
             rows.append(("resume", "zero-copy: two rounds / one round", _fmt_ratio(s.get("zero_copy_two_over_one"))))
+    if "stream" in w:
+        st = w["stream"]
+        for row in st.get("rows", []):
+            how = (f"expected_tokens={row['expected_tokens']}" if row["expected_tokens"] else "default reservation")
+            per = f"chunk_tokens={row['chunk_tokens']}" if row["chunk_tokens"] else "one chunk per round"
+            rows.append(("stream", f"{st['tokens']} tok, {how}, {per} ({row['chunks']} chunks)",
+                         f"first chunk {_fmt_ms(row['first_chunk_s'])} ms, whole {_fmt_ms(row['whole_room_s'])} ms "
+                         f"(first/whole {_fmt_ratio(row['first_over_whole'])}; whole / receive() "
+                         f"{_fmt_ratio(row['whole_over_receive'])})"))
     if "idle" in w:
         i = w["idle"]
         rows.append(("idle", f"CPU s/s, no rooms ({i['seconds']:g} s)", f"{i['no_rooms']['cpu_s_per_s']:.4f}"))

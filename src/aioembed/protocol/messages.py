@@ -33,6 +33,7 @@ __all__ = [
     "Message",
     "Ping",
     "Pong",
+    "Progress",
     "Reject",
     "Resume",
     "RoomId",
@@ -307,6 +308,9 @@ class Init(_Base):
     blocks: tuple[int, ...]
     allocated_tokens: int
     expected_ranks: int
+    progress_tokens: int = 0
+    """A streaming receiver: announce rows within a round (``PROGRESS``) every this many tokens, a
+    multiple of the block size (0: only at the end of each round)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +345,22 @@ class Status(_Base):
         # A state given by name becomes the enum member; an unknown one is refused by encode().
         if not isinstance(self.state, TransferStatus) and self.state in _STATE_NAMES:
             object.__setattr__(self, "state", TransferStatus(self.state))
+
+
+@dataclass(frozen=True, slots=True)
+class Progress(_Base):
+    """Sender -> receiver, only to a room that asked for it (``INIT.progress_tokens``): within round
+    ``round``, the rows up to ``sent_tokens`` are in place (their write returned, so they are visible)
+    and no write of this round reaches their blocks again. Always block-aligned within the round and
+    short of its end: the round's last rows come with its ``STATUS``."""
+
+    TYPE: ClassVar[str] = "PROGRESS"
+    room: RoomId
+    round: int
+    sent_tokens: int
+    total_tokens: int
+    metadata: dict[str, Any] | None = None
+    """The room's metadata, on the sender's first announcement to the rank (PROGRESS or STATUS)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,7 +465,10 @@ Welcome.SCHEMA = {"sender_id": _str(64), "epoch": _EPOCH, "heartbeat_interval": 
                   "writer_id": _str(256)}
 REJECT_CODES = ("bad_frame", "unknown_peer", "incompatible", "refused")
 Reject.SCHEMA = {"reason": _str(MAX_TEXT), "room": _optional(_ROOM), "code": _str(32, choices=REJECT_CODES)}
-Init.SCHEMA = {"room": _ROOM, "blocks": _block_list, "allocated_tokens": _TOKENS, "expected_ranks": _WORLD}
+Init.SCHEMA = {"room": _ROOM, "blocks": _block_list, "allocated_tokens": _TOKENS, "expected_ranks": _WORLD,
+               "progress_tokens": _TOKENS}
+Progress.SCHEMA = {"room": _ROOM, "round": _ROUND, "sent_tokens": _TOKENS, "total_tokens": _TOKENS,
+                   "metadata": _optional(_metadata)}
 Resume.SCHEMA = {
     "room": _ROOM, "round": _ROUND, "sent_tokens": _TOKENS, "blocks": _block_list, "allocated_tokens": _TOKENS,
 }
@@ -461,11 +484,12 @@ Ping.SCHEMA = {"nonce": _int(0, _INT64_MAX)}
 Pong.SCHEMA = {"nonce": _int(0, _INT64_MAX), "peer_id": _str(64), "epoch": _int(0, _INT64_MAX)}
 
 Message: TypeAlias = (
-    Hello | Welcome | Reject | Init | Resume | Status | Abort | AbortAck | FenceRelease | Drained | Ping | Pong
+    Hello | Welcome | Reject | Init | Resume | Status | Progress | Abort | AbortAck | FenceRelease | Drained | Ping
+    | Pong
 )
 
 _TYPES: dict[str, type[_Base]] = {
-    cls.TYPE: cls for cls in (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, FenceRelease,
+    cls.TYPE: cls for cls in (Hello, Welcome, Reject, Init, Resume, Status, Progress, Abort, AbortAck, FenceRelease,
                               Drained, Ping, Pong)
 }
 

@@ -16,6 +16,8 @@ state          event                                                           n
 RESERVED       ``announce(writer)``: INIT / RESUME sent                        ANNOUNCED
 RESERVED       ``release_unannounced``: no writer ever had the addresses       FREE       Free
 ANNOUNCED      ``landed``: the writer's STATUS for this round                  READABLE
+ANNOUNCED      ``split(n)``: the writer's PROGRESS: its writes into the first  ANNOUNCED  (new grant
+               ``n`` blocks ended; they become a READABLE grant of their own              READABLE)
 ANNOUNCED      ``ended(proof)``: final STATUS, ABORT_ACK, sender's ABORT,      FREE       Free
                REJECT of the reservation
 ANNOUNCED      ``fence(reason)``: the room ended while the writer may write    FENCED     Fence
@@ -190,7 +192,7 @@ LedgerAction: TypeAlias = Free | Fence
 # state -> events allowed in it (the table above, as data: the hypothesis test reads it too)
 TRANSITIONS: dict[GrantState, frozenset[str]] = {
     GrantState.RESERVED: frozenset({"announce", "release_unannounced"}),
-    GrantState.ANNOUNCED: frozenset({"landed", "ended", "fence"}),
+    GrantState.ANNOUNCED: frozenset({"landed", "split", "ended", "fence"}),
     GrantState.READABLE: frozenset({"consumed"}),
     GrantState.FENCED: frozenset({"landed", "ended", "fence", "fence_released", "drained", "revoked",
                                   "writer_gone"}),
@@ -299,6 +301,22 @@ class BlockLedger:
             return [self._free(g, Proof.STATUS)]  # nobody reads a fenced grant: its room already ended
         g.state, g.release_at = GrantState.READABLE, None
         return []
+
+    def split(self, grant_id: int, blocks: int) -> int:
+        """The writer's PROGRESS: its writes into the first ``blocks`` blocks of an announced grant ended
+        and it will not write them again in this round. They become a READABLE grant of their own (its
+        id is returned), so a reader may hold them while the rest of the round is still written; the rest
+        stays ANNOUNCED under ``grant_id``."""
+        g = self._check(grant_id, "split")
+        if not 0 < blocks < len(g.blocks):
+            raise OwnershipError(f"grant {grant_id} of room {g.room!r}: cannot split {blocks} of its "
+                                 f"{len(g.blocks)} blocks (at least one must stay announced)")
+        head, g.blocks = g.blocks[:blocks], g.blocks[blocks:]
+        gid = next(self._ids)
+        self._grants[gid] = Grant(gid, g.room, head, g.round, GrantState.READABLE, g.writer)
+        for b in head:
+            self._owner[b] = gid
+        return gid
 
     def consumed(self, grant_id: int) -> list[LedgerAction]:
         """The reader is done with a readable grant (copied out, lease released, or room failed)."""

@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass
 
 from aioembed.errors import ProtocolError
-from aioembed.protocol.messages import RoomId, Status, TransferStatus
+from aioembed.protocol.messages import Progress, RoomId, Status, TransferStatus
 
 __all__ = [
     "Arrived",
@@ -38,10 +38,14 @@ def _blocks_hold(blocks: int, block_size: int, tokens: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Arrived:
-    """Rows ``[start, start + count)`` of the request are in the current blocks.
+    """Rows ``[start, start + count)`` of the request are in the current blocks, from token
+    ``offset`` of the current round's reservation on (``offset`` is 0 unless ``PROGRESS`` frames
+    announced earlier rows of the round).
 
-    ``complete`` is true on the last round; otherwise ``remaining`` tokens still have to come
-    and the caller reserves blocks for (part of) them and calls ``resume_sent``.
+    ``partial``: a ``PROGRESS`` within the round (more rows of the round follow). Otherwise the
+    round is over: ``complete`` is true on the last round; else ``remaining`` tokens still have to
+    come and the caller reserves blocks for (part of) them and calls ``resume_sent``. ``metadata`` is
+    the room's metadata when this frame carried it (the sender's first announcement), else ``None``.
     """
 
     start: int
@@ -49,6 +53,8 @@ class Arrived:
     total: int
     complete: bool
     metadata: dict[str, object] | None
+    partial: bool = False
+    offset: int = 0
 
     @property
     def remaining(self) -> int:
@@ -66,8 +72,13 @@ class ReceiverRoomState:
         self.state = TransferStatus.BOOTSTRAPPING
         self.round = 0
         self.received = 0
+        """Tokens whose round ended (its STATUS came)."""
+        self.landed = 0
+        """Tokens in place: ``received`` plus what ``PROGRESS`` announced of the current round."""
         self.total: int | None = None
         self.allocated = 0
+        self.progress_tokens = 0
+        self.metadata: dict[str, object] | None = None
         self.error: str | None = None
         self._awaiting_status = False
 
@@ -77,13 +88,17 @@ class ReceiverRoomState:
     def _illegal(self, what: str) -> ProtocolError:
         return ProtocolError(f"room {self.room!r}: {what} is illegal in state {self.state.name}", room=self.room)
 
-    def init_sent(self, *, blocks: int, allocated_tokens: int) -> None:
-        """The first reservation went out in an INIT."""
+    def init_sent(self, *, blocks: int, allocated_tokens: int, progress_tokens: int = 0) -> None:
+        """The first reservation went out in an INIT (asking for ``PROGRESS`` every ``progress_tokens``)."""
         if self.state is not TransferStatus.BOOTSTRAPPING:
             raise self._illegal("INIT")
         if not _blocks_hold(blocks, self.block_size, allocated_tokens):
             raise self._bad(f"{allocated_tokens} tokens do not fit {blocks} blocks",
                                 room=self.room)
+        if progress_tokens < 0 or progress_tokens % self.block_size:
+            raise self._bad(f"progress_tokens={progress_tokens} must be 0 or a multiple of the block size "
+                            f"{self.block_size}")
+        self.progress_tokens = progress_tokens
         self.allocated = allocated_tokens
         self.state = TransferStatus.WAITING_FOR_INPUT
         self._awaiting_status = True
@@ -102,6 +117,52 @@ class ReceiverRoomState:
         self.round += 1
         self._awaiting_status = True
 
+    def _check_frame(self, what: str, round: int, total: int) -> int:
+        """Checks shared by STATUS and PROGRESS with data; returns where the round's rows end."""
+        if not self._awaiting_status:
+            raise self._illegal(f"{what} (no reservation outstanding)")
+        if round != self.round:
+            raise self._bad(f"{what} for round {round}, expected round {self.round}", room=self.room)
+        if total < 1 or total > self.max_tokens:
+            raise self._bad(
+                f"request of {total} tokens, allowed 1..{self.max_tokens} (max_request_tokens)",
+                room=self.room)
+        if self.total is not None and total != self.total:
+            raise self._bad(f"total changed from {self.total} to {total}", room=self.room)
+        return self.received + min(self.allocated, total - self.received)
+
+    def _take_metadata(self, metadata: dict[str, object] | None) -> dict[str, object] | None:
+        if metadata is None:
+            return None
+        if self.metadata is not None:
+            raise self._bad("metadata sent twice (it comes with the sender's first announcement only)")
+        self.metadata = metadata
+        return metadata
+
+    def on_progress(self, msg: Progress) -> Arrived:
+        """A PROGRESS came: more rows of the current round are in place. Returns them.
+
+        Raises ``ProtocolError`` unless the room asked for progress, the rows are new, block-aligned
+        within the round and short of its end (the round's last rows come with its STATUS).
+        """
+        if self.state.terminal:
+            raise self._illegal("PROGRESS")
+        if not self.progress_tokens:
+            raise self._bad("PROGRESS for a room that did not ask for it")
+        end = self._check_frame("PROGRESS", msg.round, msg.total_tokens)
+        upto = msg.sent_tokens
+        if not self.landed < upto < end or (upto - self.received) % self.block_size:
+            raise self._bad(
+                f"PROGRESS up to token {upto}: expected a block boundary after {self.landed} and before the "
+                f"round's end {end} (round starts at {self.received}, blocks of {self.block_size})")
+        metadata = self._take_metadata(msg.metadata)
+        start = self.landed
+        self.total = msg.total_tokens
+        self.landed = upto
+        self.state = TransferStatus.TRANSFERRING
+        return Arrived(start=start, count=upto - start, total=msg.total_tokens, complete=False, metadata=metadata,
+                       partial=True, offset=start - self.received)
+
     def on_status(self, msg: Status) -> Arrived | None:
         """A STATUS came. Returns the rows that arrived, or ``None`` if the room failed.
 
@@ -118,33 +179,27 @@ class ReceiverRoomState:
             raise self._illegal(f"STATUS {msg.state} (no reservation outstanding)")
         if msg.state not in (TransferStatus.TRANSFERRING, TransferStatus.SUCCESS):
             raise self._bad(f"sender reported state {msg.state.name} with data", room=self.room)
-        if msg.round != self.round:
-            raise self._bad(f"STATUS for round {msg.round}, expected round {self.round}",
-                                room=self.room)
         total = msg.total_tokens
-        if total < 1 or total > self.max_tokens:
+        end = self._check_frame("STATUS", msg.round, total)
+        if msg.sent_tokens != end:
             raise self._bad(
-                f"request of {total} tokens, allowed 1..{self.max_tokens} (max_request_tokens)",
+                f"round {self.round} brought {msg.sent_tokens - self.received} tokens, expected "
+                f"{end - self.received} (received {self.received}, reserved {self.allocated}, total {total})",
                 room=self.room)
-        if self.total is not None and total != self.total:
-            raise self._bad(f"total changed from {self.total} to {total}", room=self.room)
-        count = msg.sent_tokens - self.received
-        expected = min(self.allocated, total - self.received)
-        if count != expected:
-            raise self._bad(
-                f"round {self.round} brought {count} tokens, expected {expected} "
-                f"(received {self.received}, reserved {self.allocated}, total {total})", room=self.room)
         complete = msg.sent_tokens == total
         if complete != (msg.state is TransferStatus.SUCCESS):
             raise self._bad(
                 f"state {msg.state.name} with {msg.sent_tokens} of {total} tokens sent",
                 room=self.room)
-        start = self.received
+        metadata = self._take_metadata(msg.metadata)
+        start = self.landed
+        offset = start - self.received
         self.total = total
-        self.received = msg.sent_tokens
+        self.received = self.landed = msg.sent_tokens
         self._awaiting_status = False
         self.state = TransferStatus.SUCCESS if complete else TransferStatus.TRANSFERRING
-        return Arrived(start=start, count=count, total=total, complete=complete, metadata=msg.metadata)
+        return Arrived(start=start, count=msg.sent_tokens - start, total=total, complete=complete,
+                       metadata=metadata, offset=offset)
 
     def fail(self, reason: str) -> None:
         """End the room as FAILED (no-op if already terminal)."""
@@ -188,6 +243,12 @@ class _Rank:
     allocated: int
     sent: int = 0
     round: int = 0
+    progress: int = 0
+    """``PROGRESS`` every this many tokens within a round (0: none)."""
+    landed: int = 0
+    """Tokens announced (STATUS or PROGRESS)."""
+    announced: bool = False
+    """The room's metadata went out (with the first announcement)."""
 
 
 class SenderRoomState:
@@ -235,8 +296,8 @@ class SenderRoomState:
             raise self._err("duplicate block ids in a reservation")
 
     def on_init(self, rank: int, *, blocks: tuple[int, ...], allocated_tokens: int, expected_ranks: int,
-                num_blocks: int | None = None) -> None:
-        """A rank's INIT arrived."""
+                num_blocks: int | None = None, progress_tokens: int = 0) -> None:
+        """A rank's INIT arrived (asking for ``PROGRESS`` every ``progress_tokens`` within a round)."""
         if self.failed is not None:
             raise self._err("INIT after the room ended")
         if self.expected_ranks is not None and expected_ranks != self.expected_ranks:
@@ -246,8 +307,11 @@ class SenderRoomState:
         if rank in self.ranks:
             raise self._err(f"duplicate INIT from rank {rank}")
         self._check_reservation(blocks, allocated_tokens, num_blocks)
+        if progress_tokens < 0 or progress_tokens % self.block_size:
+            raise self._err(f"INIT from rank {rank} asks for PROGRESS every {progress_tokens} tokens: expected 0 or "
+                            f"a multiple of the block size {self.block_size}")
         self.expected_ranks = expected_ranks
-        self.ranks[rank] = _Rank(RankPhase.READY, blocks, allocated_tokens)
+        self.ranks[rank] = _Rank(RankPhase.READY, blocks, allocated_tokens, progress=progress_tokens)
 
     def on_input(self, total_tokens: int) -> None:
         """``send()`` supplied the request: ``total_tokens`` rows."""
@@ -274,18 +338,49 @@ class SenderRoomState:
         p.phase = RankPhase.WRITING
         return WriteTask(rank=rank, round=p.round, start=p.sent, count=count, blocks=p.blocks)
 
-    def write_done(self, task: WriteTask, *, metadata: dict[str, object] | None = None) -> Status:
-        """The write of ``task`` is visible at the rank; returns the STATUS to send it."""
+    def progress_points(self, task: WriteTask) -> list[int]:
+        """Where, within ``task``, the rank wants a ``PROGRESS`` (block-aligned token positions, each
+        short of the round's end); empty when it asked for none."""
+        p = self.ranks.get(task.rank)
+        if p is None or not p.progress:
+            return []
+        return list(range(task.start + p.progress, task.start + task.count, p.progress))
+
+    def _writing(self, task: WriteTask, what: str) -> _Rank:
         p = self.ranks.get(task.rank)
         if p is None or p.phase is not RankPhase.WRITING or p.round != task.round or self.total is None:
-            raise self._err(f"write completion for rank {task.rank} round {task.round} was not expected")
-        p.sent = task.start + task.count
+            raise self._err(f"{what} for rank {task.rank} round {task.round} was not expected")
+        return p
+
+    def _metadata_once(self, p: _Rank, metadata: dict[str, object] | None) -> dict[str, object] | None:
+        if p.announced:
+            return None
+        p.announced = True
+        return metadata
+
+    def write_progress(self, task: WriteTask, upto: int, *, metadata: dict[str, object] | None = None) -> Progress:
+        """Rows of ``task`` up to token ``upto`` are visible at the rank; returns the PROGRESS to send."""
+        p = self._writing(task, "PROGRESS")
+        assert self.total is not None
+        if upto not in self.progress_points(task) or upto <= p.landed:
+            raise self._err(f"PROGRESS up to {upto} is not a progress point of round {task.round} to rank "
+                            f"{task.rank} (announced up to {p.landed})")
+        p.landed = upto
+        return Progress(room=self.room, round=task.round, sent_tokens=upto, total_tokens=self.total,
+                        metadata=self._metadata_once(p, metadata))
+
+    def write_done(self, task: WriteTask, *, metadata: dict[str, object] | None = None) -> Status:
+        """The write of ``task`` is visible at the rank; returns the STATUS to send it (with the room's
+        ``metadata`` if this is the first announcement to the rank)."""
+        p = self._writing(task, "write completion")
+        assert self.total is not None
+        p.sent = p.landed = task.start + task.count
         done = p.sent == self.total
         p.phase = RankPhase.DONE if done else RankPhase.AWAITING_RESUME
         return Status(
             room=self.room, state=TransferStatus.SUCCESS if done else TransferStatus.TRANSFERRING,
             total_tokens=self.total,
-            sent_tokens=p.sent, round=p.round, metadata=metadata if done else None,
+            sent_tokens=p.sent, round=p.round, metadata=self._metadata_once(p, metadata),
         )
 
     def on_resume(self, rank: int, *, round: int, sent_tokens: int, blocks: tuple[int, ...],

@@ -5,5 +5,7 @@ from aioembed.session.handle import Received, ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
+from aioembed.session.stream import Chunk, LeasedChunk, RoomStream
 
-__all__ = ["EmbeddingReceiver", "EmbeddingSender", "Lease", "Part", "ReceiveHandle", "Received", "TransferStats"]
+__all__ = ["Chunk", "EmbeddingReceiver", "EmbeddingSender", "Lease", "LeasedChunk", "Part", "ReceiveHandle", "Received",
+           "RoomStream", "TransferStats"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import anyio
 
@@ -30,9 +30,12 @@ from aioembed.protocol.ownership import (
 )
 from aioembed.session.deadlines import DeadlineTimer
 
-__all__ = ["BlockKeeper"]
+__all__ = ["WAIT_NOTE_AFTER", "BlockKeeper"]
 
 log = logging.getLogger("aioembed.session.blocks")
+
+WAIT_NOTE_AFTER = 1.0
+"""Seconds a reservation waits before its ``on_wait`` note is logged."""
 
 
 class BlockKeeper:
@@ -70,10 +73,34 @@ class BlockKeeper:
         return None if blocks is None else self.ledger.reserve(room, blocks, round=round)
 
     async def reserve(self, room: RoomId, tokens: int, *, timeout: float, priority: bool, keep_free: int,
-                      round: int = 0) -> int:
-        """A grant for ``tokens``, waiting (FIFO) for free blocks; ``AllocationTimeout`` after ``timeout``."""
-        blocks = await self.allocator.alloc(tokens, timeout=timeout, priority=priority, keep_free=keep_free)
-        return self.ledger.reserve(room, blocks, round=round)
+                      round: int = 0, on_wait: Callable[[], str | None] | None = None) -> int:
+        """A grant for ``tokens``, waiting (FIFO) for free blocks; ``AllocationTimeout`` after ``timeout``.
+
+        ``on_wait``: asked once if the wait lasts :data:`WAIT_NOTE_AFTER` seconds; what it returns is
+        logged as a warning (e.g. the caller holds pool memory this room needs)."""
+        if on_wait is None:
+            blocks = await self.allocator.alloc(tokens, timeout=timeout, priority=priority, keep_free=keep_free)
+            return self.ledger.reserve(room, blocks, round=round)
+
+        async def note_later() -> None:
+            await anyio.sleep(WAIT_NOTE_AFTER)
+            note = on_wait()
+            if note:
+                log.warning("%s: room=%r: waiting for %d tokens of pool memory: %s", self.name, room, tokens, note)
+
+        got: list[list[int]] = []
+        failed: list[Exception] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(note_later)
+            try:
+                got.append(await self.allocator.alloc(tokens, timeout=timeout, priority=priority,
+                                                      keep_free=keep_free))
+            except Exception as exc:  # raised below, outside the task group (which would wrap it)
+                failed.append(exc)
+            tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
+        return self.ledger.reserve(room, got[0], round=round)
 
     def blocks_of(self, grant: int) -> tuple[int, ...]:
         """The block ids of a live grant."""

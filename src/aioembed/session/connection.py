@@ -46,6 +46,7 @@ from aioembed.protocol.messages import (
     Message,
     Ping,
     Pong,
+    Progress,
     Reject,
     RoomId,
     Status,
@@ -90,7 +91,7 @@ class SessionLost:
     writer: Writer
 
 
-RoomEvent = Status | Abort | AbortAck | Reject | SessionLost
+RoomEvent = Status | Progress | Abort | AbortAck | Reject | SessionLost
 
 
 class SenderConnection:
@@ -144,6 +145,7 @@ class SenderConnection:
         self.monitor = ControlSocket(mon, self._on_monitor, name=f"{self.name}:monitor")
         self._handlers: dict[type, Callable[[Any], None]] = {
             Welcome: self._on_welcome, Reject: self._on_reject, Status: self._on_room_frame,
+            Progress: self._on_room_frame,
             Abort: self._on_room_frame, AbortAck: self._on_room_frame, FenceRelease: self._on_fence_release,
             Drained: self._on_drained, Pong: self._on_pong, Ping: self._on_ping,
         }
@@ -385,7 +387,7 @@ class SenderConnection:
         self.session_lost(LossKind.DROPPED, f"sender {self.address} does not know this session "
                                             "(it restarted, or declared this receiver dead)")
 
-    def _on_room_frame(self, msg: Status | Abort | AbortAck | Reject) -> None:
+    def _on_room_frame(self, msg: Status | Progress | Abort | AbortAck | Reject) -> None:
         room_id = msg.room
         assert room_id is not None
         room = self.rooms.get(room_id)
@@ -394,8 +396,10 @@ class SenderConnection:
             return
         self._late(msg, room_id)
 
-    def _late(self, msg: Status | Abort | AbortAck | Reject, room: RoomId) -> None:
+    def _late(self, msg: Status | Progress | Abort | AbortAck | Reject, room: RoomId) -> None:
         """A frame for a room no longer in flight here: a proof (or doubt) about fenced blocks."""
+        if isinstance(msg, Progress):
+            return  # the round goes on: a PROGRESS proves nothing about the end of its writes
         writer = self.writer
         if isinstance(msg, Abort):
             self.send(AbortAck(room=room))

@@ -13,6 +13,7 @@ from aioembed.protocol.messages import RoomId, TransferStatus
 
 if TYPE_CHECKING:
     from aioembed.session.lease import Lease
+    from aioembed.session.stream import RoomStream, StreamItem
 
 __all__ = ["ReceiveHandle", "Received", "TransferStats"]
 
@@ -57,6 +58,7 @@ class ReceiveHandle:
         self._scope: anyio.CancelScope | None = None
         self._cancel_reason: str | None = None
         self._lease_taken = False
+        self._stream: RoomStream[StreamItem] | None = None
 
     @property
     def status(self) -> TransferStatus:
@@ -91,6 +93,12 @@ class ReceiveHandle:
             raise TransferError(f"room {self.room!r} was not received zero-copy: use result()", room=self.room)
         self._lease_taken = True
         return self._result
+
+    def stream(self) -> RoomStream[StreamItem]:
+        """For a room started with ``stream=True``: its chunks, in token order (use ``async with``)."""
+        if self._stream is None:
+            raise TransferError(f"room {self.room!r} was not started with stream=True", room=self.room)
+        return self._stream
 
     def cancel(self, reason: str = "cancelled by the receiver") -> None:
         """Abort the room on both sides. Returns at once; ``wait()`` tells when it is over.

@@ -11,10 +11,11 @@ with its grant fenced: the sender's late ``ABORT_ACK`` releases it without the r
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import torch
@@ -37,6 +38,7 @@ from aioembed.protocol.messages import (
     Abort,
     AbortAck,
     Init,
+    Progress,
     Reject,
     Resume,
     RoomId,
@@ -51,6 +53,7 @@ from aioembed.session.connection import LossKind, RoomEvent, SenderConnection, S
 from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
+from aioembed.session.stream import Chunk, LeasedChunk, StreamItem
 
 __all__ = ["ReceiveRoomDriver", "RoomContext"]
 
@@ -93,6 +96,10 @@ class ReceiveRoomDriver:
     out: Mapping[str, torch.Tensor] | None = None
     exact_tokens: bool = False
     """A part of a room: the sender must send exactly ``expected_tokens`` rows."""
+    stream: MemoryObjectSendStream[StreamItem] | None = None
+    """A streamed room: chunks go here as they land (see :mod:`~aioembed.session.stream`)."""
+    progress_tokens: int = 0
+    """A streamed room: ``PROGRESS`` asked for every this many tokens within a round (0: none)."""
     machine: ReceiverRoomState = field(init=False)
     writer: Writer | None = field(default=None, init=False)
     """The writer the room was announced to (``None`` until INIT)."""
@@ -100,11 +107,14 @@ class ReceiveRoomDriver:
     def __post_init__(self) -> None:
         cfg = self.ctx.config
         self.machine = ReceiverRoomState(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
-        send, recv = anyio.create_memory_object_stream[RoomEvent](_INBOX)
+        # A streamed room may get one PROGRESS per chunk of a round before its driver looks: room for them.
+        inbox = _INBOX + (math.ceil(cfg.round_tokens / self.progress_tokens) if self.progress_tokens else 0)
+        send, recv = anyio.create_memory_object_stream[RoomEvent](inbox)
         self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
         self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
+        self._split = 0  # zero-copy stream: blocks of the round's grant already handed out in chunks
         self._sender_ended = False
         self._wait_scope: anyio.CancelScope | None = None
         self._output: dict[str, torch.Tensor] | None = None
@@ -206,8 +216,8 @@ class ReceiveRoomDriver:
             keeper.apply(keeper.ledger.release_unannounced(grant))  # the session changed meanwhile
         blocks = keeper.blocks_of(grant)
         self._announce(grant, writer, Init(room=self.room, blocks=blocks, allocated_tokens=tokens,
-                                           expected_ranks=self.conn.world))
-        self.machine.init_sent(blocks=len(blocks), allocated_tokens=tokens)
+                                           expected_ranks=self.conn.world, progress_tokens=self.progress_tokens))
+        self.machine.init_sent(blocks=len(blocks), allocated_tokens=tokens, progress_tokens=self.progress_tokens)
         self.handle._set_status(TransferStatus.WAITING_FOR_INPUT)
 
     async def next_round(self) -> tuple[Arrived, int] | None:
@@ -231,11 +241,17 @@ class ReceiveRoomDriver:
         return self._on_frame(event)
 
     async def take_round(self, arrived: Arrived, grant: int) -> bool:
-        """A round landed: announce the next one early if memory allows, copy or keep this one."""
+        """A round (or, streaming, a chunk of one) landed: announce the next round early if memory allows,
+        copy, keep or hand out these rows."""
         keeper = self.ctx.keeper
         self.handle._set_status(TransferStatus.TRANSFERRING)
+        if arrived.metadata is not None:
+            self._metadata = dict(arrived.metadata)
+        if arrived.partial:
+            await self._deliver(arrived, grant)
+            return False
         self.ctx.observer.round_finished(side="receiver", seconds=time.perf_counter() - self._round_started)
-        if self.zero_copy:
+        if self.zero_copy and self.stream is None:  # a whole-room lease keeps every round
             first = not self._readable
             self._readable.append((grant, arrived.count))
             if first:
@@ -245,10 +261,11 @@ class ReceiveRoomDriver:
             early = keeper.try_reserve(self.room, tokens, priority=True, round=self.machine.round + 1)
             if early is not None:
                 self.resume(early, tokens)
-        if not self.zero_copy:
+        if self.stream is not None:
+            await self._deliver(arrived, grant)
+        elif not self.zero_copy:
             await self._copy(grant, arrived)
         if arrived.complete:
-            self._metadata = dict(arrived.metadata or {})
             return True
         if self._next is None:  # the pool was short: wait for memory now that this round is out
             tokens = self._round_tokens(arrived.remaining)
@@ -313,6 +330,8 @@ class ReceiveRoomDriver:
         self.ctx.forget(self)
         self._inbox_send.close()
         self._inbox.close()
+        if self.stream is not None:
+            self.stream.close()  # the consumer sees the end (and then the handle's error, if any)
         m = self.machine
         outcome = outcome_of(error if result is None else None)
         nbytes = (m.total or 0) * self.ctx.layout.bytes_per_token
@@ -335,6 +354,9 @@ class ReceiveRoomDriver:
         assert m.total is not None
         stats = TransferStats(bytes=m.total * self.ctx.layout.bytes_per_token, rounds=m.round + 1,
                               seconds=time.perf_counter() - t_start, phases=self._phases)
+        if self.stream is not None:  # the rows went out in chunks; the handle's result is a summary
+            return Received(room=self.room, tensors=self._output or {}, metadata=self._metadata, num_tokens=m.total,
+                            rounds=m.round + 1, stats=stats)
         if self.zero_copy:
             kept, self._readable = self._readable, []
             return Lease(room=self.room, views=self._lease_views(kept), metadata=self._metadata,
@@ -346,7 +368,7 @@ class ReceiveRoomDriver:
 
     # -- event handling ------------------------------------------------------------------------
 
-    def _on_frame(self, event: Status | Abort | AbortAck | Reject) -> tuple[Arrived, int] | None:
+    def _on_frame(self, event: Status | Progress | Abort | AbortAck | Reject) -> tuple[Arrived, int] | None:
         keeper, ledger = self.ctx.keeper, self.ctx.keeper.ledger
         grant = self._next
         if isinstance(event, Abort):
@@ -365,22 +387,13 @@ class ReceiveRoomDriver:
                                  room=self.room)
         if isinstance(event, AbortAck):
             raise ProtocolError(f"room {self.room!r}: ABORT_ACK without an ABORT", room=self.room)
+        if isinstance(event, Progress):
+            if grant is None:
+                raise ProtocolError(f"room {self.room!r}: PROGRESS with no reservation outstanding", room=self.room)
+            return self.machine.on_progress(event), grant  # the grant stays announced: its round goes on
         arrived = self.machine.on_status(event)
         if arrived is None:  # a final FAILED / ABORTED
-            self._sender_ended = True
-            if event.fence:
-                self._next = None
-                if grant is not None:
-                    keeper.fence(grant, FenceReason.WRITE_FAILED)
-            else:
-                self._end_grant(Proof.STATUS)
-            if self._lost_reason is not None and self.machine.received == 0:
-                raise PeerDead(f"room {self.room!r}: {self._lost_reason}; opened again, sender "
-                               f"{self.conn.address} reported {self.machine.state.name}: {self.machine.error}",
-                               room=self.room)
-            cls = TransferAborted if self.machine.state is TransferStatus.ABORTED else TransferFailed
-            raise cls(f"room {self.room!r}: sender {self.conn.address} reported {self.machine.state.name}: "
-                      f"{self.machine.error}", room=self.room)
+            self._sender_failed(event, grant)
         assert grant is not None  # on_status accepts data only with a reservation outstanding
         if self.exact_tokens and arrived.total != self.expected_tokens:
             self._end_grant(Proof.STATUS)  # its write is over (the STATUS says so); the room is not
@@ -392,6 +405,24 @@ class ReceiveRoomDriver:
         if arrived.complete:
             self._sender_ended = True
         return arrived, grant
+
+    def _sender_failed(self, event: Status, grant: int | None) -> NoReturn:
+        """The sender's final FAILED / ABORTED STATUS: settle the grant (fenced if a write may still land),
+        then raise the room's error."""
+        self._sender_ended = True
+        if event.fence:
+            self._next = None
+            if grant is not None:
+                self.ctx.keeper.fence(grant, FenceReason.WRITE_FAILED)
+        else:
+            self._end_grant(Proof.STATUS)
+        if self._lost_reason is not None and self.machine.received == 0:
+            raise PeerDead(f"room {self.room!r}: {self._lost_reason}; opened again, sender "
+                           f"{self.conn.address} reported {self.machine.state.name}: {self.machine.error}",
+                           room=self.room)
+        cls = TransferAborted if self.machine.state is TransferStatus.ABORTED else TransferFailed
+        raise cls(f"room {self.room!r}: sender {self.conn.address} reported {self.machine.state.name}: "
+                  f"{self.machine.error}", room=self.room)
 
     def _interrupted(self) -> None:
         """A wait of :meth:`open` was cut short by the sender's session ending: try the next session if
@@ -458,24 +489,84 @@ class ReceiveRoomDriver:
                 self._wait_scope = scope
                 grant = await self.ctx.keeper.reserve(self.room, tokens, timeout=cfg.round_timeout,
                                                       priority=not first, keep_free=keep,
-                                                      round=0 if first else self.machine.round + 1)
+                                                      round=0 if first else self.machine.round + 1,
+                                                      on_wait=self._held_chunks_note if self._holds_chunks(first)
+                                                      else None)
         except AllocationTimeout as exc:
-            raise TransferTimeout(f"room {self.room!r}: {exc}", room=self.room, phase="allocate") from None
+            held = self._held_chunks_note()
+            raise TransferTimeout(f"room {self.room!r}: {exc}{'; ' + held if held else ''}", room=self.room,
+                                  phase="allocate") from None
         finally:
             self._wait_scope = None
         self._add_phase("allocate", t0)
         return grant
 
-    async def _copy(self, grant: int, arrived: Arrived) -> None:
+    def _rows_of(self, grant: int, arrived: Arrived) -> tuple[int, ...]:
+        """The blocks of ``grant`` holding ``arrived``'s rows (from its offset in the round on)."""
+        skip = arrived.offset // self.ctx.config.block_size - self._split
+        return self.ctx.keeper.blocks_of(grant)[skip:]
+
+    async def _copy(self, grant: int, arrived: Arrived, *, consume: bool = True) -> None:
         keeper = self.ctx.keeper
         t0 = time.perf_counter()
         try:
             if self._output is None:
                 self._output = self._make_output(arrived.total)
-            await self.ctx.copier.copy(keeper.blocks_of(grant), self._output, arrived.start, arrived.count)
+            await self.ctx.copier.copy(self._rows_of(grant, arrived), self._output, arrived.start, arrived.count)
         finally:
-            keeper.apply(keeper.ledger.consumed(grant))  # read (or given up): nothing else writes it
+            if consume:
+                keeper.apply(keeper.ledger.consumed(grant))  # read (or given up): nothing else writes it
         self._add_phase("copy", t0)
+
+    async def _deliver(self, arrived: Arrived, grant: int) -> None:
+        """Streaming: hand rows ``arrived`` to the caller, copied out or as a leased chunk.
+
+        A chunk within a round (``partial``) is copied from the announced grant (its blocks are whole and
+        their write ended), or, zero-copy, split off it into a readable grant of its own; at the round's
+        end the rest of the grant is copied and freed, or handed out whole."""
+        assert self.stream is not None
+        keeper, ledger, bs = self.ctx.keeper, self.ctx.keeper.ledger, self.ctx.config.block_size
+        end = arrived.start + arrived.count
+        item: StreamItem
+        if not self.zero_copy:
+            await self._copy(grant, arrived, consume=not arrived.partial)
+            assert self._output is not None
+            item = Chunk(room=self.room, start=arrived.start, end=end, total=arrived.total, metadata=self._metadata,
+                         tensors={n: t[arrived.start:end] for n, t in self._output.items()})
+        else:
+            held = grant
+            if arrived.partial:
+                held = ledger.split(grant, arrived.count // bs)
+                self._split += arrived.count // bs
+            views: dict[str, list[torch.Tensor]] = {name: [] for name in self.ctx.layout}
+            for name, vs in self.ctx.pool.views(keeper.blocks_of(held), arrived.count).items():
+                views[name].extend(vs)
+            item = LeasedChunk(room=self.room, start=arrived.start, end=end, total=arrived.total, views=views,
+                               metadata=self._metadata, grants=[held], returns=self.ctx.returns)
+        if not arrived.partial:
+            self._split = 0
+        try:
+            self.stream.send_nowait(item)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):  # the caller closed the stream
+            if isinstance(item, LeasedChunk):
+                item.release()
+            raise TransferAborted(f"room {self.room!r}: the stream was closed", room=self.room) from None
+
+    def _holds_chunks(self, first: bool) -> bool:
+        """A later round of a zero-copy stream: the caller may hold this room's chunks while it waits."""
+        return not first and self.stream is not None and self.zero_copy
+
+    def _held_chunks_note(self) -> str | None:
+        """Zero-copy stream: how much of the pool the caller holds in unreleased chunks of this room."""
+        if self.stream is None or not self.zero_copy:
+            return None
+        held = [g for g in self.ctx.keeper.ledger.grants(state=GrantState.READABLE) if g.room == self.room]
+        if not held:
+            return None
+        blocks = sum(len(g.blocks) for g in held)
+        return (f"the caller holds {len(held)} unreleased leased chunk(s) of this room ({blocks} of the pool's "
+                f"{self.ctx.pool.num_blocks} blocks): release chunks as they are consumed, or the rest of the "
+                "room cannot land")
 
     def _make_output(self, total: int) -> dict[str, torch.Tensor]:
         if self.out is None:

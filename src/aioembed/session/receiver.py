@@ -15,16 +15,18 @@ without cancelling the task that entered ``async with``, and returns within abou
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Self
+from typing import Literal, Self, overload
 
 import anyio
 import anyio.abc
 import torch
 import zmq
+from anyio.streams.memory import MemoryObjectSendStream
 
 from aioembed.config import TransferConfig
 from aioembed.errors import AioembedError, InvalidRequest, ProtocolError
@@ -42,6 +44,7 @@ from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext
+from aioembed.session.stream import Chunk, LeasedChunk, RoomStream, StreamItem
 from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import Transport
 from aioembed.transports.boundary import GuardedTransport, guard
@@ -268,7 +271,8 @@ class EmbeddingReceiver:
 
     def start(self, room: int | str, *, expected_tokens: int | None = None, zero_copy: bool = False,
               out: Mapping[str, torch.Tensor] | None = None, sender: str | None = None,
-              parts: Sequence[Part] | None = None) -> ReceiveHandle:
+              parts: Sequence[Part] | None = None, stream: bool = False,
+              chunk_tokens: int | None = None) -> ReceiveHandle:
         """Begin receiving ``room``; returns at once with a handle.
 
         With ``zero_copy`` the result is a :class:`Lease` on pool blocks (``handle.lease()``)
@@ -276,7 +280,8 @@ class EmbeddingReceiver:
         into the caller's tensors (one per field, enough rows, contiguous; reusing buffers saves
         the page faults of fresh allocations) and ``result().tensors`` are views of them.
         ``sender`` names the sender's address for this room (default: ``connect``). ``parts``
-        assembles the room from parts sent by several senders (see :class:`Part`).
+        assembles the room from parts sent by several senders (see :class:`Part`). ``stream``:
+        rows are handed out as they land, through ``handle.stream()`` (see :meth:`stream`).
         """
         self._check_out(out, zero_copy)
         self._check_running()
@@ -291,6 +296,9 @@ class EmbeddingReceiver:
         handle = ReceiveHandle(room)
         handle._scope = anyio.CancelScope()
         if parts is not None:
+            if stream:
+                raise InvalidRequest(f"room {room!r}: a room assembled from parts cannot be streamed yet; receive "
+                                     "it whole, or stream each sender's rooms on their own")
             if sender is not None or expected_tokens is not None:
                 raise InvalidRequest("with parts=, each Part names its sender and its tokens: drop sender= and "
                                      "expected_tokens=")
@@ -309,13 +317,64 @@ class EmbeddingReceiver:
         ):
             raise InvalidRequest(f"expected_tokens={expected_tokens!r} must be in "
                                  f"[1, max_request_tokens={cfg.max_request_tokens}]")
+        sink: MemoryObjectSendStream[StreamItem] | None = None
+        progress = 0
+        if stream:
+            progress = self._progress_tokens(chunk_tokens)
+            sink, chunks = anyio.create_memory_object_stream[StreamItem](math.inf)  # bounded by the room's length
+            handle._stream = RoomStream(handle, chunks)
+        elif chunk_tokens is not None:
+            raise InvalidRequest("chunk_tokens= is for streamed rooms (stream=True)")
         self._start_driver(room, self._sender_address(sender), expected_tokens=expected_tokens, exact=False,
-                           zero_copy=zero_copy, out=out, handle=handle)
+                           zero_copy=zero_copy, out=out, handle=handle, stream=sink, progress_tokens=progress)
         return handle
+
+    @overload
+    def stream(self, room: int | str, *, expected_tokens: int | None = ..., zero_copy: Literal[False] = ...,
+               out: Mapping[str, torch.Tensor] | None = ..., sender: str | None = ...,
+               chunk_tokens: int | None = ...) -> RoomStream[Chunk]: ...
+
+    @overload
+    def stream(self, room: int | str, *, expected_tokens: int | None = ..., zero_copy: Literal[True],
+               out: Mapping[str, torch.Tensor] | None = ..., sender: str | None = ...,
+               chunk_tokens: int | None = ...) -> RoomStream[LeasedChunk]: ...
+
+    @overload
+    def stream(self, room: int | str, *, expected_tokens: int | None = ..., zero_copy: bool,
+               out: Mapping[str, torch.Tensor] | None = ..., sender: str | None = ...,
+               chunk_tokens: int | None = ...) -> RoomStream[StreamItem]: ...
+
+    def stream(self, room: int | str, *, expected_tokens: int | None = None, zero_copy: bool = False,
+               out: Mapping[str, torch.Tensor] | None = None, sender: str | None = None,
+               chunk_tokens: int | None = None) -> RoomStream[Chunk] | RoomStream[LeasedChunk] | RoomStream[StreamItem]:
+        """Receive ``room`` as chunks in token order, each as soon as its rows have landed::
+
+            async with receiver.stream(room) as chunks:
+                async for chunk in chunks:          # Chunk: chunk.start, chunk.end, chunk.tensors
+                    prefill(chunk.tensors)
+
+        ``zero_copy``: :class:`LeasedChunk` views of pool blocks, each released by the caller (``with
+        chunk:``). ``chunk_tokens`` (default ``stream_chunk_tokens``, rounded up to whole blocks; 0: one
+        chunk per round) bounds how often the sender announces rows within a round. Leaving the ``async
+        with`` before the room completed aborts it and releases every leased chunk of it. See
+        :mod:`aioembed.session.stream`.
+        """
+        handle = self.start(room, expected_tokens=expected_tokens, zero_copy=zero_copy, out=out, sender=sender,
+                            stream=True, chunk_tokens=chunk_tokens)
+        return handle.stream()
+
+    def _progress_tokens(self, chunk_tokens: int | None) -> int:
+        """``chunk_tokens`` (or the configured default) as whole blocks; 0 stays 0 (chunks per round)."""
+        chunk = self.config.stream_chunk_tokens if chunk_tokens is None else chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise InvalidRequest(f"chunk_tokens={chunk!r} must be an int >= 0 (0: one chunk per round)")
+        bs = self.config.block_size
+        return -(-chunk // bs) * bs
 
     def _start_driver(self, key: RoomId, address: str, *, expected_tokens: int | None, exact: bool,
                       zero_copy: bool, out: Mapping[str, torch.Tensor] | None,
-                      handle: ReceiveHandle | None) -> ReceiveHandle:
+                      handle: ReceiveHandle | None, stream: MemoryObjectSendStream[StreamItem] | None = None,
+                      progress_tokens: int = 0) -> ReceiveHandle:
         """Start the driver of one room, or of one part (``key`` = ``(room, part)``) of one."""
         conn = self._connection(address)
         if key in conn.rooms:
@@ -328,7 +387,8 @@ class EmbeddingReceiver:
             handle = ReceiveHandle(key)
             handle._scope = anyio.CancelScope()
         r = ReceiveRoomDriver(key, handle, conn, self._room_ctx, expected_tokens=expected_tokens,
-                              zero_copy=zero_copy, out=out, exact_tokens=exact)
+                              zero_copy=zero_copy, out=out, exact_tokens=exact, stream=stream,
+                              progress_tokens=progress_tokens)
         if not isinstance(key, tuple):
             self._rooms[key] = r
         conn.rooms[key] = r

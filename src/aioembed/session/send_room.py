@@ -9,6 +9,7 @@ that may still land, ``STATUS(fence=True)`` and, later, ``FENCE_RELEASE``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from aioembed.protocol.messages import AbortAck, Message, RoomId, Status, Transf
 from aioembed.protocol.ownership import WriteLedger, WriteOutcome, WriterAction
 from aioembed.protocol.room import RankPhase, SenderRoomState, WriteTask
 from aioembed.session.peer_sessions import PeerSession
+from aioembed.transports.base import WriteOp
 from aioembed.transports.boundary import GuardedTransport
 
 __all__ = ["SendContext", "SendRoomDriver"]
@@ -93,9 +95,12 @@ class SendRoomDriver:
         best = (self.created + cfg.room_timeout, "room")
         if m.expected_ranks is None or len(m.ranks) < m.expected_ranks:
             best = min(best, (self.created + cfg.input_timeout, "init"))
+        # The receiver knows why a round is late (it waits for pool memory): it gets to time out and say
+        # so first, so the sender waits a little longer for its RESUME than the receiver waits.
+        resume_wait = cfg.round_timeout + max(1.0, cfg.heartbeat_interval)
         for rank, p in m.ranks.items():
             if p.phase is RankPhase.AWAITING_RESUME:
-                best = min(best, (self.status_sent_at.get(rank, self.created) + cfg.round_timeout, "resume"))
+                best = min(best, (self.status_sent_at.get(rank, self.created) + resume_wait, "resume"))
         return best
 
     async def drive(self) -> None:
@@ -155,17 +160,17 @@ class SendRoomDriver:
             self.machine.fail(f"{peer} is gone")  # a sender never posts a write to a receiver it dropped
             self.poke()
             return
-        runs = plan_row_runs(num_tokens=task.count, block_size=ctx.config.block_size,
-                             dst_blocks=task.blocks, src_start=task.start)
-        spans = [FieldSpan(src_base=t.data_ptr(), dst_base=reg[0], row_bytes=f.row_bytes)
-                 for t, reg, f in zip(self.sources, peer.regions, ctx.layout.values(), strict=True)]
-        ops = plan_writes(runs, spans)
+        chunks = self._chunks(task, peer)
+        ops = [op for _, chunk_ops in chunks for op in chunk_ops]
         wid = ctx.ledger.started(peer.key, room, self.source)
         cancel_safe = ctx.transport.capabilities.cancel_safe_writes
         outcome = WriteOutcome.FAILED_CLEANLY if cancel_safe else WriteOutcome.POISONED
         t0 = time.perf_counter()
         try:
-            await peer.link.write(ops)
+            for upto, chunk_ops in chunks:
+                await peer.link.write(chunk_ops)
+                if upto is not None and not self._announce_progress(task, peer, upto):
+                    break  # the room ended meanwhile: nothing more is written (nothing is in flight)
             outcome = WriteOutcome.LANDED
         except TransportError as exc:
             may_land = exc.may_land if exc.may_land is not None else not cancel_safe
@@ -201,6 +206,31 @@ class SendRoomDriver:
         log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
                   task.count, len(ops))
         self.poke()
+
+    def _chunks(self, task: WriteTask, peer: PeerSession) -> list[tuple[int | None, list[WriteOp]]]:
+        """The write ops of ``task``, cut where the rank asked for ``PROGRESS`` (block-aligned within the
+        round): ``(token the chunk ends at, ops)``, the last chunk with ``None`` (its STATUS follows)."""
+        ctx = self.ctx
+        bs = ctx.config.block_size
+        spans = [FieldSpan(src_base=t.data_ptr(), dst_base=reg[0], row_bytes=f.row_bytes)
+                 for t, reg, f in zip(self.sources, peer.regions, ctx.layout.values(), strict=True)]
+        bounds = [task.start, *self.machine.progress_points(task), task.start + task.count]
+        out: list[tuple[int | None, list[WriteOp]]] = []
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            runs = plan_row_runs(num_tokens=b - a, block_size=bs, dst_blocks=task.blocks[(a - task.start) // bs:],
+                                 src_start=a)
+            out.append((b if i < len(bounds) - 2 else None, plan_writes(runs, spans)))
+        return out
+
+    def _announce_progress(self, task: WriteTask, peer: PeerSession, upto: int) -> bool:
+        """Rows up to ``upto`` are visible at the rank: tell it (PROGRESS). False if the room ended meanwhile
+        (the rest of the round is not written)."""
+        if self.machine.failed is not None or not peer.alive:
+            return False
+        if not self.ctx.send(peer, self.machine.write_progress(task, upto, metadata=self.metadata)):
+            self.machine.fail(f"the PROGRESS of round {task.round} could not be sent to {peer}")
+            return False
+        return True
 
     def notify_end(self) -> None:
         """Tell every rank still holding a reservation that the room is over (no write of it in flight)."""

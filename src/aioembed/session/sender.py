@@ -586,7 +586,8 @@ class EmbeddingSender:
             assert self._room_ctx is not None
             r = SendRoomDriver(room, self._room_ctx, anyio.current_time())
         r.machine.on_init(peer.rank, blocks=msg.blocks, allocated_tokens=msg.allocated_tokens,
-                          expected_ranks=msg.expected_ranks, num_blocks=peer.num_blocks)
+                          expected_ranks=msg.expected_ranks, num_blocks=peer.num_blocks,
+                          progress_tokens=msg.progress_tokens)
         if new:  # only a valid INIT creates a room: refused frames leave nothing behind
             self._rooms[room] = r
         r.rank_peer[peer.rank] = peer
@@ -598,6 +599,13 @@ class EmbeddingSender:
         r = self._rooms.get(msg.room)
         if r is None or r.rank_peer.get(peer.rank) is not peer:
             raise ProtocolError(f"RESUME for room {msg.room!r}, which {peer} has not started", room=msg.room)
+        if r.machine.failed is not None:
+            # It crossed the room's end on the wire: the final STATUS (or ABORT_ACK) this rank is owed
+            # tells it why, and vouches for the blocks it just announced (never written). A REJECT here
+            # would reach it first and hide the room's real cause.
+            log.debug("sender: room=%r: RESUME from %s after the room ended (%s), ignored", msg.room, peer,
+                      r.machine.error)
+            return
         r.machine.on_resume(peer.rank, round=msg.round, sent_tokens=msg.sent_tokens, blocks=msg.blocks,
                             allocated_tokens=msg.allocated_tokens, num_blocks=peer.num_blocks)
         r.poke()

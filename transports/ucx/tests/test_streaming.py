@@ -1,0 +1,13 @@
+"""Streaming receive over UCX (the shared suite)."""
+
+from __future__ import annotations
+
+from aioembed.testing.streaming import StreamingSuite
+
+from .conftest import UCX_OPTIONS
+
+
+class TestStreaming(StreamingSuite):
+    transport_name = "ucx"
+    transport_options = UCX_OPTIONS
+    backends = ("asyncio",)  # ucxx runs under asyncio only
