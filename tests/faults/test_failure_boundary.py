@@ -8,6 +8,7 @@ metadata is refused by ``send()`` before a row moves, and the receiver learns wh
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -149,3 +150,54 @@ async def test_send_never_leaks_an_exception_group() -> None:
                 await sender.send("r", make_request(500, 4))
         assert not isinstance(info.value, BaseExceptionGroup)
         assert "KeyError: 'not even an OSError'" in str(info.value)
+
+
+class _ConnectFailsOnce(MockTransport):
+    """A plugin whose first connect fails (e.g. its NIC was still coming up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 0
+
+    async def connect(self, peer_descriptor: bytes) -> Any:
+        if not self.failures:
+            self.failures += 1
+            raise RuntimeError("the NIC was still coming up")
+        return await super().connect(peer_descriptor)
+
+
+async def test_a_connect_that_fails_once_is_retried_at_once_not_after_the_handshake_timeout() -> None:
+    cfg = CFG.replace(handshake_timeout=5.0)
+    writer = _ConnectFailsOnce()
+    async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
+        t0 = time.monotonic()
+        await _serves(sender, receiver, "r")
+        assert writer.failures == 1
+        assert time.monotonic() - t0 < 1.0  # the refusal made the receiver say HELLO again soon
+
+
+async def test_an_unexplained_write_failure_is_fenced_until_it_can_no_longer_land() -> None:
+    """A foreign exception from write() says nothing about the bytes: they may still land, so the
+    receiver keeps the blocks fenced until the transport's write lifetime passed (FENCE_RELEASE)."""
+    lifetime = 1.0
+    writer = MockTransport(raise_on={"write": RuntimeError("engine lost track of the transfer")},
+                           write_lifetime=lifetime)
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        async with anyio.create_task_group() as tg:
+            async def send() -> None:
+                with pytest.raises(TransferFailed, match="engine lost track"):
+                    await sender.send("r", make_request(1500, 3))
+
+            tg.start_soon(send)
+            with pytest.raises(TransferFailed, match="engine lost track"):
+                await receiver.receive("r")
+        assert receiver.allocator.stats.fenced > 0  # at once: the write may still land
+        assert receiver.fenced_blocks.get("write_failed")
+        t0 = time.monotonic()
+        with anyio.fail_after(lifetime + 3):
+            await receiver.allocator.wait_all_free()
+        assert time.monotonic() - t0 >= lifetime * 0.8  # not before the lifetime (of our running time)
+        del writer.raise_on["write"]
+        await _serves(sender, receiver, "after")  # the sender kept serving throughout

@@ -240,3 +240,54 @@ async def test_entering_and_closing_at_once_does_not_hang() -> None:
             pass
         async with EmbeddingReceiver(LAYOUT, CFG):
             pass
+
+
+async def test_entered_by_hand_and_closed_by_aclose_in_the_same_task() -> None:
+    """``await x.__aenter__()`` ... ``await x.aclose()`` without ``__aexit__`` (a startup / shutdown pair
+    of hooks): nothing of ours stays on the caller's scope stack, so the enclosing scope exits cleanly."""
+    with anyio.fail_after(10):
+        sender = EmbeddingSender(LAYOUT, CFG)
+        await sender.__aenter__()
+        receiver = EmbeddingReceiver(LAYOUT, CFG, connect=sender.address)
+        await receiver.__aenter__()
+        src = make_request(300, 1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "m", src)
+            assert_same((await receiver.receive("m")).tensors, src)
+        await receiver.aclose()
+        await sender.aclose()
+    assert not receiver._tasks.entered and not sender._tasks.entered  # the background tasks ended
+
+
+async def test_aclose_inside_a_deadline_within_async_with() -> None:
+    with anyio.fail_after(10):
+        async with EmbeddingSender(LAYOUT, CFG) as sender, \
+                EmbeddingReceiver(LAYOUT, CFG, connect=sender.address) as receiver:
+            await receiver.wait_connected()
+            with anyio.fail_after(5):  # e.g. a server bounding its shutdown
+                await receiver.aclose()
+            with anyio.move_on_after(5):
+                await sender.aclose()
+
+
+async def test_a_send_in_flight_when_the_sender_closes_ends_with_a_typed_error() -> None:
+    """The send() returns after aclose() started: it gets TransferAborted, and releasing its source
+    later starts nothing on the closed sender (the old code raised RuntimeError from a dead task group)."""
+    async with EmbeddingSender(LAYOUT, CFG) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        outcome: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("late", make_request(500, 2))  # no receiver asks for it: waits for INIT
+            except BaseException as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            await _until(lambda: sender.rooms_in_flight == 1)
+            await sender.aclose()
+        (err,) = outcome
+        assert isinstance(err, TransferError) and "sender closing" in str(err), repr(err)
+        assert sender.writes_in_flight == 0

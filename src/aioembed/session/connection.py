@@ -123,6 +123,7 @@ class SenderConnection:
         self.sessions = 0
         self._ready = anyio.Event()
         self._answered = anyio.Event()
+        self._nudge = anyio.Event()
         self._lost = anyio.Event()
         self._closed = False
         self.stop_scope = anyio.CancelScope()
@@ -212,11 +213,20 @@ class SenderConnection:
             num_blocks=cfg.pool_blocks, rank=self.rank, world=self.world,
             regions=tuple((reg.address, reg.length) for reg in self.pool.regions()),
         )
+        backoff = 0.05
         while not self._answered.is_set():
+            self._nudge = anyio.Event()
             self.send(hello)
             with anyio.move_on_after(cfg.handshake_timeout):
-                await self._answered.wait()
-            if not self._answered.is_set():
+                await self._nudge.wait()  # WELCOME, a final refusal, or a refusal worth retrying
+            if self._answered.is_set():
+                break
+            if self._nudge.is_set():
+                # Refused for now (e.g. the sender could not connect its transport to us yet): try again
+                # soon, so that rooms waiting for this handshake see several attempts within their deadline.
+                await anyio.sleep(backoff)
+                backoff = min(2 * backoff, 1.0)
+            else:
                 log.info("%s: no answer to HELLO (session %d) yet; saying it again", self.name, self.epoch)
 
     async def _heartbeats(self) -> None:
@@ -301,6 +311,7 @@ class SenderConnection:
         self.sessions += 1
         self.clock.heard(anyio.current_time())
         self._answered.set()
+        self._nudge.set()
         self._ready.set()
         log.info("%s: connected (session %d, sender %s)", self.name, self.epoch, msg.sender_id[:8])
 
@@ -334,6 +345,7 @@ class SenderConnection:
                 self.refused = IncompatiblePeer(f"sender {self.address} speaks protocol version "
                                                 f"{exc.peer_version}: {exc}")
                 self._answered.set()
+                self._nudge.set()
             return
         self.clock.heard(anyio.current_time())
         handler = self._handlers.get(type(msg))
@@ -350,9 +362,11 @@ class SenderConnection:
         elif msg.code == "incompatible" and not self._answered.is_set():
             self.refused = IncompatiblePeer(f"sender {self.address} refused the handshake: {msg.reason}")
             self._answered.set()
+            self._nudge.set()
         else:
             if not self._answered.is_set():
-                self.last_refusal = msg.reason  # e.g. it could not connect its transport to us: it retries
+                self.last_refusal = msg.reason  # e.g. it could not connect its transport to us: try again soon
+                self._nudge.set()
             log.warning("%s: the sender rejected a frame: %s", self.name, msg.reason)
 
     def _on_fence_release(self, msg: FenceRelease) -> None:

@@ -102,7 +102,6 @@ class EmbeddingReceiver:
         self._conns: dict[str, SenderConnection] = {}
         self._rooms: dict[RoomId, ReceiveRoomDriver | RoomAssembly] = {}
         self._room_ctx: RoomContext | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
         self._tasks = BackgroundTasks(f"receiver[{rank}]", log)
         self._spawn = self._tasks.spawn
         self._closing = False
@@ -125,9 +124,7 @@ class EmbeddingReceiver:
                 keeper=self.keeper, pool=self.pool, layout=self.layout, config=cfg, observer=self.observer,
                 copier=RoundCopier(self.pool, threads=cfg.copy_threads), returns=returns, rank=self.rank,
                 forget=self._forget)
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
-            self._tasks.attach(self._tg)
+            await self._tasks.enter()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown()
@@ -140,16 +137,14 @@ class EmbeddingReceiver:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        try:
-            await self.aclose()
-        finally:
-            if self._tg is not None:
-                tg, self._tg = self._tg, None
-                await tg.__aexit__(exc_type, exc, tb)
+        await self._close()
 
     async def aclose(self) -> None:
         """Abort rooms in flight, close every connection and the transport. Safe from any task,
         bounded (about ``CLOSE_GRACE`` seconds), idempotent."""
+        await self._close()
+
+    async def _close(self) -> None:
         if self._closing:
             with anyio.CancelScope(shield=True):
                 await self._closed.wait()
@@ -171,6 +166,7 @@ class EmbeddingReceiver:
                 self._closed.set()
 
     async def _teardown(self) -> None:
+        await self._tasks.exit()  # its tasks were cancelled (or never started): the host stops
         for c in self._conns.values():
             c.close()
         if self._ctx is not None:
@@ -264,7 +260,7 @@ class EmbeddingReceiver:
         await conn.wait_ready(self.config.handshake_timeout if timeout is None else timeout)
 
     def _check_running(self) -> None:
-        if self._tg is None or self._closing:
+        if not self._tasks.entered or self._closing:
             raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")
 
     # -- public API --------------------------------------------------------------------------

@@ -126,7 +126,6 @@ class EmbeddingSender:
         self._auth: ThreadAuthenticator | None = None
         self._chan: ControlSocket | None = None
         self._room_ctx: SendContext | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
         self._tasks = BackgroundTasks("sender", log)
         self._spawn = self._tasks.spawn
         self._closing = False
@@ -157,9 +156,7 @@ class EmbeddingSender:
             self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
                                          transport=self._transport, observer=self.observer, send=self._send_to,
                                          apply=self._apply, last_refusal=lambda: self._last_refusal)
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
-            self._tasks.attach(self._tg)
+            await self._tasks.enter()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown()
@@ -174,16 +171,14 @@ class EmbeddingSender:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        try:
-            await self.aclose()
-        finally:
-            if self._tg is not None:
-                tg, self._tg = self._tg, None
-                await tg.__aexit__(exc_type, exc, tb)
+        await self._close()
 
     async def aclose(self) -> None:
         """Fail rooms in flight (telling their receivers), then close everything. Safe from any task,
         bounded (about ``CLOSE_GRACE`` seconds), idempotent."""
+        await self._close()
+
+    async def _close(self) -> None:
         if self._closing:
             with anyio.CancelScope(shield=True):
                 await self._closed.wait()
@@ -207,6 +202,7 @@ class EmbeddingSender:
                 self._closed.set()
 
     async def _teardown(self) -> None:
+        await self._tasks.exit()  # its tasks were cancelled (or never started): the host stops
         for p in [*self._peers.sessions(), *self._draining.values()]:
             try:
                 await p.link.aclose()
@@ -226,7 +222,7 @@ class EmbeddingSender:
             await self._transport.aclose()
 
     def _check_running(self) -> None:
-        if self._tg is None or self._closing:
+        if not self._tasks.entered or self._closing:
             raise AioembedError("the sender is not running: use `async with EmbeddingSender(...)`")
 
     # -- public API --------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """Background tasks that a sender or receiver owns, and that its ``aclose()`` can stop from any task.
 
-The tasks run in a task group entered by ``__aenter__`` (the only way to start tasks under both
-asyncio and trio), but each inside its own cancel scope: cancelling the group's scope would also
-cancel the body of the user's ``async with``, and only the entering task may exit the group. So
-``cancel_all()`` cancels the tasks' own scopes, from any task, and ``wait_done()`` waits for them.
+The tasks run in a task group of their own, hosted by a task that ``enter()`` starts outside the
+caller's task tree: a system task under trio, a loop task under asyncio (the only per-backend code,
+like pyzmq's thin per-loop adapters). So no cancel scope of ours ever sits on the user's scope
+stack: ``async with``, a manual ``__aenter__`` ... ``aclose()``, ``aclose()`` from a shutdown hook
+in another task, or ``aclose()`` inside a ``fail_after`` all work. Each task also runs in its own
+cancel scope; ``cancel_all()`` cancels them from any task, ``wait_done()`` waits for them, and
+``exit()`` stops the host. The owner always cancels what it started: nothing outlives ``aclose()``.
 """
 
 from __future__ import annotations
@@ -14,8 +17,24 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import sniffio
 
 __all__ = ["BackgroundTasks"]
+
+
+def _start_host(fn: Callable[[], Awaitable[None]]) -> Any:
+    """Run ``fn`` in a task outside the current task tree; returns what keeps it referenced."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        trio.lowlevel.spawn_system_task(fn)
+        return None
+    import asyncio
+
+    async def main() -> None:
+        await fn()
+
+    return asyncio.get_running_loop().create_task(main())
 
 
 class BackgroundTasks:
@@ -25,14 +44,51 @@ class BackgroundTasks:
         self.name = name
         self._log = log
         self._tg: anyio.abc.TaskGroup | None = None
+        self._host: Any = None
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
         self._scopes: set[anyio.CancelScope] = set()
         self._count = 0
         self._done = anyio.Event()
         self._closing = False
 
-    def attach(self, tg: anyio.abc.TaskGroup) -> None:
-        """Start tasks in ``tg`` from now on."""
-        self._tg = tg
+    async def enter(self) -> None:
+        """Start the host of the task group (in the owner's ``__aenter__``): tasks can be spawned once this
+        returns."""
+        ready = anyio.Event()
+
+        async def host() -> None:
+            try:
+                async with anyio.create_task_group() as tg:
+                    self._tg = tg
+                    ready.set()
+                    await self._stop.wait()
+                    tg.cancel_scope.cancel()
+            except BaseException:  # nothing may escape a host task (trio would crash the whole run)
+                self._log.exception("%s: the background task host failed", self.name)
+            finally:
+                self._tg = None
+                ready.set()
+                self._stopped.set()
+
+        self._host = _start_host(host)
+        await ready.wait()
+
+    @property
+    def entered(self) -> bool:
+        """True from :meth:`enter` until :meth:`exit`."""
+        return self._tg is not None
+
+    async def exit(self) -> None:
+        """Stop the host (from any task; idempotent): its tasks are cancelled, and this waits until they
+        and the host ended."""
+        self._closing = True
+        if self._host is None and self._tg is None:
+            return
+        self._stop.set()
+        with anyio.CancelScope(shield=True):
+            await self._stopped.wait()
+        self._host = None
 
     @property
     def running(self) -> int:

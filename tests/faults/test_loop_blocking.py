@@ -1,0 +1,69 @@
+"""Blocking work stays off the event loop (#12 item 5): a 2 ms ticker measures the longest the loop
+went without running while the library does the work.
+
+Each bound is relative to what the same work costs when done synchronously on this machine, so
+the tests say "the loop was not held for that work", not "this machine is fast".
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import zmq
+
+from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
+from aioembed.testing.loop import loop_stalls
+
+pytestmark = pytest.mark.anyio
+
+WIDE = Layout(x=Field((2048,), torch.float32))  # 8 KiB per token
+
+
+def _strided(tokens: int) -> torch.Tensor:
+    """A non-contiguous (every other column of a wider tensor) source of ``tokens`` rows."""
+    wide = torch.randn(tokens, 2 * 2048)
+    return wide[:, ::2]
+
+
+async def test_a_large_non_contiguous_source_is_made_contiguous_off_the_loop() -> None:
+    tokens = 16384  # 128 MiB of rows, strided
+    src = _strided(tokens)
+    t0 = time.perf_counter()
+    src.contiguous()
+    synchronous = time.perf_counter() - t0  # what the copy holds the loop for if done on it
+    assert synchronous > 0.03, f"the copy took {synchronous:.3f} s: too small to tell stalls apart"
+    cfg = TransferConfig(default_tokens=tokens, pool_tokens=tokens, resume_reserve_tokens=0)
+    async with EmbeddingSender(WIDE, cfg) as sender, \
+            EmbeddingReceiver(WIDE, cfg, connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        handle = receiver.start("wide", expected_tokens=tokens, zero_copy=True)
+        async with loop_stalls() as stalls:
+            await sender.send("wide", {"x": src})
+        lease = await handle.lease()
+        assert torch.equal(lease.to_tensors()["x"], src)
+        lease.release()
+    assert stalls.longest < max(0.02, synchronous / 3), (stalls.longest, synchronous)
+
+
+async def test_closing_does_not_hold_the_loop_while_zeromq_terminates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Context.term()`` / ``destroy()`` block until lingering frames leave: never on the loop."""
+    slow = 0.4
+
+    def slowly(real):  # type: ignore[no-untyped-def]
+        def wrapper(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            time.sleep(slow)
+            return real(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(zmq.Context, "term", slowly(zmq.Context.term))
+    monkeypatch.setattr(zmq.Context, "destroy", slowly(zmq.Context.destroy))
+    sender = EmbeddingSender(WIDE)
+    receiver = EmbeddingReceiver(WIDE, connect=None)
+    async with loop_stalls() as stalls:
+        await sender.__aenter__()
+        await receiver.__aenter__()
+        await receiver.aclose()
+        await sender.aclose()
+    assert stalls.longest < slow / 2, stalls.longest
