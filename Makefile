@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Transport plugins and the pip extra each is installed with on a CPU-only machine.
-PLUGINS := mooncake:non-cuda ucx:cu12
+PLUGINS := mooncake:non-cuda ucx:cu12 nixl:cu12
 PYTEST_ARGS ?=
 # A hung test fails with a traceback after this long instead of stalling CI until its own limit.
 TEST_TIMEOUT ?= --timeout=300
@@ -56,15 +56,28 @@ typecheck: install-plugins
 	  (cd "$$(dirname $$d)" && ../../$(VENV)/bin/mypy --strict src); \
 	done
 
-test-core: install
-	$(PY) tools/run_pytest.py tests -m "not slow" $(TEST_TIMEOUT) $(PYTEST_ARGS)
+# Two pytest workers (pytest-xdist): most tests wait on timers, sockets and child processes.
+TEST_WORKERS ?= 2
 
+test-core: install
+	$(PY) tools/run_pytest.py tests -m "not slow" -n $(TEST_WORKERS) $(TEST_TIMEOUT) $(PYTEST_ARGS)
+
+# The plugins' suites run at the same time (each waits mostly on its own processes and timers); each
+# suite's output is printed whole when it ends, and any failure fails the target.
 test-plugins: install-plugins
-	@for d in transports/*/tests; do \
+	@logs=$$(mktemp -d); jobs=""; \
+	for d in transports/*/tests; do \
 	  [ -d "$$d" ] || continue; \
-	  echo "== $$d"; \
-	  (cd "$$(dirname $$d)" && ../../$(PY) ../../tools/run_pytest.py tests $(TEST_TIMEOUT) $(PYTEST_ARGS)); \
-	done
+	  name=$$(basename "$$(dirname "$$d")"); \
+	  (cd "$$(dirname "$$d")" && ../../$(PY) ../../tools/run_pytest.py tests $(TEST_TIMEOUT) $(PYTEST_ARGS) \
+	    > "$$logs/$$name.log" 2>&1) & jobs="$$jobs $$!:$$name"; \
+	done; \
+	fail=0; for job in $$jobs; do \
+	  pid=$${job%%:*}; name=$${job#*:}; \
+	  if wait "$$pid"; then status=passed; else status=FAILED; fail=1; fi; \
+	  echo "== transports/$$name/tests: $$status"; cat "$$logs/$$name.log"; \
+	done; \
+	rm -rf "$$logs"; exit $$fail
 
 # Everything: lint, types, core tests, every transport plugin's tests (slow soaks excluded).
 test: install-plugins lint typecheck test-core test-plugins

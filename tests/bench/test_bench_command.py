@@ -35,7 +35,7 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-c", RUN, "bench", "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=90, check=False,
+        capture_output=True, text=True, timeout=240, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -61,8 +61,16 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     mem = result["workloads"]["memory"]["modes"]["copy"]
     assert "error" not in mem, mem
     assert {"peak_rss_bytes", "pool_bytes", "output_bytes", "ratio", "receiver_bytes"} <= mem.keys()
-    assert {t["target"] for t in result["targets"]} and all(
-        {"threshold", "measured", "met"} <= t.keys() for t in result["targets"])
+    goals = result["workloads"]["goals"]
+    assert [p["label"].split(":")[0] for p in goals["points"]] == ["W1", "W2", "W3", "W3"]
+    w1, w2, w3one, w3many = goals["points"]
+    assert set(w1["gbps"]) >= {"leased", "out", "receive"} and w1["raw_method"]
+    assert set(w2["rounds_over_one"]) == {"leased", "out", "receive"}
+    assert (w3one["concurrency"], w3many["concurrency"]) == (1, 32)
+    assert all(v > 0 for v in w3many["req_per_s"].values())
+    lines = [t["target"] for t in result["targets"]]
+    assert sum(t.startswith(("W1", "W2", "W3")) for t in lines) == 15  # every goal has its line
+    assert all({"threshold", "measured", "met"} <= t.keys() for t in result["targets"])
     assert "aioembed bench" in proc.stdout  # the table was printed
 
 
@@ -98,3 +106,25 @@ def test_bench_rejects_bad_options() -> None:
     proc = subprocess.run([sys.executable, "-c", RUN, "bench", "--workloads", "nope"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "choose from" in proc.stderr
+
+
+WITHOUT_RICH = "import sys; sys.modules['rich'] = None; from aioembed.cli import main; main()"
+"""The command as a plain ``pip install aioembed`` has it: without the ``cli`` extra (rich)."""
+
+
+def test_the_core_install_runs_the_demo_and_names_the_extra_for_the_bench() -> None:
+    demo = subprocess.run([sys.executable, "-c", WITHOUT_RICH, "demo", "--tokens", "300", "--hidden", "64"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert demo.returncode == 0, demo.stderr
+    assert "bit-for-bit equal" in demo.stdout
+    bench = subprocess.run([sys.executable, "-c", WITHOUT_RICH, "bench", "--quick"],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert bench.returncode == 2
+    assert "pip install 'aioembed[cli]'" in bench.stderr and "Traceback" not in bench.stderr
+
+
+def test_python_dash_m_aioembed_is_the_command() -> None:
+    proc = subprocess.run([sys.executable, "-m", "aioembed", "demo", "--tokens", "200", "--hidden", "64"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "room demo-0: 200 tokens" in proc.stdout

@@ -166,6 +166,9 @@ async def test_loopback_refuses_cross_process_descriptor(anyio_backend: str) -> 
         _descriptor(regions="x"),
         _descriptor(endpoint="does-not-exist"),
     ],
+    # stable ids: some blobs hold this process's pid, and parallel workers must collect the same tests
+    ids=["empty", "garbage", "a-list", "other-transport", "no-fields", "zero-address", "regions-not-a-list",
+         "unknown-endpoint"],
 )
 async def test_loopback_bad_descriptors(anyio_backend: str, blob: bytes) -> None:
     async with await open_transport("loopback") as a:

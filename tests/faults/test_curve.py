@@ -48,7 +48,7 @@ async def test_allowed_client_transfers(tmp_path: Path) -> None:
 @pytest.mark.parametrize("who", ["intruder", "plaintext"])
 async def test_unauthorised_client_gets_nothing_through(tmp_path: Path, who: str) -> None:
     k = _keys(tmp_path)
-    base = TransferConfig(default_tokens=1024, pool_tokens=4096, handshake_timeout=1.0, input_timeout=2.0)
+    base = TransferConfig(default_tokens=1024, pool_tokens=4096, handshake_timeout=0.5, input_timeout=1.0)
     scfg = base.replace(curve_secret_key_file=str(k["server_secret"]), curve_allowed_clients_dir=str(k["allowed"]))
     rcfg = base if who == "plaintext" else base.replace(
         curve_secret_key_file=str(k["intruder_secret"]), curve_server_public_key_file=str(k["server_public"]))

@@ -361,9 +361,20 @@ async def run_script(script: list[tuple[Any, ...]], revocable: bool) -> list[str
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(script=ACTIONS, revocable=st.booleans())
 def test_no_write_ever_lands_in_a_block_it_does_not_own(backend: str, script: list[tuple[Any, ...]],
                                                          revocable: bool) -> None:
+    found = anyio.run(run_script, script, revocable, backend=backend)
+    assert not found, found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=ACTIONS, revocable=st.booleans())
+def test_no_write_ever_lands_in_a_block_it_does_not_own_soak(backend: str, script: list[tuple[Any, ...]],
+                                                              revocable: bool) -> None:
+    """The same, with many more interleavings (``make soak``)."""
     found = anyio.run(run_script, script, revocable, backend=backend)
     assert not found, found

@@ -15,7 +15,7 @@ def anyio_backend() -> str:
 
 
 async def test_loopback_across_processes_is_refused_with_a_clear_error() -> None:
-    cfg = {"default_tokens": 1024, "pool_tokens": 4096, "handshake_timeout": 2.0}
+    cfg = {"default_tokens": 1024, "pool_tokens": 4096, "handshake_timeout": 0.5}
     async with spawn(SideSpec(role="send", config=cfg, rooms=[RoomSpec("r", 100)])) as sender:
         ready = await sender.until("ready")
         spec = SideSpec(role="receive", config=cfg, rooms=[RoomSpec("r", 100)], connect=ready["address"])

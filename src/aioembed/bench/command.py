@@ -19,7 +19,7 @@ import anyio
 
 from aioembed.bench.baselines import ENTRY_POINT_GROUP, available_baselines, resolve_baseline
 from aioembed.bench.measure import WORKLOADS, BenchOptions, Measurer, has_zero_copy, plan_steps
-from aioembed.bench.report import PLOT_HINT, evaluate_targets, render, write_plot
+from aioembed.bench.targets import evaluate_targets
 from aioembed.bench.workloads import (
     FULL_CONCURRENCY,
     FULL_SIZES,
@@ -31,9 +31,10 @@ from aioembed.config import TransferConfig
 from aioembed.errors import ConfigError
 from aioembed.samples import standard_layout
 
-__all__ = ["SCHEMA", "add_arguments", "run"]
+__all__ = ["CLI_HINT", "SCHEMA", "add_arguments", "run"]
 
 SCHEMA = "aioembed-bench/1"
+CLI_HINT = "aioembed bench shows its tables with rich, an optional extra: pip install 'aioembed[cli]'"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -223,7 +224,12 @@ class _Progress:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``aioembed bench``; returns the exit code."""
+    if importlib.util.find_spec("rich") is None:
+        print(f"aioembed bench: error: {CLI_HINT}", file=sys.stderr)
+        return 2
     from rich.console import Console
+
+    from aioembed.bench.report import PLOT_HINT, render, write_plot
 
     opts = _options(args)
     to_stdout = args.json == "-"
@@ -285,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
             runners = {
                 "sizes": measurer.run_sizes, "concurrency": measurer.run_concurrency,
                 "resume": measurer.run_resume, "trace": measurer.run_trace, "senders": measurer.run_senders,
-                "stream": measurer.run_stream,
+                "stream": measurer.run_stream, "goals": measurer.run_goals,
                 "idle": measurer.run_idle, "memory": measurer.run_memory,
             }
             for w in opts.workloads:

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +65,8 @@ __all__ = [
     "plan_steps",
 ]
 
-WORKLOADS: tuple[str, ...] = ("sizes", "concurrency", "resume", "trace", "senders", "stream", "idle", "memory")
+WORKLOADS: tuple[str, ...] = ("goals", "sizes", "concurrency", "resume", "trace", "senders", "stream", "idle",
+                              "memory")
 
 Tick = Callable[[str], None]
 """Progress callback: called with a description when a point starts (``"> ..."``) and ends."""
@@ -137,6 +138,8 @@ def plan_steps(opts: BenchOptions) -> int:
             n += len(opts.concurrency) * len(opts.mixes)
         elif w == "memory":
             n += 2 if has_zero_copy() else 1
+        elif w == "goals":
+            n += 3
         else:
             n += 1
     return n
@@ -234,6 +237,20 @@ class _Pair(ABC):
         """One zero-copy transfer (``receive_leased()``), timed until the lease is in hand."""
 
     @abstractmethod
+    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
+                  check: list[int] | None) -> tuple[float, int]:
+        """One transfer received as ``mode`` says (``copy``: ``receive()``, ``out``: ``receive(out=...)``
+        into reused buffers, ``lease``: ``receive_leased()``); the rows are checked against the source
+        (``check = [seed, top]``, see :func:`make_source`) after the clock stopped. (seconds, rounds)."""
+
+    @abstractmethod
+    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
+                     mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:
+        """``rooms`` in order, ``concurrency`` at a time on both sides, each side starting a room as soon as
+        one of its workers is free: (per-room latency from the later of its two starts to both sides done,
+        makespan). Rows checked as in :meth:`one`."""
+
+    @abstractmethod
     async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                      chunk_tokens: int) -> tuple[float, float, int]:
         """One streamed transfer (``receiver.stream()``, copying): (seconds to the first chunk, seconds to
@@ -246,6 +263,7 @@ class _LocalPair(_Pair):
     def __init__(self, senders: list[EmbeddingSender], receiver: EmbeddingReceiver) -> None:
         self.senders = senders
         self.receiver = receiver
+        self._out: dict[str, torch.Tensor] | None = None
 
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                    via: int = 0) -> tuple[float, int]:
@@ -272,6 +290,58 @@ class _LocalPair(_Pair):
         rounds = int(getattr(lease, "rounds", 0))
         await _maybe_await(lease.release())
         return dt, rounds
+
+    async def _receive(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None, mode: str,
+                       check: bool) -> tuple[float, int]:
+        """The receiving side of one room; returns (``time.perf_counter()`` with the rows in hand, rounds)."""
+        if mode == "lease":
+            lease = await self.receiver.receive_leased(room, expected_tokens=expected)
+            t = time.perf_counter()
+            rows, rounds = (lease.to_tensors() if check else {}), lease.rounds
+            lease.release()
+        else:
+            n = next(iter(data.values())).shape[0]
+            if mode == "out" and (self._out is None or next(iter(self._out.values())).shape[0] < n):
+                self._out = self.receiver.layout.empty(n)
+            got = await self.receiver.receive(room, expected_tokens=expected,
+                                              out=self._out if mode == "out" else None)
+            t = time.perf_counter()
+            rows, rounds = got.tensors, got.rounds
+        if check and not _same(rows, data):
+            raise PeerProcessError(f"room {room!r}: the rows differ from the source")
+        return t, rounds
+
+    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
+                  check: list[int] | None) -> tuple[float, int]:
+        sender = self.senders[0]
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, room, data)
+            t, rounds = await self._receive(room, data, expected, mode, bool(check))
+        return t - t0, rounds
+
+    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
+                     mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:
+        n = len(rooms)
+        starts, ends, send_starts, send_ends = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        recv_it, send_it = iter(enumerate(rooms)), iter(enumerate(rooms))
+
+        async def receiving() -> None:
+            for i, room in recv_it:
+                starts[i] = time.perf_counter()
+                ends[i], _ = await self._receive(room, data, expected, mode, bool(check))
+
+        async def sending() -> None:
+            for i, room in send_it:
+                send_starts[i] = time.perf_counter()
+                await self.senders[0].send(room, data)
+                send_ends[i] = time.perf_counter()
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(concurrency, n)):
+                tg.start_soon(receiving)
+                tg.start_soon(sending)
+        return _series_times(starts, ends, send_starts, send_ends)
 
     async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                      chunk_tokens: int) -> tuple[float, float, int]:
@@ -389,6 +459,61 @@ class _RemotePair(_Pair):
                    via: int = 0) -> tuple[float, int]:
         return await self._transfer(room, data, expected, False, via)
 
+    async def _ask(self, cmd: dict[str, Any], sending: Callable[[], Coroutine[Any, Any, None]]) -> dict[str, Any]:
+        """Send ``cmd`` to the child, run ``sending`` here meanwhile; the child's answer."""
+        if self._ended is not None:
+            await self._fail(self._ended)
+        cid = next(self._ids)
+        done = anyio.Event()
+        box: list[dict[str, Any]] = []
+        self._waiting[cid] = (done, box)
+        await self.command(dict(cmd, id=cid, sender=self.senders[0].address))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sending)
+            await done.wait()
+        if not box:
+            await self._fail(self._ended or "no answer from the receiver child process")
+        ev = box[0]
+        if "error" in ev:
+            raise PeerProcessError(f"{cmd['op']} failed in the receiver child process: {ev['error']}")
+        return ev
+
+    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
+                  check: list[int] | None) -> tuple[float, int]:
+        send_end = [0.0]
+
+        async def sending() -> None:
+            await self.senders[0].send(room, data)
+            send_end[0] = time.monotonic()
+
+        n = next(iter(data.values())).shape[0]
+        t0 = time.monotonic()
+        ev = await self._ask({"op": "recv", "room": room, "expected": expected, "mode": mode, "check": check,
+                              "out_tokens": n}, sending)
+        return max(send_end[0], float(ev["t"])) - t0, int(ev.get("rounds") or 0)
+
+    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
+                     mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:
+        n = len(rooms)
+        send_starts, send_ends = [0.0] * n, [0.0] * n
+        it = iter(enumerate(rooms))
+
+        async def worker() -> None:
+            for i, room in it:
+                send_starts[i] = time.monotonic()
+                await self.senders[0].send(room, data)
+                send_ends[i] = time.monotonic()
+
+        async def sending() -> None:
+            async with anyio.create_task_group() as tg:
+                for _ in range(min(concurrency, n)):
+                    tg.start_soon(worker)
+
+        tokens = next(iter(data.values())).shape[0]
+        ev = await self._ask({"op": "series", "rooms": list(rooms), "concurrency": concurrency, "expected": expected,
+                              "mode": mode, "check": check, "out_tokens": tokens}, sending)
+        return _series_times([float(x) for x in ev["starts"]], [float(x) for x in ev["ends"]], send_starts, send_ends)
+
     async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                      chunk_tokens: int) -> tuple[float, float, int]:
         if self._ended is not None:
@@ -419,6 +544,19 @@ class _RemotePair(_Pair):
     async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                     via: int = 0) -> tuple[float, int]:
         return await self._transfer(room, data, expected, True, via)
+
+
+def _same(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> bool:
+    return all(torch.equal(got[k].contiguous().view(torch.uint8), want[k].contiguous().view(torch.uint8))
+               for k in want)
+
+
+def _series_times(starts: Sequence[float], ends: Sequence[float], send_starts: Sequence[float],
+                  send_ends: Sequence[float]) -> tuple[list[float], float]:
+    """Per-room latency (from the later of the two sides' starts to both done) and the makespan."""
+    latencies = [max(e, se) - max(s, ss) for s, e, ss, se in zip(starts, ends, send_starts, send_ends, strict=True)]
+    first = min(*starts, *send_starts)
+    return latencies, max(*ends, *send_ends) - first
 
 
 def _config_mapping(cfg: TransferConfig) -> dict[str, Any]:
@@ -757,6 +895,14 @@ class Measurer:
             "config": config_dict(cfg),
             "points": points,
         }
+
+    # -- the speed goals (W1, W2, W3) --------------------------------------------------------
+
+    async def run_goals(self) -> dict[str, Any]:
+        """See :mod:`aioembed.bench.goals`."""
+        from aioembed.bench.goals import run_goals
+
+        return await run_goals(self)
 
     # -- streaming -----------------------------------------------------------------------
 

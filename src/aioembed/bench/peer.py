@@ -7,9 +7,11 @@ started as ``python -m aioembed.bench.peer SPEC_JSON`` (spec: ``config``, ``hidd
 talks JSON lines, like :mod:`aioembed.testing.processes`:
 
 * stdout ``{"event": "ready", "pid": ...}`` once connected to every sender;
-* stdin ``{"op": "recv", "id": i, "room": r, "expected": n | null, "lease": bool, "sender": a}``:
-  start the room from the sender at ``a`` (default ``connect``) with ``receive()``, or
-  ``receive_leased()`` when ``lease``; stdout
+* stdin ``{"op": "recv", "id": i, "room": r, "expected": n | null, "mode": m, "sender": a, "check":
+  [seed, top], "out_tokens": k}``: start the room from the sender at ``a`` (default ``connect``) with
+  ``receive()`` (``mode`` copy), ``receive(out=...)`` into reused buffers of ``k`` rows (out) or
+  ``receive_leased()`` (lease); with ``check``, the rows are compared with the source the parent made
+  (``make_source(layout, top, seed)``) after the clock stopped; stdout
   ``{"event": "done", "id": i, "t": T, "rounds": k}`` when the rows are in hand, where ``T`` is
   ``time.monotonic()`` at that moment (one system-wide clock on Linux, so the parent times the
   transfer from its own start to ``max(send returned, T)``); a lease is released after ``T``
@@ -17,6 +19,9 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
 * stdin ``{"op": "stream", "id": i, "room": r, "expected": n | null, "chunk_tokens": c, "sender": a}``:
   receive the room with ``receiver.stream()``; stdout ``{"event": "done", "id": i, "t_first": T1,
   "t": T, "chunks": k}`` (the first chunk in hand at ``T1``, the last at ``T``);
+* stdin ``{"op": "series", "id": i, "rooms": [...], "concurrency": c, ...}`` (the ``recv`` fields
+  otherwise): receive the rooms in order, ``c`` at a time; stdout ``{"event": "done", "id": i,
+  "starts": [...], "ends": [...]}``: when each room was started and in hand;
 * stdin ``{"op": "exit"}`` or end of input: close the receiver and exit.
 
 The child runs under asyncio (which every transport supports) and reads stdin through the
@@ -32,7 +37,12 @@ import sys
 import time
 from typing import Any
 
+import anyio
+import torch
+
+from aioembed.bench.workloads import make_source
 from aioembed.config import TransferConfig
+from aioembed.layout import Layout
 from aioembed.samples import standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 
@@ -44,25 +54,90 @@ def _emit(**event: Any) -> None:
     sys.stdout.flush()
 
 
-async def _one(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
+class _Checker:
+    """The rows a room must hold (regenerated from the source's seed, as the sender made them), and the
+    reused ``out=`` buffers; checks run after the clock stopped."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._sources: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._out: dict[int, dict[str, torch.Tensor]] = {}
+
+    def out(self, tokens: int) -> dict[str, torch.Tensor]:
+        """Preallocated output of at least ``tokens`` rows, reused from room to room."""
+        have = max((n for n in self._out if n >= tokens), default=None)
+        if have is None:
+            self._out[tokens] = self.layout.empty(tokens)
+            have = tokens
+        return self._out[have]
+
+    def same(self, check: list[int] | None, rows: dict[str, torch.Tensor]) -> bool:
+        """True if ``rows`` are rows ``[0, n)`` of the source ``check = [seed, top]`` (or nothing to check)."""
+        if not check:
+            return True
+        seed, top = int(check[0]), int(check[1])
+        src = self._sources.get((seed, top))
+        if src is None:
+            src = self._sources[seed, top] = make_source(self.layout, top, seed=seed)
+        n = int(next(iter(rows.values())).shape[0])
+        return all(torch.equal(rows[k].contiguous().view(torch.uint8), src[k][:n].view(torch.uint8)) for k in src)
+
+
+async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cmd: dict[str, Any]) -> tuple[float, int]:
+    """One room as ``cmd`` says (``mode``: copy, out or lease); returns (``time.monotonic()`` once the rows
+    were in hand, rounds). Raises if the rows differ from the source (checked after the clock)."""
+    expected, sender, mode = cmd.get("expected"), cmd.get("sender"), cmd.get("mode") or (
+        "lease" if cmd.get("lease") else "copy")
+    if mode == "lease":
+        lease = await receiver.receive_leased(room, expected_tokens=expected, sender=sender)
+        t = time.monotonic()
+        rows = lease.to_tensors() if cmd.get("check") else {}
+        rounds = lease.rounds
+        lease.release()
+    else:
+        out = checker.out(int(cmd["out_tokens"])) if mode == "out" else None
+        got = await receiver.receive(room, expected_tokens=expected, sender=sender, out=out)
+        t = time.monotonic()
+        rows, rounds = got.tensors, got.rounds
+    if rows and not checker.same(cmd.get("check"), rows):
+        raise RuntimeError(f"room {room!r}: the rows differ from the source")
+    return t, rounds
+
+
+async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any]) -> None:
     cid = cmd["id"]
     try:
-        expected = cmd.get("expected")
-        sender = cmd.get("sender")
-        if cmd.get("lease"):
-            lease = await receiver.receive_leased(cmd["room"], expected_tokens=expected, sender=sender)
-            t = time.monotonic()
-            rounds = lease.rounds
-            lease.release()
-        else:
-            got = await receiver.receive(cmd["room"], expected_tokens=expected, sender=sender)
-            t = time.monotonic()
-            rounds = got.rounds
-            del got
+        t, rounds = await _receive(receiver, checker, cmd["room"], cmd)
     except Exception as exc:
         _emit(event="done", id=cid, error=f"{type(exc).__name__}: {exc}")
         return
     _emit(event="done", id=cid, t=t, rounds=rounds)
+
+
+async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any]) -> None:
+    """Rooms ``cmd["rooms"]`` in order, ``concurrency`` at a time, each started as soon as a worker is
+    free; reports when each was started and in hand (no pipe round trip inside any room's time)."""
+    cid, rooms = cmd["id"], list(cmd["rooms"])
+    starts: list[float] = [0.0] * len(rooms)
+    ends: list[float] = [0.0] * len(rooms)
+    errors: list[str] = []
+    it = iter(enumerate(rooms))
+
+    async def worker() -> None:
+        for i, room in it:
+            starts[i] = time.monotonic()
+            try:
+                ends[i], _ = await _receive(receiver, checker, room, cmd)
+            except Exception as exc:
+                errors.append(f"{room}: {type(exc).__name__}: {exc}")
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(int(cmd["concurrency"]), len(rooms))):
+            tg.start_soon(worker)
+    if errors:
+        _emit(event="done", id=cid, error=f"{len(errors)} rooms failed, first: {errors[0]}")
+    else:
+        _emit(event="done", id=cid, starts=starts, ends=ends)
 
 
 async def _stream(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
@@ -89,6 +164,7 @@ async def _run(spec: dict[str, Any]) -> None:
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     tasks: set[asyncio.Task[None]] = set()
+    checker = _Checker(layout)
     async with EmbeddingReceiver(layout, config, connect=spec["connect"]) as receiver:
         for address in spec.get("senders") or [spec["connect"]]:
             await receiver.wait_connected(timeout=config.handshake_timeout * 3, sender=address)
@@ -100,8 +176,9 @@ async def _run(spec: dict[str, Any]) -> None:
             cmd = json.loads(line)
             if cmd.get("op") == "exit":
                 break
-            if cmd.get("op") in ("recv", "stream"):
-                task = asyncio.create_task(_one(receiver, cmd) if cmd["op"] == "recv" else _stream(receiver, cmd))
+            if cmd.get("op") in ("recv", "stream", "series"):
+                run = {"recv": _one, "series": _series}.get(cmd["op"])
+                task = asyncio.create_task(run(receiver, checker, cmd) if run else _stream(receiver, cmd))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         for task in list(tasks):

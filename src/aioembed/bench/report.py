@@ -1,9 +1,8 @@
-"""Turning a benchmark result into targets, a rich table, JSON and a plot."""
+"""Turning a benchmark result into rich tables and a plot (needs the ``cli`` extra: ``rich``)."""
 
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -11,61 +10,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["PLOT_HINT", "evaluate_targets", "render", "write_plot"]
+from aioembed.bench.targets import number
+
+__all__ = ["PLOT_HINT", "render", "write_plot"]
 
 PLOT_HINT = "--plot needs matplotlib, an optional extra: pip install 'aioembed[plot]'"
 
 
 def _num(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
-
-
-def _target(name: str, threshold: str, measured: float | None, met: bool | None, note: str) -> dict[str, Any]:
-    return {"target": name, "threshold": threshold, "measured": measured, "met": met, "note": note}
-
-
-def evaluate_targets(workloads: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, checked against what this run measured (``met`` is None if not measured)."""
-    out: list[dict[str, Any]] = []
-    sizes = workloads.get("sizes", {}).get("points", [])
-    large = [p for p in sizes if p.get("tokens", 0) >= 8192]
-    for key, what in (("ratio", "copying receive()"), ("zero_copy_ratio", "zero-copy receive_leased()")):
-        vals = [v for p in large if (v := _num(p.get(key))) is not None]
-        worst = min(vals) if vals else None
-        at = next((p["label"] for p in large if _num(p.get(key)) == worst), None) if worst is not None else None
-        out.append(_target(f"large requests (>= 8192 tokens), {what}: throughput / raw", ">= 0.95", worst,
-                           None if worst is None else worst >= 0.95,
-                           f"worst point: {at}" if at else "not measured (needs sizes >= 8192 and a raw baseline)"))
-    resume = workloads.get("resume", {}).get("summary", {})
-    for key, what in (("two_over_one", "copying"), ("zero_copy_two_over_one", "zero-copy")):
-        v = _num(resume.get(key))
-        if key == "two_over_one" or v is not None:
-            out.append(_target(f"resume, {what}: two rounds / one round (time)", "<= 1.10", v,
-                               None if v is None else v <= 1.10, "median times" if v is not None else "not measured"))
-    conc = workloads.get("concurrency", {}).get("points", [])
-    p64 = next((p for p in conc if p.get("mix") == "small" and p.get("concurrency") == 64), None)
-    tps = _num(p64.get("transfers_per_s")) if p64 else None
-    p50 = _num(p64.get("latency_p50_s")) if p64 else None
-    note64 = "small requests, 64 rooms in flight (closed loop)" if p64 else "not measured (needs small x64)"
-    out.append(_target("small requests x64 rooms: transfers/s", ">= 2000", tps,
-                       None if tps is None else tps >= 2000, note64))
-    out.append(_target("small requests x64 rooms: p50 latency (s)", "<= 0.001", p50,
-                       None if p50 is None else p50 <= 0.001,
-                       note64 + ("; with 64 rooms in flight, Little's law gives p50 ~ 64 / (transfers/s)"
-                                 if p64 else "")))
-    idle = workloads.get("idle", {})
-    v = _num(idle.get("cpu_s_per_s"))
-    out.append(_target(f"idle: CPU s/s with {idle.get('rooms', 1000)} pending rooms", "<= 0.01", v,
-                       None if v is None else v <= 0.01,
-                       "whole process (sender + receiver, all threads): an upper bound on the receiver's share"
-                       if v is not None else "not measured"))
-    mem = workloads.get("memory", {})
-    v = _num(mem.get("ratio"))
-    out.append(_target(f"memory: receiver peak RSS / (pool + output), {mem.get('tokens', 50000)} tokens", "<= 1.10",
-                       v, None if v is None else v <= 1.10,
-                       "child process; source subtracted; sender overhead counted" if v is not None
-                       else "not measured"))
-    return out
+    return number(x)
 
 
 def _fmt_mbps(s: Mapping[str, Any] | None, spread: bool = True) -> str:
@@ -110,6 +63,8 @@ def _points_table(result: Mapping[str, Any]) -> Table:
     t.add_column("p50 ms", justify="right")
     t.add_column("transfers/s", justify="right")
     for name, w in result["workloads"].items():
+        if name == "goals":
+            continue  # its own table below
         for p in w.get("points", []):
             summ = p["summary"]
             a = summ.get(p["aioembed_variant"])
@@ -165,6 +120,32 @@ def _other_table(result: Mapping[str, Any]) -> Table | None:
     return t
 
 
+def _goals_table(goals: Mapping[str, Any]) -> Table:
+    """W1/W2 in GB/s and W3 in requests/s, per receive mode and raw."""
+    t = Table(title=f"speed goals - transport {goals['config']['transport']} (medians)")
+    t.add_column("point")
+    for col in ("leased", "out=", "receive()", "raw"):
+        t.add_column(col, justify="right")
+    for p in goals.get("points", []):
+        raw = p.get("raw_method")
+        if "gbps" in p and "rounds_over_one" not in p:
+            cells = [f"{p['gbps'][m]:.2f} GB/s ({_fmt_ratio(p['ratio'][m])})" for m in ("leased", "out", "receive")]
+            t.add_row(p["label"], *cells, f"{p['gbps'][raw]:.2f} GB/s" if raw else "n/a")
+        elif "gbps" in p:
+            for kind in ("rounds", "one"):
+                cells = [f"{p['gbps'][f'{m}:{kind}']:.2f} GB/s ({_fmt_ratio(p['ratio'][f'{m}:{kind}'])})"
+                         for m in ("leased", "out", "receive")]
+                t.add_row(f"{p['label']}: {kind}", *cells, f"{p['gbps'][raw]:.2f} GB/s" if raw else "n/a")
+        else:
+            tail = "p99" if p["concurrency"] > 1 else "p50"
+            key = f"{tail}_s"
+            cells = [f"{p['req_per_s'][m]:,.0f} req/s ({tail} {_fmt_ms(p[key][m])} ms)"
+                     for m in ("leased", "out", "receive")]
+            t.add_row(p["label"], *cells,
+                      f"{p['req_per_s'][raw]:,.0f} req/s ({tail} {_fmt_ms(p[key][raw])} ms)" if raw else "n/a")
+    return t
+
+
 def _targets_table(targets: Iterable[Mapping[str, Any]]) -> Table:
     t = Table(title="targets (benchmarks, not tests)")
     t.add_column("target")
@@ -181,7 +162,10 @@ def _targets_table(targets: Iterable[Mapping[str, Any]]) -> Table:
 
 def render(result: Mapping[str, Any], console: Console) -> None:
     """Print the tables, configs and notes of ``result``."""
-    console.print(_points_table(result))
+    if any(name != "goals" for name in result["workloads"]):
+        console.print(_points_table(result))
+    if "goals" in result["workloads"]:
+        console.print(_goals_table(result["workloads"]["goals"]))
     other = _other_table(result)
     if other is not None:
         console.print(other)

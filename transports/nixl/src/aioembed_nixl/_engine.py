@@ -1,0 +1,300 @@
+"""The NIXL state of one endpoint: its agent, registrations, peers and prepared lists.
+
+Every method runs on the endpoint's worker thread (:mod:`aioembed_nixl._worker`), so none of this is
+shared with the event loop and none of it needs a lock. Errors are NIXL's own exceptions; the
+transport maps them to ``TransportError`` with the agent and peer named.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from aioembed.transports.base import MemoryRegion
+
+from aioembed_nixl._descriptor import PeerDescriptor
+from aioembed_nixl._dlists import GranuleList, Piece, SegmentIndex, cut_pieces, device_id, mem_type
+from aioembed_nixl._native import Nixl, create_agent
+from aioembed_nixl._options import NixlOptions
+from aioembed_nixl._worker import AgentWorker, Posted, WriteJob
+
+__all__ = ["Engine", "LinkState"]
+
+log = logging.getLogger("aioembed.transports.nixl")
+
+_LOCAL = "NIXL_INIT_AGENT"
+
+
+class _Prepared:
+    """A prepared remote list, and how many posted transfers still use it."""
+
+    __slots__ = ("handle", "retired", "users", "version")
+
+    def __init__(self, handle: Any, version: int) -> None:
+        self.handle = handle
+        self.version = version
+        self.users = 0
+        self.retired = False
+
+    def release_if_unused(self) -> None:
+        if self.retired and self.users == 0 and self.handle is not None:
+            handle, self.handle = self.handle, None
+            handle.release()
+
+
+class _Peer:
+    """A remote agent whose metadata this agent holds, with its links and transfers."""
+
+    __slots__ = ("inflight", "links", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.links = 0
+        self.inflight = 0
+
+
+class LinkState:
+    """Thread-side state of one link: the peer's segments and its prepared list per memory type."""
+
+    def __init__(self, peer: _Peer, regions: Sequence[MemoryRegion]) -> None:
+        self.peer = peer
+        self.segments = SegmentIndex(regions)
+        self.closed = False
+        self.lists: dict[str, tuple[GranuleList, dict[int, int]]] = {}
+        by_type: dict[str, list[int]] = {}
+        for i, s in enumerate(self.segments.segments):
+            by_type.setdefault(mem_type(s.device), []).append(i)
+        for mem, idx in by_type.items():
+            self.lists[mem] = (GranuleList([self.segments.segments[i] for i in idx]), {g: k for k, g in enumerate(idx)})
+        self.prepared: dict[str, _Prepared] = {}
+
+
+class _Resources:
+    """What one posted transfer holds until it has ended."""
+
+    __slots__ = ("engine", "local", "own_remote", "peer", "prepared", "xfer")
+
+    def __init__(self, engine: Engine, peer: _Peer, xfer: Any, *, local: Any, own_remote: Any,
+                 prepared: _Prepared | None) -> None:
+        self.engine = engine
+        self.peer = peer
+        self.xfer = xfer
+        self.local = local
+        self.own_remote = own_remote
+        self.prepared = prepared
+
+    def release(self, posted: Posted, ended: bool) -> None:
+        xfer, self.xfer = self.xfer, None
+        posted.handle = None
+        if xfer is not None:
+            try:
+                xfer.release()  # for a transfer still in flight NIXL *tries* to cancel it (see README)
+            except Exception as exc:
+                log.warning("nixl: could not release a transfer handle (%s: %s); left to the agent's teardown",
+                            type(exc).__name__, exc)
+                xfer._released = True  # never again from __del__: the agent may be gone by then
+        for name in ("local", "own_remote"):
+            handle = getattr(self, name)
+            setattr(self, name, None)
+            if handle is not None:
+                handle.release()
+        if self.prepared is not None:
+            self.prepared.users -= 1
+            self.prepared.release_if_unused()
+            self.prepared = None
+        self.peer.inflight -= 1
+        self.engine.forget_if_unused(self.peer)
+
+
+class Engine:
+    """NIXL agent of one endpoint (see the module docstring)."""
+
+    def __init__(self, nixl: Nixl, name: str, options: NixlOptions) -> None:
+        self.name = name
+        self.backend = options.backend
+        self._backends = [options.backend]
+        self.agent: Any = create_agent(nixl, name, options)
+        self.mem_types = [str(m) for m in self.agent.get_backend_mem_types(options.backend)]
+        self._regs: dict[MemoryRegion, Any] = {}
+        self._local: SegmentIndex | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._links: list[LinkState] = []
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register distinct new regions (each on its own, so each can be deregistered on its own)."""
+        done: list[MemoryRegion] = []
+        try:
+            for r in regions:
+                desc = [(r.address, r.length, device_id(r.device), "")]
+                self.agent.register_memory(desc, mem_type(r.device), backends=self._backends)
+                self._regs[r] = self.agent.get_reg_descs(desc, mem_type(r.device))
+                done.append(r)
+        except BaseException:
+            self.deregister(done)
+            raise
+        finally:
+            self._local = None
+
+    def deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self._local = None
+        failed: list[str] = []
+        for r in regions:
+            reg = self._regs.pop(r, None)
+            if reg is None:
+                continue
+            try:
+                self.agent.deregister_memory(reg, backends=self._backends)
+            except Exception as exc:
+                failed.append(f"{r}: {type(exc).__name__}: {exc}")
+        if failed:
+            raise RuntimeError(f"deregister_memory failed for {len(failed)} region(s): {'; '.join(failed[:3])}")
+
+    def local_segments(self) -> SegmentIndex:
+        if self._local is None:
+            self._local = SegmentIndex(self._regs)
+        return self._local
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def connect(self, desc: PeerDescriptor) -> LinkState:
+        """Load the peer's metadata (a second link to the same agent reloads it: NIXL merges), check
+        that it is the agent the descriptor names, and open its connection now rather than at the
+        first write."""
+        if desc.agent == self.name:
+            name = self.name  # loopback: NIXL prepares remote lists under the agent's own name
+        else:
+            loaded = self.agent.add_remote_agent(desc.metadata)
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != desc.agent:
+                self.agent.remove_remote_agent(name)
+                raise ValueError(f"the descriptor names agent {desc.agent!r} but its metadata is agent {name!r}")
+            self.agent.make_connection(name, backends=self._backends)
+        peer = self._peers.setdefault(name, _Peer(name))
+        peer.links += 1
+        link = LinkState(peer, desc.regions)
+        self._links.append(link)
+        return link
+
+    def close_link(self, link: LinkState) -> None:
+        if link.closed:
+            return
+        link.closed = True
+        self._links.remove(link)
+        for prepared in link.prepared.values():
+            prepared.retired = True
+            prepared.release_if_unused()
+        link.prepared.clear()
+        link.peer.links -= 1
+        self.forget_if_unused(link.peer)
+
+    def forget_if_unused(self, peer: _Peer) -> None:
+        """Drop a peer's metadata once no link and no transfer uses it (doing it earlier would orphan the
+        transfers: ``check_xfer_state`` then raises NOT_FOUND while their bytes still land)."""
+        if peer.links > 0 or peer.inflight > 0 or self._peers.get(peer.name) is not peer:
+            return
+        del self._peers[peer.name]
+        if peer.name != self.name and self.agent is not None:
+            self.agent.remove_remote_agent(peer.name)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def post_write(self, job: WriteJob, link: LinkState, ops: Sequence[tuple[int, int, int]]) -> None:
+        """Build and post the transfers of one write (one per pair of memory types, usually one)."""
+        if link.closed:
+            raise RuntimeError("the link was closed")
+        local = self.local_segments()
+        pieces = cut_pieces(ops, local, link.segments)
+        groups: dict[tuple[str, str], list[Piece]] = {}
+        for p in pieces:
+            key = (mem_type(local.segments[p.local].device), mem_type(link.segments.segments[p.remote].device))
+            groups.setdefault(key, []).append(p)
+        for (lmem, rmem), group in groups.items():
+            self._post(job, link, group, mems=(lmem, rmem), local=local)
+
+    def _prepared(self, link: LinkState, rmem: str, glist: GranuleList) -> _Prepared:
+        current = link.prepared.get(rmem)
+        if current is not None and current.version == glist.version:
+            return current
+        handle = self.agent.prep_xfer_dlist(link.peer.name, glist.descriptors(), rmem, backends=self._backends)
+        if current is not None:
+            current.retired = True
+            current.release_if_unused()
+        fresh = _Prepared(handle, glist.version)
+        link.prepared[rmem] = fresh
+        return fresh
+
+    def _post(self, job: WriteJob, link: LinkState, group: list[Piece], *, mems: tuple[str, str],
+              local: SegmentIndex) -> None:
+        lmem, rmem = mems
+        glist, index = link.lists[rmem]
+        plan = glist.plan([p._replace(remote=index[p.remote]) for p in group], local)
+        prepared: _Prepared | None = None
+        own_remote: Any = None
+        local_list: Any = None
+        try:
+            if plan.remote_indices is not None:
+                prepared = self._prepared(link, rmem, glist)
+                remote, indices = prepared.handle, plan.remote_indices
+            else:
+                assert plan.remote is not None
+                own_remote = self.agent.prep_xfer_dlist(link.peer.name, plan.remote, rmem, backends=self._backends)
+                remote, indices = own_remote, np.arange(len(plan.remote), dtype=np.int32)
+            local_list = self.agent.prep_xfer_dlist(_LOCAL, plan.local, lmem, backends=self._backends)
+            xfer = self.agent.make_prepped_xfer("WRITE", local_list, np.arange(len(plan.local), dtype=np.int32),
+                                                remote, indices, backends=self._backends)
+        except BaseException:
+            for handle in (local_list, own_remote):
+                if handle is not None:
+                    handle.release()
+            raise
+        res = _Resources(self, link.peer, xfer, local=local_list, own_remote=own_remote, prepared=prepared)
+        if prepared is not None:
+            prepared.users += 1
+        link.peer.inflight += 1
+        posted = Posted(xfer, plan.nbytes, self.agent.check_xfer_state, res.release)
+        try:
+            state = self.agent.transfer(xfer)
+        except BaseException:
+            posted.ended = True
+            res.release(posted, True)  # refused at post: nothing of it moved
+            raise
+        job.posted.append(posted)
+        if state != "PROC":
+            posted.ended = True
+            res.release(posted, True)
+            if state != "DONE":
+                raise RuntimeError(f"transfer() returned {state!r}")
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def teardown(self, worker: AgentWorker) -> None:
+        """Release everything and destroy the agent (on this thread: its destructor joins NIXL's progress
+        thread). Destroying the agent is also the only way to stop transfers still in flight."""
+        problems: list[str] = []
+
+        def attempt(what: str, fn: Any, *args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                problems.append(f"{what}: {type(exc).__name__}: {exc}")
+
+        for posted in worker.drain_inflight("the endpoint closed"):
+            attempt("releasing a transfer in flight", posted.release, posted, False)
+        for link in list(self._links):
+            attempt("closing a link", self.close_link, link)
+        attempt("deregistering memory", self.deregister, list(self._regs))
+        for peer in list(self._peers.values()):
+            del self._peers[peer.name]
+            if peer.name != self.name:
+                attempt(f"forgetting agent {peer.name}", self.agent.remove_remote_agent, peer.name)
+        agent, self.agent = self.agent, None
+        del agent  # the last reference: the native agent is destroyed here
+        if problems:
+            log.warning("nixl agent %s: teardown: %s", self.name, "; ".join(problems))

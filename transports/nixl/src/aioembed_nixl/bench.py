@@ -1,0 +1,244 @@
+"""Raw baseline of ``aioembed bench --transport nixl``: two NIXL agents with no aioembed on the path.
+
+Registered in the entry-point group ``aioembed.bench_baselines`` as ``nixl``. A peer process
+(``python -m aioembed_nixl.bench SPEC``) creates a NIXL agent exactly as the transport does
+(:func:`aioembed_nixl._native.create_agent`, same ``transport_options``: backend, ``ucx_tls``,
+``ucx_options``, ``progress_delay``), registers one zero-filled destination tensor per layout field of
+``capacity_tokens`` rows and prints its agent metadata. The benchmark process creates its own agent,
+registers the source tensors and loads that metadata. Per transfer of ``n`` tokens it writes rows
+``[0, n)`` of every field as **one** NIXL transfer and waits in a tight ``check_xfer_state`` loop on
+the calling thread (NIXL's examples do the same; nothing else runs during a raw measurement). Methods:
+
+* ``prepped``: local and remote lists of one descriptor per row, prepared once at setup (what a
+  NIXL user with a row or block pool does); a transfer is ``make_prepped_xfer`` with the row indices;
+* ``initialize_xfer``: one descriptor per field on each side, built for the transfer and passed to
+  ``initialize_xfer`` (NIXL's combined call).
+
+The faster median counts as raw. After setup one transfer of up to 64 tokens is checked bit for bit
+in the peer (SHA-256 per field), so the baseline cannot time transfers that land nowhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from aioembed.config import TransferConfig
+from aioembed.errors import TransportError
+from aioembed.layout import Layout
+
+from aioembed_nixl._native import create_agent, load_nixl
+from aioembed_nixl._options import NixlOptions
+
+__all__ = ["NixlBaseline", "main"]
+
+_CHECK_TOKENS = 64
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _rows(base: int, rows: int, row_bytes: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """``rows x 3`` descriptors (address, length, device 0): one per row."""
+    arr = np.empty((rows, 3), dtype=np.uint64)
+    arr[:, 0] = np.uint64(base) + np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes)
+    arr[:, 1] = row_bytes
+    arr[:, 2] = 0
+    return arr
+
+
+def _wait(agent: Any, xfer: Any, timeout: float) -> None:
+    state = agent.transfer(xfer)
+    deadline = time.monotonic() + timeout
+    while state == "PROC":
+        if time.monotonic() > deadline:
+            raise TransportError(f"nixl baseline: a transfer did not complete within {timeout} s")
+        state = agent.check_xfer_state(xfer)
+    if state != "DONE":
+        raise TransportError(f"nixl baseline: transfer ended in state {state!r}")
+
+
+class NixlBaseline:
+    """Direct NIXL writes into a peer process's preallocated tensors (see the module doc)."""
+
+    description = (
+        "NIXL without aioembed: an agent per process (same backend/ucx_tls/progress_delay), per transfer one WRITE "
+        "of every field's rows, prepared row lists (make_prepped_xfer) or initialize_xfer, waited in a tight "
+        "check_xfer_state loop on the calling thread"
+    )
+    methods: tuple[str, ...] = ("prepped", "initialize_xfer")
+    cross_process = True
+
+    def __init__(self, layout: Layout, config: TransferConfig) -> None:
+        self.layout = layout
+        self.options = dict(config.transport_options)
+        self._opts = NixlOptions.parse(self.options)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stderr: Any = None
+        self._agent: Any = None
+        self._peer = ""
+        self._src: dict[str, torch.Tensor] = {}
+        self._dst: dict[str, int] = {}
+        self._local: Any = None
+        self._remote: Any = None
+        self._bases: dict[str, int] = {}
+
+    async def _line(self, timeout: float = 60.0) -> dict[str, Any]:
+        assert self._proc is not None and self._proc.stdout is not None
+        line = await asyncio.wait_for(self._proc.stdout.readline(), timeout)
+        if not line:
+            raise TransportError(f"nixl baseline peer process ended: {self._peer_stderr()}")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    async def _ask(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        await self._proc.stdin.drain()
+        return await self._line()
+
+    def _peer_stderr(self) -> str:
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        return str(self._stderr.read().decode(errors="replace")[-2000:])
+
+    async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
+        spec = {"options": self.options, "capacity": capacity_tokens,
+                "fields": [[name, f.row_bytes] for name, f in self.layout.items()]}
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in aclose()
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "aioembed_nixl.bench", json.dumps(spec),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        ready = await self._line()
+        self._src = {name: sources[name].contiguous() for name in self.layout}
+        self._dst = {str(k): int(v) for k, v in ready["addresses"].items()}
+        await asyncio.to_thread(self._prepare, bytes.fromhex(ready["metadata"]), capacity_tokens)
+        n = min(_CHECK_TOKENS, capacity_tokens)
+        await self.transfer("prepped", n)
+        got = await self._ask({"op": "sum", "tokens": n})
+        want = {name: _digest(t[:n]) for name, t in self._src.items()}
+        if got.get("sums") != want:
+            raise TransportError("nixl baseline: the check transfer did not land bit for bit in the peer")
+
+    def _prepare(self, metadata: bytes, capacity: int) -> None:
+        nixl = load_nixl()
+        self._agent = agent = create_agent(nixl, f"aioembed-bench-{uuid.uuid4().hex[:12]}", self._opts)
+        for t in self._src.values():
+            agent.register_memory([(t.data_ptr(), t.numel() * t.element_size(), 0, "")], "DRAM")
+        loaded = agent.add_remote_agent(metadata)
+        self._peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        agent.make_connection(self._peer)
+        local, remote = [], []
+        for i, (name, f) in enumerate(self.layout.items()):
+            local.append(_rows(self._src[name].data_ptr(), capacity, f.row_bytes))
+            remote.append(_rows(self._dst[name], capacity, f.row_bytes))
+            self._bases[name] = i * capacity  # field i's rows start here in both lists
+        self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.concatenate(local), "DRAM")
+        self._remote = agent.prep_xfer_dlist(self._peer, np.concatenate(remote), "DRAM")
+
+    def _transfer(self, method: str, num_tokens: int) -> None:
+        agent = self._agent
+        timeout = self._opts.write_timeout
+        if method == "prepped":
+            rows = np.arange(num_tokens, dtype=np.int32)
+            indices = np.concatenate([rows + self._bases[n] for n in self.layout])
+            xfer = agent.make_prepped_xfer("WRITE", self._local, indices, self._remote, indices)
+        elif method == "initialize_xfer":
+            spans = [(self._src[n].data_ptr(), self._dst[n], num_tokens * f.row_bytes) for n, f in self.layout.items()]
+            ld = agent.get_xfer_descs([(s, k, 0) for s, _, k in spans], "DRAM")
+            rd = agent.get_xfer_descs([(d, k, 0) for _, d, k in spans], "DRAM")
+            xfer = agent.initialize_xfer("WRITE", ld, rd, self._peer)
+        else:
+            raise ValueError(f"unknown nixl baseline method {method!r}; known: {self.methods}")
+        try:
+            _wait(agent, xfer, timeout)
+        finally:
+            xfer.release()
+
+    async def transfer(self, method: str, num_tokens: int) -> None:
+        self._transfer(method, num_tokens)  # blocking on purpose: nothing else runs during a raw measurement
+        await asyncio.sleep(0)
+
+    async def aclose(self) -> None:
+        if self._proc is not None:
+            try:
+                await asyncio.wait_for(self._ask({"op": "exit"}), 10)
+                await asyncio.wait_for(self._proc.wait(), 10)
+            except (TransportError, OSError, TimeoutError, ConnectionError):
+                pass
+            if self._proc.returncode is None:
+                self._proc.kill()
+                await self._proc.wait()
+            self._proc = None
+        if self._agent is not None:
+            for handle in (self._local, self._remote):
+                if handle is not None:
+                    handle.release()
+            self._local = self._remote = None
+            agent, self._agent = self._agent, None
+            await asyncio.to_thread(_drop, agent)
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+        self._src = {}
+
+
+def _drop(agent: Any) -> None:
+    """Destroy the agent off the loop (its destructor joins NIXL's progress thread)."""
+    del agent
+
+
+# -- the peer process --------------------------------------------------------------------
+
+
+def _peer(spec: dict[str, Any]) -> None:
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # native libraries print to fd 1; keep it for the JSON lines only
+    opts = NixlOptions.parse(spec["options"])
+    agent = create_agent(load_nixl(), f"aioembed-bench-peer-{uuid.uuid4().hex[:12]}", opts)
+    capacity = int(spec["capacity"])
+    rows = {str(name): int(row) for name, row in spec["fields"]}
+    dst = {name: torch.zeros(capacity * row, dtype=torch.uint8) for name, row in rows.items()}
+    for t in dst.values():
+        agent.register_memory([(t.data_ptr(), t.numel(), 0, "")], "DRAM")
+
+    def emit(**event: Any) -> None:
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+
+    emit(metadata=bytes(agent.get_agent_metadata()).hex(), addresses={k: t.data_ptr() for k, t in dst.items()},
+         pid=os.getpid())
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "sum":
+            n = int(cmd["tokens"])
+            emit(sums={k: _digest(t[: n * rows[k]]) for k, t in dst.items()})
+        elif cmd.get("op") == "exit":
+            emit(bye=True)
+            break
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Peer process entry point: ``python -m aioembed_nixl.bench SPEC_JSON``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m aioembed_nixl.bench SPEC_JSON")
+    _peer(json.loads(args[0]))
+
+
+if __name__ == "__main__":
+    main()

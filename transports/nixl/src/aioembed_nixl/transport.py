@@ -1,0 +1,333 @@
+"""The ``nixl`` transport: aioembed's Transport / Link on a NIXL agent (one-sided writes).
+
+An endpoint is one NIXL agent with one backend (UCX by default). The receiver registers its pool
+and announces it in a msgpack descriptor that carries NIXL's agent metadata; a sender loads that
+metadata (``add_remote_agent``) and writes straight into the pool: the owner takes no part in a
+write, beyond its UCX worker being progressed by NIXL's progress thread (needed over TCP).
+
+Every NIXL call runs on the endpoint's worker thread (:mod:`aioembed_nixl._worker`), which also
+waits for completion: ``Link.write`` returns once ``check_xfer_state`` said DONE on this side (the
+initiator), which for a NIXL write means the bytes are in the peer's memory. NIXL notifications are
+not used: a notification says a message arrived, not that a transfer completed.
+
+Works under asyncio and trio. What NIXL cannot do (cancel a posted write, cut off a writer) and what
+the plugin declares for it is in the README.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Self
+
+import anyio
+import anyio.to_thread
+from aioembed.errors import ConfigError, TransportError
+from aioembed.transports.base import (
+    Link,
+    MemoryRegion,
+    RegionSet,
+    Transport,
+    TransportCapabilities,
+    WriteOp,
+)
+
+from aioembed_nixl._descriptor import check_device, decode, encode
+from aioembed_nixl._engine import Engine, LinkState
+from aioembed_nixl._loop import LoopWaker
+from aioembed_nixl._native import Nixl, load_nixl
+from aioembed_nixl._options import NixlOptions
+from aioembed_nixl._worker import AgentWorker, WriteJob
+
+__all__ = ["NixlLink", "NixlTransport"]
+
+log = logging.getLogger("aioembed.transports.nixl")
+
+
+def _native(what: str, exc: BaseException, *, may_land: bool | None = None) -> TransportError:
+    """A ``TransportError`` for a NIXL failure, naming what was being done (the original is the cause)."""
+    err = TransportError(f"{what} failed: {type(exc).__name__}: {exc}", may_land=may_land)
+    err.__cause__ = exc
+    return err
+
+
+def _coalesce(ops: Sequence[WriteOp]) -> list[tuple[int, int, int]]:
+    """Merge ops that continue the previous one on both sides."""
+    out: list[tuple[int, int, int]] = []
+    for op in ops:
+        if out:
+            s, d, n = out[-1]
+            if s + n == op.src and d + n == op.dst:
+                out[-1] = (s, d, n + op.length)
+                continue
+        out.append((op.src, op.dst, op.length))
+    return out
+
+
+class NixlTransport(Transport):
+    """Endpoint of the ``nixl`` transport: one NIXL agent. Options: see :class:`NixlOptions`."""
+
+    name: ClassVar[str] = "nixl"
+    capabilities = TransportCapabilities(
+        cuda=True,  # the cu12/cu13 builds register VRAM through UCX; refused at register() where it cannot work
+        asyncio_only=False,
+        cross_process=True,
+        # A posted NIXL write cannot be cancelled: releasing its handle or removing the peer's metadata
+        # does not stop it, and it keeps landing (measured: README). Only destroying the agent stops it.
+        cancel_safe_writes=False,
+        # Nothing the owner can call stops a writer: remove_remote_agent and deregister_memory on the owner
+        # leave later writes landing, and shared-memory writes (cma) need no help from the owner at all.
+        revocable=False,
+        write_lifetime=30.0,  # per endpoint: write_timeout (see the property)
+        # A writer whose process ended: its kernel still delivers what it had sent (socket buffers).
+        orphan_lifetime=2.0,
+    )
+
+    def __init__(self, options: NixlOptions, nixl: Nixl, worker: AgentWorker, engine: Engine) -> None:
+        self.options = options
+        self.nixl = nixl
+        self.agent_name = engine.name
+        self.closed = False
+        self._worker = worker
+        self._engine = engine
+        self._regions = RegionSet()
+        self._devices: dict[str, RegionSet] = {}
+        self._links: set[NixlLink] = set()
+        self._reg_lock = anyio.Lock()
+
+    def __repr__(self) -> str:
+        return f"<NixlTransport {self.agent_name} {self.options.backend} {'closed' if self.closed else 'open'}>"
+
+    @property
+    def regions(self) -> RegionSet:
+        """Every registered region (with repeats), for inspection."""
+        return self._regions
+
+    @property
+    def write_lifetime(self) -> float:
+        """A write that failed at ``write_timeout`` keeps moving (NIXL cannot abort it); at a running
+        destination it ends at link speed. Declared: as long again as the write was given."""
+        return self.options.write_timeout
+
+    @property
+    def writer_id(self) -> str:
+        return self.agent_name
+
+    @property
+    def worker(self) -> AgentWorker:
+        """The endpoint's NIXL thread (for tests and metrics)."""
+        return self._worker
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, options: Mapping[str, Any]) -> Self:
+        opts = NixlOptions.parse(options)
+        waker = LoopWaker()
+        nixl = await anyio.to_thread.run_sync(load_nixl)
+        name = f"aioembed-{uuid.uuid4().hex}"
+        worker = AgentWorker(name, waker)
+        try:
+            engine = await worker.call(lambda: Engine(nixl, name, opts))
+        except BaseException as exc:
+            worker.stop()
+            with anyio.CancelScope(shield=True):
+                await worker.join()
+            if isinstance(exc, Exception) and not isinstance(exc, (ConfigError, TransportError)):
+                raise _native(f"nixl: creating agent {name} with backend {opts.backend!r}", exc) from exc
+            raise
+        log.info("nixl transport: agent %s up (%s, backend %s, memory types %s)", name, nixl.module, opts.backend,
+                 engine.mem_types)
+        return cls(opts, nixl, worker, engine)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TransportError(f"nixl endpoint {self.agent_name} is closed")
+
+    async def aclose(self) -> None:
+        """Tear the agent down now: writes still in flight fail (and stop: destroying the agent is the one
+        way to stop a NIXL transfer), registrations are released, NIXL's threads end."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            for link in list(self._links):
+                link._closed = True
+            self._links.clear()
+            engine = self._engine
+            try:
+                await self._worker.call(lambda: engine.teardown(self._worker))
+            except Exception as exc:
+                log.warning("nixl agent %s: teardown failed: %s: %s", self.agent_name, type(exc).__name__, exc)
+            finally:
+                self._worker.stop()
+                await self._worker.join()
+            self._regions = RegionSet()
+            self._devices.clear()
+
+    # -- registration --------------------------------------------------------------------
+
+    def _check_cuda(self, region: MemoryRegion) -> None:
+        """Refuse CUDA memory where it cannot work, before NIXL is asked (its errors say little)."""
+        if region.device == "cpu":
+            return
+        if "VRAM_SEG" not in self._engine.mem_types:
+            raise ConfigError(f"nixl backend {self.options.backend!r} of this NIXL build ({self.nixl.module}) cannot "
+                              f"register {region.device} memory: its memory types are {self._engine.mem_types}")
+        import torch
+
+        index = int(region.device.split(":", 1)[1])
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(f"nixl transport cannot register {region.device} memory: this process sees "
+                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s)")
+        if self.options.backend == "UCX" and self.options.ucx_tls and "cuda" not in self.options.ucx_tls \
+                and not self.options.ucx_tls.startswith("^"):
+            raise ConfigError(f"transport_options.ucx_tls={self.options.ucx_tls!r} has no CUDA transport for "
+                              f"{region.device} memory; add cuda_copy (and cuda_ipc), or leave ucx_tls unset")
+
+    async def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self._check_open()
+        regions = list(regions)
+        for r in regions:
+            check_device(r)
+            self._check_cuda(r)
+        if not regions:
+            await anyio.lowlevel.checkpoint()
+            return
+        with anyio.CancelScope(shield=True):  # NIXL's registrations and ours must stay in step
+            async with self._reg_lock:
+                self._check_open()
+                new = self._regions.add(regions)
+                if new:
+                    try:
+                        engine = self._engine
+                        await self._worker.call(lambda: engine.register(new))
+                    except BaseException as exc:
+                        self._regions.remove(regions)
+                        if isinstance(exc, Exception) and not isinstance(exc, (ConfigError, TransportError)):
+                            raise _native(f"nixl agent {self.agent_name}: registering {len(new)} region(s), "
+                                          f"{sum(r.length for r in new)} bytes", exc) from exc
+                        raise
+                for r in regions:
+                    self._devices.setdefault(r.device, RegionSet()).add([r])
+
+    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self._check_open()
+        regions = list(regions)
+        with anyio.CancelScope(shield=True):
+            async with self._reg_lock:
+                self._check_open()
+                gone = self._regions.remove(regions)  # raises, removing nothing, for one not registered
+                for r in regions:
+                    rs = self._devices[r.device]
+                    rs.remove([r])
+                    if not len(rs):
+                        del self._devices[r.device]
+                if gone:
+                    engine = self._engine
+                    try:
+                        await self._worker.call(lambda: engine.deregister(gone))
+                    except Exception as exc:
+                        raise _native(f"nixl agent {self.agent_name}: deregistering {len(gone)} region(s)", exc) \
+                            from exc
+
+    # -- descriptor and links ------------------------------------------------------------
+
+    def descriptor(self) -> bytes:
+        self._check_open()
+        try:
+            metadata = self._engine.metadata()  # a quick local call; NIXL's agent lock makes it thread-safe
+        except Exception as exc:
+            raise _native(f"nixl agent {self.agent_name}: get_agent_metadata()", exc) from exc
+        return encode(self.agent_name, self.options.backend, metadata, list(self._regions))
+
+    async def connect(self, peer_descriptor: bytes) -> NixlLink:
+        self._check_open()
+        desc = decode(peer_descriptor)
+        if desc.backend != self.options.backend:
+            raise TransportError(f"nixl peer {desc.agent} uses backend {desc.backend!r}, this endpoint "
+                                 f"{self.options.backend!r}; set the same transport_options.backend on both sides")
+        engine = self._engine
+        try:
+            state = await self._worker.call(lambda: engine.connect(desc))
+        except Exception as exc:
+            raise _native(f"nixl agent {self.agent_name}: connecting to agent {desc.agent}", exc) from exc
+        link = NixlLink(self, desc.agent, desc.regions, state)
+        if self.closed:
+            await link.aclose()
+            self._check_open()
+        self._links.add(link)
+        return link
+
+    # -- writes (called by links) --------------------------------------------------------
+
+    def _device_of(self, address: int, length: int) -> str | None:
+        for device, rs in self._devices.items():
+            if rs.covers(address, length):
+                return device
+        return None
+
+    async def _write(self, link: NixlLink, ops: Sequence[WriteOp]) -> None:
+        if link._closed or self.closed:
+            raise TransportError(f"write on a closed link to {link.peer}")
+        for op in ops:
+            if op.length <= 0:
+                raise TransportError(f"write op with non-positive length: {op}")
+            if self._device_of(op.src, op.length) is None:
+                raise TransportError(f"write source [{op.src:#x}, +{op.length}) is outside every region registered "
+                                     f"at nixl agent {self.agent_name}")
+            link._announced.check(op.dst, op.length, f"write destination at {link.peer}")
+        if not ops:
+            await anyio.lowlevel.checkpoint()
+            return
+        merged = _coalesce(ops)
+        total = sum(n for _, _, n in merged)
+        what = f"nixl write of {total} bytes ({len(merged)} ops) from agent {self.agent_name} to {link.peer}"
+        engine, state = self._engine, link._state
+        job = WriteJob(lambda j: engine.post_write(j, state, merged), self.options.write_timeout, what)
+        try:
+            await self._worker.write(job)
+        except TimeoutError:
+            raise TransportError(
+                f"{what} did not complete within write_timeout={self.options.write_timeout} s. NIXL cannot cancel a "
+                "posted write: it stays in flight (tracked until it ends) and may still land, so the destination "
+                "must not be reused before write_lifetime", may_land=True) from None
+        except Exception as exc:
+            hint = " (the peer closed or its process died)" if "Disconnect" in type(exc).__name__ else ""
+            raise _native(what + hint, exc, may_land=job.may_land) from exc
+
+
+class NixlLink(Link):
+    """Writes into one peer agent's announced regions."""
+
+    def __init__(self, local: NixlTransport, agent: str, regions: Sequence[MemoryRegion], state: LinkState) -> None:
+        self._local = local
+        self._agent = agent
+        self._announced = RegionSet(regions)
+        self._state = state
+        self._closed = False
+
+    @property
+    def peer(self) -> str:
+        return f"nixl:{self._agent}"
+
+    async def write(self, ops: Sequence[WriteOp]) -> None:
+        await self._local._write(self, ops)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            await anyio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        local = self._local
+        local._links.discard(self)
+        if local.closed:
+            await anyio.lowlevel.checkpoint()
+            return
+        engine, state = local._engine, self._state
+        with anyio.CancelScope(shield=True):
+            try:
+                await local._worker.call(lambda: engine.close_link(state))
+            except Exception as exc:
+                raise _native(f"nixl: closing the link to {self.peer}", exc) from exc

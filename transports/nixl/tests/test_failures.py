@@ -1,0 +1,202 @@
+"""Peer killed or frozen, refusals, and the measurements behind the declared capabilities.
+
+The owner runs in its own process (``_owner.py``); each test waits for its ready line before using it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgpack
+import pytest
+import torch
+from aioembed.errors import TransportError
+from aioembed.testing import region_of
+from aioembed.transports.base import Transport, WriteOp
+from aioembed.transports.registry import open_transport
+
+from .conftest import NIXL_OPTIONS, NIXL_TCP_OPTIONS
+
+pytestmark = pytest.mark.anyio
+
+OWNER = Path(__file__).with_name("_owner.py")
+SMALL = 1 << 20
+LARGE = 128 << 20  # more than loopback TCP buffers hold: a write to a frozen owner stays in flight
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Owner:
+    def __init__(self, proc: subprocess.Popen[str], info: dict[str, Any]) -> None:
+        self.proc = proc
+        self.info = info
+        self.descriptor = bytes.fromhex(info["descriptor"])
+        self.address = int(info["address"])
+
+    def ask(self, op: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"op": op}) + "\n")
+        self.proc.stdin.flush()
+        reply: dict[str, Any] = json.loads(self.proc.stdout.readline())
+        return reply
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(self.proc.pid, sig)
+
+
+@contextmanager
+def owner_process(options: dict[str, Any], size: int) -> Iterator[Owner]:
+    proc = subprocess.Popen([sys.executable, str(OWNER), json.dumps(options), str(size)], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # ready: registered and described (blocks until then)
+        assert line, f"the owner process ended before it was ready (code {proc.poll()})"
+        yield Owner(proc, json.loads(line))
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+
+
+@asynccontextmanager
+async def writer(options: dict[str, Any], size: int) -> AsyncIterator[tuple[Transport, torch.Tensor]]:
+    t = await open_transport("nixl", options)
+    src = torch.randint(1, 256, (size,), dtype=torch.uint8)  # no zero byte: landed bytes are counted
+    await t.register([region_of(src)])
+    try:
+        yield t, src
+    finally:
+        await t.aclose()
+
+
+def worker_of(t: Transport) -> Any:
+    return t.worker  # type: ignore[attr-defined]  # read through the boundary to the plugin
+
+
+async def wait_until(predicate: Any, timeout: float) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.05)
+
+
+async def test_owner_killed_fails_the_next_write_quickly_naming_the_peer() -> None:
+    with owner_process(NIXL_TCP_OPTIONS, SMALL) as owner:
+        async with writer(NIXL_TCP_OPTIONS, SMALL) as (t, src):
+            link = await t.connect(owner.descriptor)
+            await link.write([WriteOp(src.data_ptr(), owner.address, SMALL)])
+            owner.proc.kill()
+            owner.proc.wait()
+            start = time.monotonic()
+            with pytest.raises(TransportError) as info:
+                for _ in range(3):  # the first write may race the disconnect; none may succeed for long
+                    await link.write([WriteOp(src.data_ptr(), owner.address, SMALL)])
+            assert time.monotonic() - start < 5.0
+            assert info.value.__cause__ is not None and "nixl" in type(info.value.__cause__).__module__
+            assert link.peer.removeprefix("nixl:") in str(info.value)
+
+
+async def test_writes_to_a_frozen_owner_over_tcp_cannot_be_cancelled_and_still_land() -> None:
+    """Evidence for ``cancel_safe_writes=False`` and ``revocable=False`` over TCP (the path between hosts).
+
+    1. A cancelled ``write()`` returns only at its deadline: NIXL cannot abort a posted write, so its
+       source is never handed back while NIXL may still read it.
+    2. A write fails at ``write_timeout`` (``may_land=True``) and stays in flight, polled until it ends.
+    3. Once the owner runs again, every byte of both lands.
+    4. The owner deregistering its memory does not stop a writer holding the old descriptor."""
+    options = dict(NIXL_TCP_OPTIONS, write_timeout=1.0)
+    with owner_process(options, LARGE) as owner:
+        async with writer(options, LARGE) as (t, src):
+            link = await t.connect(owner.descriptor)
+            await link.write([WriteOp(src.data_ptr(), owner.address, 4096)])
+            assert owner.ask("zero")["ok"]
+            owner.signal(signal.SIGSTOP)
+            start = time.monotonic()
+            with anyio.move_on_after(0.2):
+                await link.write([WriteOp(src.data_ptr(), owner.address, LARGE // 2)])
+            assert 0.9 < time.monotonic() - start < 3.0
+            start = time.monotonic()
+            with pytest.raises(TransportError, match="write_timeout") as info:
+                await link.write([WriteOp(src.data_ptr() + LARGE // 2, owner.address + LARGE // 2, LARGE // 2)])
+            assert 0.9 < time.monotonic() - start < 3.0
+            assert info.value.may_land is True
+            assert worker_of(t).inflight == 2  # still posted, still polled
+            owner.signal(signal.SIGCONT)
+            await wait_until(lambda: worker_of(t).inflight == 0, 20)
+            assert owner.ask("sum")["nonzero"] == LARGE  # both failed writes landed whole
+            assert owner.ask("zero")["ok"] and owner.ask("unregister")["ok"]
+            await link.write([WriteOp(src.data_ptr(), owner.address, SMALL)])
+            assert owner.ask("sum")["nonzero"] == SMALL
+
+
+async def test_over_shared_memory_a_writer_needs_nothing_from_the_owner() -> None:
+    """Over shared memory (UCX's cma) the writer copies straight into the owner's pages: a frozen owner
+    receives the write, and deregistering the memory does not stop a writer either."""
+    with owner_process(NIXL_OPTIONS, SMALL) as owner:
+        async with writer(NIXL_OPTIONS, SMALL) as (t, src):
+            link = await t.connect(owner.descriptor)
+            await link.write([WriteOp(src.data_ptr(), owner.address, 4096)])  # UCX's wire-up needs the owner
+            assert owner.ask("zero")["ok"]
+            owner.signal(signal.SIGSTOP)
+            with anyio.fail_after(5):
+                await link.write([WriteOp(src.data_ptr(), owner.address, SMALL)])
+            owner.signal(signal.SIGCONT)
+            assert owner.ask("sum")["nonzero"] == SMALL
+            assert owner.ask("zero")["ok"] and owner.ask("unregister")["ok"]
+            await link.write([WriteOp(src.data_ptr(), owner.address, SMALL)])
+            assert owner.ask("sum")["nonzero"] == SMALL
+
+
+async def test_forged_descriptor_cannot_reach_outside_registered_memory() -> None:
+    """A descriptor announcing more than the owner registered: NIXL refuses the write at preparation
+    (the metadata lists the real registrations), before anything moves."""
+    async with await open_transport("nixl", NIXL_OPTIONS) as owner, writer(NIXL_OPTIONS, SMALL) as (t, src):
+        dst = torch.zeros(2 * SMALL, dtype=torch.uint8)
+        await owner.register([region_of(dst[:SMALL])])
+        desc = msgpack.unpackb(owner.descriptor())
+        desc["regions"] = [[dst.data_ptr(), 2 * SMALL, "cpu"]]
+        link = await t.connect(msgpack.packb(desc))
+        with pytest.raises(TransportError) as info:
+            await link.write([WriteOp(src.data_ptr(), dst.data_ptr() + SMALL, 4096)])
+        assert info.value.may_land is False  # refused before posting
+        with pytest.raises(TransportError):  # one bad op refuses the whole write
+            await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096),
+                              WriteOp(src.data_ptr(), dst.data_ptr() + SMALL - 10, 20)])
+        assert int(dst.count_nonzero()) == 0
+        honest = await t.connect(owner.descriptor())  # the true descriptor works
+        await honest.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
+        assert torch.equal(dst[:4096], src[:4096])
+
+
+async def test_descriptor_naming_another_agent_is_refused() -> None:
+    async with await open_transport("nixl", NIXL_OPTIONS) as owner, writer(NIXL_OPTIONS, SMALL) as (t, _):
+        desc = msgpack.unpackb(owner.descriptor())
+        desc["agent"] = "aioembed-" + "0" * 32
+        with pytest.raises(TransportError, match="metadata is agent"):
+            await t.connect(msgpack.packb(desc))
+        desc = msgpack.unpackb(owner.descriptor())
+        desc["md"] = b"\x00" * 64
+        with pytest.raises(TransportError, match="connecting"):
+            await t.connect(msgpack.packb(desc))
+
+
+async def test_backend_mismatch_is_refused() -> None:
+    async with await open_transport("nixl", NIXL_OPTIONS) as owner, writer(NIXL_OPTIONS, SMALL) as (t, _):
+        desc = msgpack.unpackb(owner.descriptor())
+        desc["backend"] = "LIBFABRIC"
+        with pytest.raises(TransportError, match="backend"):
+            await t.connect(msgpack.packb(desc))
