@@ -88,6 +88,9 @@ async def test_inprocess_servers_deliver_the_encoders_rows() -> None:
         health = (await client.get(f"{run.language_url}/healthz")).json()
         assert health["served"] == 6 and health["rooms_in_flight"] == 0
         assert health["pool_blocks"]["free"] == health["pool_blocks"]["total"]
+        with anyio.fail_after(10):  # the encoder's send() returns a moment after the rows landed
+            while (await client.get(f"{run.encoder_url}/healthz")).json()["rooms_in_flight"]:
+                await anyio.sleep(0.02)
         assert (await client.get(f"{run.encoder_url}/healthz")).json()["sent"] == 6
 
 

@@ -88,7 +88,10 @@ async def test_two_processes(transport: str, tmp_path: Path) -> None:
                     tg.start_soon(one)
             assert len({r["sha256"] for r in results}) == 1 and len({r["room"] for r in results}) == 3
 
-            stats = (await client.get(f"{encoder_url}/healthz")).json()
+            # The language side answers once the rows landed; the encoder's send() returns a moment later.
+            with anyio.fail_after(10):
+                while (stats := (await client.get(f"{encoder_url}/healthz")).json())["rooms_in_flight"]:
+                    await anyio.sleep(0.02)
             assert (stats["sent"], stats["failed"], stats["rooms_in_flight"]) == (6, 0, 0)
             pool = (await client.get(f"{language_url}/healthz")).json()["pool_blocks"]
             assert pool["free"] == pool["total"]
