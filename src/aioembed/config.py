@@ -59,6 +59,12 @@ class TransferConfig:
     """Largest per-request metadata record, msgpack-encoded."""
     max_rooms_per_peer: int = 4096
     """Most rooms one peer may have open at once on a sender."""
+    staging_tokens: int = 4096
+    """Sender: rows of each field in its staging area, registered once at start (0: none). Requests of
+    at most ``staging_max_tokens`` are copied there instead of registering the caller's tensors for
+    each ``send()`` (for small requests a copy costs less than a registration)."""
+    staging_max_tokens: int = 256
+    """Sender: the largest request (in tokens) copied into the staging area."""
     stream_chunk_tokens: int = 2048
     """Streaming receive: the sender announces rows within a round every this many tokens (rounded up
     to whole blocks), so chunks reach the caller before the round ends; 0: only at round ends."""
@@ -105,6 +111,8 @@ class TransferConfig:
         if self.max_round_tokens is not None:
             _check_int("max_round_tokens", self.max_round_tokens, 1, _MAX_INT)
         _check_int("stream_chunk_tokens", self.stream_chunk_tokens, 0, _MAX_INT)
+        _check_int("staging_tokens", self.staging_tokens, 0, _MAX_INT)
+        _check_int("staging_max_tokens", self.staging_max_tokens, 1, _MAX_INT)
         for name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeout",
                      "heartbeat_interval", "sender_idle_timeout"):
             _check_seconds(name, getattr(self, name))

@@ -62,7 +62,7 @@ async def test_failed_uncancellable_write_is_fenced_then_released_by_fence_relea
         # FENCE_RELEASE once the write lifetime passed: back to an empty pool, sender still serving.
         await wait_pools_free(sender, receiver, timeout=LIFETIME + 3.0)
         assert time.monotonic() - t_failed < CFG.round_timeout + 3.0
-        assert len(writer.regions) == 0
+        assert sender.sources_held == 0 and len(writer.regions) == len(LAYOUT)  # the staging area only
         src3 = make_request(2500, 3)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.send, "after", src3)

@@ -41,7 +41,8 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 def _pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver) -> bool:
     regions = getattr(sender._transport, "regions", None)
     return (all(r.allocator.stats.free == r.allocator.stats.total and r.rooms_in_flight == 0 for r in receivers)
-            and sender.rooms_in_flight == 0 and (regions is None or len(regions) == 0))
+            and sender.rooms_in_flight == 0 and sender.sources_held == 0
+            and (regions is None or len(regions) == _staging_regions(sender)))
 
 
 async def wait_pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver, timeout: float = 5.0) -> None:
@@ -59,10 +60,14 @@ def assert_pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver) ->
         st = r.allocator.stats
         assert st.free == st.total and st.fenced == 0 and st.waiters == 0, st
         assert r.rooms_in_flight == 0
-    assert sender.rooms_in_flight == 0
+    assert sender.rooms_in_flight == 0 and sender.sources_held == 0
     regions = getattr(sender._transport, "regions", None)
-    if regions is not None:
-        assert len(regions) == 0
+    if regions is not None:  # what stays registered: the staging area only
+        assert len(regions) == _staging_regions(sender)
+
+
+def _staging_regions(sender: EmbeddingSender) -> int:
+    return len(sender.layout) if sender._staging is not None else 0
 
 
 @asynccontextmanager

@@ -4,8 +4,10 @@ ZeroMQ's notification FD is edge-triggered, and a *send* can consume the edge an
 message that has already arrived; a reader that only waits on the FD then sleeps forever with
 messages queued (seen under load with many rooms). So: a single I/O task per socket, which
 drains with ``NOBLOCK`` until ``zmq.Again``, re-reads ``zmq.EVENTS`` after every send and
-before every wait, and only then waits on the FD. Other tasks hand frames to it through
-:meth:`ControlSocket.send`, which never blocks and wakes the I/O task.
+before every wait, and only then waits on the FD. Other tasks send through
+:meth:`ControlSocket.send`, which never blocks: with nothing queued for the peer it hands the frame
+to ZeroMQ at once (all tasks share one thread) and re-reads ``zmq.EVENTS``, waking the I/O task
+only if input is waiting; otherwise it queues the frame and wakes the I/O task.
 
 For a ROUTER (``routed=True``, the first frame names the peer), frames queue per peer: a peer
 at its high-water mark (``zmq.Again``) is skipped, with a short growing retry delay, while frames
@@ -81,6 +83,8 @@ class ControlSocket:
         if self._closed:
             raise AioembedError(f"control socket {self.name} is closed")
         peer = bytes(frames[0]) if self._routed else b""
+        if peer not in self._outboxes and self._send_now(frames):
+            return
         outbox = self._outboxes.setdefault(peer, deque())
         if len(outbox) >= self._max_outbox:  # per peer: one peer not reading does not stop the others
             raise AioembedError(
@@ -92,6 +96,27 @@ class ControlSocket:
         if self._drained.is_set():
             self._drained = anyio.Event()
         self._poke()
+
+    def _send_now(self, frames: Sequence[bytes]) -> bool:
+        """Hand ``frames`` to ZeroMQ at once when nothing is queued for their peer (the usual case): no
+        wake-up of the I/O task. A send may consume the edge of a message that already arrived, so
+        ``zmq.EVENTS`` is read again afterwards and the I/O task woken if input is waiting."""
+        try:
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return False  # at the high-water mark: queue it; the I/O task retries
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                log.debug("%s: peer unreachable, message dropped", self.name)
+            else:
+                log.warning("%s: send failed: %s", self.name, exc)
+            if self._on_send_error is not None:
+                self._on_send_error(frames, exc)
+            return True
+        self.sent += 1
+        if int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            self._poke()
+        return True
 
     def _poke(self) -> None:
         self._poked = True

@@ -128,9 +128,8 @@ class SenderConnection:
         self._closed = False
         self.stop_scope = anyio.CancelScope()
         """Cancelled to close this connection (its tasks run under it)."""
-        self.activity = anyio.Event()
-        """Set (and replaced) whenever a room starts on this connection."""
         self.last_used = 0.0
+        """When a room last started on this connection (``anyio.current_time()``)."""
         self._disconnected = False
         self._gone_sender: str | None = None
         self.clock = PeerClock(0.0)
@@ -156,8 +155,6 @@ class SenderConnection:
     def touch(self) -> None:
         """A room is starting on this connection: it is not idle."""
         self.last_used = anyio.current_time()
-        self.activity.set()
-        self.activity = anyio.Event()
 
     @property
     def ready(self) -> bool:

@@ -123,6 +123,8 @@ class ReceiveRoomDriver:
         self._round_started = 0.0
         self._reopens = 0
         self._lost_reason: str | None = None  # why the room had to be opened again
+        self._room_deadline = math.inf
+        self._phase: tuple[str, float] | None = None  # (phase, timeout) while waiting for the sender
 
     # -- events from the connection ------------------------------------------------------------
 
@@ -148,26 +150,31 @@ class ReceiveRoomDriver:
 
     # -- the task ------------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """The room's task: runs until a result or a typed error is in the handle."""
+    async def run(self, *, cancelled: str = "cancelled") -> None:
+        """The room's task (or the ``receive()`` caller's): runs until a result or a typed error is in the
+        handle; ``cancelled`` is the reason given when the task running it is cancelled.
+
+        One cancel scope (the handle's) carries every deadline of the room: ``room_timeout`` for the
+        whole room, and while the room waits for the sender, the current phase's (``input_timeout``,
+        ``round_timeout``), whichever comes first; a deadline passing ends the room with a
+        ``TransferTimeout`` naming it. (Fewer scopes per room: small requests are dominated by such
+        fixed costs.)"""
         cfg = self.ctx.config
         t_start = time.perf_counter()
         result: Received | Lease | None = None
         error: TransferError | None = None
-        assert self.handle._scope is not None
+        scope = self.handle._scope
+        assert scope is not None
+        self._room_deadline = anyio.current_time() + cfg.room_timeout
+        scope.deadline = self._room_deadline
         try:
-            with self.handle._scope:
-                try:
-                    with anyio.fail_after(cfg.room_timeout):
-                        await self.open()
-                        while not await self.step():
-                            pass
-                    result = self.result(t_start)
-                except TimeoutError as exc:
-                    if isinstance(exc, TransferError):
-                        raise
-                    raise TransferTimeout(f"room {self.room!r}: exceeded room_timeout={cfg.room_timeout} s",
-                                          room=self.room, phase="room") from None
+            with scope:
+                await self.open()
+                while not await self.step():
+                    pass
+                result = self.result(t_start)
+            if result is None and scope.cancelled_caught and self.handle._cancel_reason is None:
+                raise self._deadline_passed()
         except TransferError as exc:
             error = exc
         except ProtocolError as exc:
@@ -178,7 +185,7 @@ class ReceiveRoomDriver:
             error = TransferFailed(f"room {self.room!r}: internal error: {exc!r}", room=self.room)
         finally:  # synchronous: a cancellation cannot cut it short
             if result is None and error is None:
-                error = TransferAborted(f"room {self.room!r}: {self.handle._cancel_reason or 'cancelled'}",
+                error = TransferAborted(f"room {self.room!r}: {self.handle._cancel_reason or cancelled}",
                                         room=self.room)
             if error is not None:
                 self.fail(error)
@@ -196,16 +203,20 @@ class ReceiveRoomDriver:
         cfg, keeper = self.ctx.config, self.ctx.keeper
         while True:
             t0 = time.perf_counter()
-            with anyio.CancelScope() as scope:
-                self._wait_scope = scope
-                try:
-                    writer = await self.conn.wait_ready(cfg.handshake_timeout)
-                finally:
-                    self._wait_scope = None
-            self._add_phase("handshake", t0)
-            if scope.cancelled_caught:
-                self._interrupted()
-                continue
+            if self.conn.ready and self.conn.writer is not None:
+                writer = self.conn.writer  # the usual case: no wait, no scope
+                self._add_phase("handshake", t0)
+            else:
+                with anyio.CancelScope() as scope:
+                    self._wait_scope = scope
+                    try:
+                        writer = await self.conn.wait_ready(cfg.handshake_timeout)
+                    finally:
+                        self._wait_scope = None
+                self._add_phase("handshake", t0)
+                if scope.cancelled_caught:
+                    self._interrupted()
+                    continue
             tokens = self._first_tokens()
             grant = await self._reserve(tokens, first=True)
             if grant is None:
@@ -223,18 +234,18 @@ class ReceiveRoomDriver:
     async def next_round(self) -> tuple[Arrived, int] | None:
         """Wait for the sender's next word; returns the round that landed (and its grant), or ``None``
         when the room had to be opened again."""
-        cfg = self.ctx.config
-        waiting = self.machine.state is TransferStatus.WAITING_FOR_INPUT
-        phase, timeout = ("input", cfg.input_timeout) if waiting else ("round", cfg.round_timeout)
         t0 = time.perf_counter()
         try:
-            with anyio.fail_after(timeout):
-                event = await self._inbox.receive()
-        except TimeoutError:
-            raise TransferTimeout(
-                f"room {self.room!r}: timed out after {timeout} s in phase {phase!r} "
-                f"(receiver rank {self.ctx.rank}, sender {self.conn.address})", room=self.room, phase=phase,
-            ) from None
+            event = self._inbox.receive_nowait()
+        except anyio.WouldBlock:
+            cfg, scope = self.ctx.config, self.handle._scope
+            assert scope is not None
+            waiting = self.machine.state is TransferStatus.WAITING_FOR_INPUT
+            phase, timeout = ("input", cfg.input_timeout) if waiting else ("round", cfg.round_timeout)
+            self._phase = (phase, timeout)
+            scope.deadline = min(self._room_deadline, anyio.current_time() + timeout)
+            event = await self._inbox.receive()
+            scope.deadline, self._phase = self._room_deadline, None
         self._add_phase("wait", t0)
         if isinstance(event, SessionLost):
             return await self._on_session_lost(event)
@@ -424,6 +435,16 @@ class ReceiveRoomDriver:
         raise cls(f"room {self.room!r}: sender {self.conn.address} reported {self.machine.state.name}: "
                   f"{self.machine.error}", room=self.room)
 
+    def _deadline_passed(self) -> TransferTimeout:
+        """The error for the deadline that ended the room: the phase it was waiting in, or the room's."""
+        if self._phase is not None and anyio.current_time() < self._room_deadline:
+            phase, timeout = self._phase
+            return TransferTimeout(f"room {self.room!r}: timed out after {timeout} s in phase {phase!r} "
+                                   f"(receiver rank {self.ctx.rank}, sender {self.conn.address})", room=self.room,
+                                   phase=phase)
+        return TransferTimeout(f"room {self.room!r}: exceeded room_timeout={self.ctx.config.room_timeout} s",
+                               room=self.room, phase="room")
+
     def _interrupted(self) -> None:
         """A wait of :meth:`open` was cut short by the sender's session ending: try the next session if
         the sender may still serve the room, else fail now (not after an allocation timeout)."""
@@ -483,7 +504,11 @@ class ReceiveRoomDriver:
         cfg = self.ctx.config
         t0 = time.perf_counter()
         keep = cfg.resume_reserve // cfg.block_size if first else 0
-        grant: int | None = None
+        round_ = 0 if first else self.machine.round + 1
+        grant = self.ctx.keeper.try_reserve(self.room, tokens, priority=not first, keep_free=keep, round=round_)
+        if grant is not None:  # free blocks and nobody waiting before us (FIFO kept): no wait, no scope
+            self._add_phase("allocate", t0)
+            return grant
         try:
             with anyio.CancelScope() as scope:
                 self._wait_scope = scope

@@ -213,15 +213,18 @@ class EmbeddingReceiver:
         return not conn.rooms and not (conn.sender_id and self.keeper.ledger.grants(sender=conn.sender_id))
 
     async def _close_when_idle(self, conn: SenderConnection) -> None:
+        """Close ``conn`` once no room started on it for ``sender_idle_timeout`` (and it holds nothing):
+        wakes once per timeout at most, and rooms starting cost nothing here."""
         timeout = self.config.sender_idle_timeout
+        conn.touch()
         while True:
-            activity = conn.activity
-            with anyio.move_on_after(timeout):
-                await activity.wait()
-            if not activity.is_set() and self._idle(conn):
+            await anyio.sleep(max(0.0, conn.last_used + timeout - anyio.current_time()))
+            if anyio.current_time() >= conn.last_used + timeout and self._idle(conn):
                 log.info("receiver[%d]: closing the idle connection to sender %s", self.rank, conn.address)
                 conn.stop_scope.cancel()
                 return
+            if anyio.current_time() >= conn.last_used + timeout:
+                conn.touch()  # busy (rooms, or blocks its sender may still write): look again later
 
     def _close_an_idle_connection(self) -> None:
         idle = [c for c in self._conns.values() if self._idle(c)]
@@ -279,6 +282,18 @@ class EmbeddingReceiver:
         assembles the room from parts sent by several senders (see :class:`Part`). ``stream``:
         rows are handed out as they land, through ``handle.stream()`` (see :meth:`stream`).
         """
+        handle, driver = self._open_room(room, expected_tokens=expected_tokens, zero_copy=zero_copy, out=out,
+                                         sender=sender, parts=parts, stream=stream, chunk_tokens=chunk_tokens)
+        if driver is not None:
+            self._spawn(driver.run)
+        return handle
+
+    def _open_room(self, room: int | str, *, expected_tokens: int | None = None, zero_copy: bool = False,
+                   out: Mapping[str, torch.Tensor] | None = None, sender: str | None = None,
+                   parts: Sequence[Part] | None = None, stream: bool = False,
+                   chunk_tokens: int | None = None) -> tuple[ReceiveHandle, ReceiveRoomDriver | None]:
+        """Check the request and set the room up; returns its handle and the driver to run (``None``: the
+        room runs by itself, e.g. one assembled from parts)."""
         self._check_out(out, zero_copy)
         self._check_running()
         if isinstance(room, (tuple, list)):
@@ -306,7 +321,7 @@ class EmbeddingReceiver:
                                    out=o, handle=None))
             self._rooms[room] = asm
             self._spawn(self._run_assembly, asm)
-            return handle
+            return handle, None
         cfg = self.config
         if expected_tokens is not None and (
             not isinstance(expected_tokens, int) or not 1 <= expected_tokens <= cfg.max_request_tokens
@@ -321,9 +336,9 @@ class EmbeddingReceiver:
             handle._stream = RoomStream(handle, chunks)
         elif chunk_tokens is not None:
             raise InvalidRequest("chunk_tokens= is for streamed rooms (stream=True)")
-        self._start_driver(room, self._sender_address(sender), expected_tokens=expected_tokens, exact=False,
-                           zero_copy=zero_copy, out=out, handle=handle, stream=sink, progress_tokens=progress)
-        return handle
+        driver = self._new_driver(room, self._sender_address(sender), expected_tokens=expected_tokens, exact=False,
+                                  zero_copy=zero_copy, out=out, handle=handle, stream=sink, progress_tokens=progress)
+        return handle, driver
 
     @overload
     def stream(self, room: int | str, *, expected_tokens: int | None = ..., zero_copy: Literal[False] = ...,
@@ -369,9 +384,18 @@ class EmbeddingReceiver:
 
     def _start_driver(self, key: RoomId, address: str, *, expected_tokens: int | None, exact: bool,
                       zero_copy: bool, out: Mapping[str, torch.Tensor] | None,
-                      handle: ReceiveHandle | None, stream: MemoryObjectSendStream[StreamItem] | None = None,
-                      progress_tokens: int = 0) -> ReceiveHandle:
-        """Start the driver of one room, or of one part (``key`` = ``(room, part)``) of one."""
+                      handle: ReceiveHandle | None) -> ReceiveHandle:
+        """Start the driver of one part (``key`` = ``(room, part)``) of a room, in a task of its own."""
+        r = self._new_driver(key, address, expected_tokens=expected_tokens, exact=exact, zero_copy=zero_copy,
+                             out=out, handle=handle)
+        self._spawn(r.run)
+        return r.handle
+
+    def _new_driver(self, key: RoomId, address: str, *, expected_tokens: int | None, exact: bool,
+                    zero_copy: bool, out: Mapping[str, torch.Tensor] | None,
+                    handle: ReceiveHandle | None, stream: MemoryObjectSendStream[StreamItem] | None = None,
+                    progress_tokens: int = 0) -> ReceiveRoomDriver:
+        """The driver of one room, or of one part (``key`` = ``(room, part)``) of one: set up, not run."""
         conn = self._connection(address)
         if key in conn.rooms:
             raise InvalidRequest(f"room {key!r} is already being received from sender {address}")
@@ -388,8 +412,7 @@ class EmbeddingReceiver:
         if not isinstance(key, tuple):
             self._rooms[key] = r
         conn.rooms[key] = r
-        self._spawn(r.run)
-        return handle
+        return r
 
     async def _run_assembly(self, asm: RoomAssembly) -> None:
         try:
@@ -415,8 +438,10 @@ class EmbeddingReceiver:
         ``out``: optional preallocated tensors to copy into; ``parts``: assemble the room from parts
         sent by several senders (see :meth:`start`).
         """
-        handle = self.start(room, expected_tokens=expected_tokens, out=out, sender=sender, parts=parts)
+        handle, driver = self._open_room(room, expected_tokens=expected_tokens, out=out, sender=sender, parts=parts)
         try:
+            if driver is not None:
+                await driver.run(cancelled="receive() was cancelled")  # in this task: no task, no wake-up
             return await handle.result()
         except anyio.get_cancelled_exc_class():
             handle.cancel("receive() was cancelled")
@@ -429,8 +454,11 @@ class EmbeddingReceiver:
         ``async with lease:``, or use :meth:`lease`): its blocks are unavailable to other rooms until
         then. The whole request must fit the pool at once; a larger one fails with ``TransferFailed``.
         """
-        handle = self.start(room, expected_tokens=expected_tokens, zero_copy=True, sender=sender, parts=parts)
+        handle, driver = self._open_room(room, expected_tokens=expected_tokens, zero_copy=True, sender=sender,
+                                         parts=parts)
         try:
+            if driver is not None:
+                await driver.run(cancelled="receive_leased() was cancelled")
             return await handle.lease()
         except anyio.get_cancelled_exc_class():
             handle.cancel("receive_leased() was cancelled")

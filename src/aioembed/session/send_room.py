@@ -110,8 +110,12 @@ class SendRoomDriver:
         try:
             async with anyio.create_task_group() as tg:
                 while True:
-                    for rank in m.ready_ranks():
-                        tg.start_soon(self.write, m.start_write(rank))
+                    ready = m.ready_ranks()
+                    if len(ready) == 1 and m.expected_ranks == 1:
+                        await self.write(m.start_write(ready[0]))  # one rank: no task of its own needed
+                    else:
+                        for rank in ready:  # several ranks are written at the same time
+                            tg.start_soon(self.write, m.start_write(rank))
                     if m.state.terminal:
                         break
                     deadline, phase = self.next_deadline()

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -42,6 +43,7 @@ from aioembed.errors import (
     TransportError,
 )
 from aioembed.layout import Layout
+from aioembed.memory.staging import StagedRows, StagingArea
 from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
     PROTOCOL_VERSION,
@@ -89,6 +91,16 @@ from aioembed.transports.registry import open_transport
 
 __all__ = ["EmbeddingSender"]
 
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """What one ``send()`` writes from: the caller's tensors (registered for it) or rows staged in the
+    sender's staging area (registered once)."""
+
+    regions: list[MemoryRegion]
+    tensors: list[torch.Tensor]
+    staged: StagedRows | None
+
 log = logging.getLogger(__name__)
 
 _TOMBSTONES = 4096
@@ -115,7 +127,8 @@ class EmbeddingSender:
         # Recently ended rooms, so the other side learns at once: (who ended it, why, when).
         self._ended: OrderedDict[RoomId, tuple[str, str, float]] = OrderedDict()
         self._ledger = WriteLedger()
-        self._sources: dict[int, tuple[list[MemoryRegion], list[torch.Tensor]]] = {}
+        self._sources: dict[int, _Source] = {}
+        self._staging: StagingArea | None = None
         self._draining: dict[SessionKey, PeerSession] = {}  # dropped sessions whose writes have not ended
         self._handshaking: set[tuple[str, int]] = set()
         self._last_refusal: str | None = None
@@ -153,6 +166,8 @@ class EmbeddingSender:
             self._ctx = zmq.Context()
             sock, self.address, self._auth = make_router(self._ctx, self.bind, cfg)
             self._chan = ControlSocket(sock, self._on_frames, name=f"sender@{self.address}", routed=True)
+            if cfg.staging_tokens:
+                await self._open_staging()
             self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
                                          transport=self._transport, observer=self.observer, send=self._send_to,
                                          apply=self._apply, last_refusal=lambda: self._last_refusal)
@@ -167,6 +182,20 @@ class EmbeddingSender:
         log.info("sender: listening on %s (transport %s, id %s)", self.address, self._transport.name,
                  self.sender_id[:8])
         return self
+
+    async def _open_staging(self) -> None:
+        """Register the staging area once; if the transport refuses, every ``send()`` registers its own
+        tensors instead (logged: small requests are slower then, nothing else changes)."""
+        assert self._transport is not None
+        cfg = self.config
+        staging = StagingArea(self.layout, cfg.staging_tokens, min(cfg.staging_max_tokens, cfg.staging_tokens))
+        try:
+            await self._transport.register(staging.regions())
+        except (TransportError, ConfigError) as exc:
+            log.warning("sender: could not register the staging area (%d tokens) with transport %r, so every "
+                        "send() registers its own tensors: %s", cfg.staging_tokens, self._transport.name, exc)
+            return
+        self._staging = staging
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -243,9 +272,12 @@ class EmbeddingSender:
     async def _send_key(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                         metadata: Mapping[str, Any] | None) -> None:
         """``send()`` of the room (or room part) with wire id ``room``."""
+        staged: StagedRows | None = None
         try:
             num_tokens, meta = self._check_request(room, tensors, metadata)
-            sources = await self._sources_of(room, tensors)
+            if self._staging is not None:
+                staged = self._staging.stage(tensors, num_tokens)
+            sources = list(staged.tensors.values()) if staged else await self._sources_of(room, tensors)
         except (InvalidRequest, LayoutError) as exc:
             # A receiver that already asked for the room learns why at once, not at its input_timeout.
             if self._room_is_waiting(room):
@@ -253,6 +285,8 @@ class EmbeddingSender:
             raise
         r = self._rooms.get(room)
         if r is not None and r.active:
+            if staged is not None:
+                self._staging_release(staged)
             raise InvalidRequest(f"room {room!r} is already being sent")
         assert self._room_ctx is not None
         now = anyio.current_time()
@@ -260,8 +294,8 @@ class EmbeddingSender:
             r = SendRoomDriver(room, self._room_ctx, now)
             self._rooms[room] = r
         source = self._ledger.new_source()
-        regions = [MemoryRegion.of_tensor(t) for t in sources]
-        self._sources[source] = (regions, sources)
+        regions = [] if staged else [MemoryRegion.of_tensor(t) for t in sources]
+        self._sources[source] = _Source(regions, sources, staged)
         r.take_input(sources, source, meta, now)
         self._active_sends += 1
         self._idle = anyio.Event() if self._active_sends == 1 else self._idle
@@ -270,7 +304,7 @@ class EmbeddingSender:
         error: BaseException | None = None
         try:
             r.machine.on_input(num_tokens)
-            registered = await self._register(r, regions)
+            registered = True if staged else await self._register(r, regions)
             await r.drive()
         except ProtocolError as exc:
             error = TransferFailed(str(exc), room=room)
@@ -368,7 +402,9 @@ class EmbeddingSender:
         r.sources = []
         self._drop_room(r)
         if not registered:
-            self._sources.pop(source, None)
+            entry = self._sources.pop(source, None)
+            if entry is not None and entry.staged is not None:
+                self._staging_release(entry.staged)  # nothing was written from it
         later = []
         for action in self._ledger.source_done(source):
             if isinstance(action, ReleaseSource) and action.source == source:
@@ -381,13 +417,23 @@ class EmbeddingSender:
             self._idle.set()
 
     async def _release_source(self, source: int) -> None:
+        """No write reads ``source`` any more: free its staged rows, or unregister the caller's tensors."""
         entry = self._sources.pop(source, None)
-        if entry is None or self._transport is None:
+        if entry is None:
+            return
+        if entry.staged is not None:
+            self._staging_release(entry.staged)
+            return
+        if self._transport is None:
             return
         try:
-            await self._transport.unregister(entry[0])
+            await self._transport.unregister(entry.regions)
         except TransportError as exc:
             log.warning("sender: unregistering a source failed: %s", exc)
+
+    def _staging_release(self, staged: StagedRows) -> None:
+        if self._staging is not None:
+            self._staging.release(staged)
 
     def abort(self, room: int | str, reason: str = "aborted by the sender", *, part: int | None = None) -> None:
         """End ``room`` (or part ``part`` of it) without sending it (e.g. the encoder failed on it).
@@ -700,6 +746,12 @@ class EmbeddingSender:
     def rooms_in_flight(self) -> int:
         """Rooms known to the sender (sending, or reserved by a receiver and awaiting ``send``)."""
         return len(self._rooms)
+
+    @property
+    def sources_held(self) -> int:
+        """``send()`` sources whose memory is still registered or staged (its ``send()`` runs, or a write
+        may still read it); 0 once idle. The staging area itself stays registered while the sender runs."""
+        return len(self._sources)
 
     @property
     def writes_in_flight(self) -> int:

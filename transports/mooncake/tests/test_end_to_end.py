@@ -62,7 +62,8 @@ async def test_one_process_three_rounds_bit_for_bit() -> None:
         assert_same(got.tensors, src)
         st = receiver.allocator.stats
         assert st.free == st.total
-        assert len(sender._transport.regions) == 0  # type: ignore[union-attr]  # per-send registrations undone
+        assert sender.sources_held == 0  # per-send registrations undone
+        assert len(sender._transport.regions) == len(LAYOUT)  # type: ignore[union-attr]  # the staging area only
 
 
 async def test_one_process_four_ranks_concurrent_rooms() -> None:

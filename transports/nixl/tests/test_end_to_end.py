@@ -61,4 +61,5 @@ async def test_three_rounds_and_concurrent_rooms_in_one_process() -> None:
                 assert torch.equal(got[room].tensors[name].view(torch.uint8), t.view(torch.uint8)), (room, name)
         st = receiver.allocator.stats
         assert st.free == st.total and receiver.rooms_in_flight == 0
-        assert len(sender._transport.regions) == 0  # type: ignore[union-attr]  # sources unregistered
+        assert sender.sources_held == 0  # per-send registrations undone
+        assert len(sender._transport.regions) == len(LAYOUT)  # type: ignore[union-attr]  # the staging area only

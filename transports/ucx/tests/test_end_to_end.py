@@ -62,7 +62,8 @@ async def test_three_rounds_in_one_process() -> None:
         assert_same(got.tensors, src)
         st = receiver.allocator.stats
         assert st.free == st.total and receiver.rooms_in_flight == 0
-        assert len(sender._transport.regions) == 0  # type: ignore[union-attr]
+        assert sender.sources_held == 0  # per-send registrations undone
+        assert len(sender._transport.regions) == len(LAYOUT)  # type: ignore[union-attr]  # the staging area only
 
 
 async def test_concurrent_rooms_and_ranks_in_one_process() -> None:

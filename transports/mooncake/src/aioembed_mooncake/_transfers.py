@@ -14,6 +14,7 @@ so a stalled peer holds its own link's credits and nothing else: writes to healt
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -23,6 +24,8 @@ __all__ = ["DONE", "PENDING", "Credits", "PendingTransfer", "TransferPoller"]
 
 _POLL_FIRST = 0.00005
 _POLL_MAX = 0.002
+_POLL_FRESH = 0.0003
+"""Seconds after a submit or a completion during which the poll loop only yields between polls."""
 
 DONE, PENDING = 1, 0
 
@@ -99,17 +102,25 @@ class TransferPoller:
 
     async def _lead(self, mine: Sequence[PendingTransfer], deadline: float | None) -> None:
         delay = _POLL_FIRST
+        fresh_until = time.perf_counter() + _POLL_FRESH
         while True:
             if self._poll():
                 self._wake()
                 delay = _POLL_FIRST
+                fresh_until = time.perf_counter() + _POLL_FRESH
             else:
                 delay = min(_POLL_MAX, delay * 2)
             if all(t.status != PENDING for t in mine):
                 return
             if deadline is not None and anyio.current_time() >= deadline:
                 return
-            await anyio.sleep(delay)
+            if time.perf_counter() < fresh_until:
+                # Just after progress, transfers of small writes end within microseconds: look again on
+                # the loop's next turn (other tasks run in between). A timer would sleep at least a
+                # millisecond here (the selector's resolution), longer than such a transfer takes.
+                await anyio.lowlevel.checkpoint()
+            else:
+                await anyio.sleep(delay)
 
     def _wake(self) -> None:
         self._progress.set()

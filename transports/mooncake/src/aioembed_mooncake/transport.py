@@ -505,6 +505,8 @@ class MooncakeTransport(Transport):
                     self._return_credits(link, transfers, taken)
                 refused += len(chunk) - len(transfers)
                 failed += [t for t in transfers if t.status != DONE]
+                if transfers and all(t.status == DONE for t in transfers):
+                    link._warm = True
                 if not done:
                     stuck = [t for t in transfers if t.status == PENDING]
                     break
@@ -549,7 +551,14 @@ class MooncakeTransport(Transport):
             return out
 
         with anyio.CancelScope(shield=True):  # submitted transfers must be tracked, whatever happens
-            transfers = await anyio.to_thread.run_sync(run, limiter=link._submits)
+            if link._warm:
+                # The engine has a connection to this peer: a submit only queues (microseconds), so no
+                # thread hop. A link's first submits go through a thread: opening a connection to a
+                # slow or frozen peer can block inside the engine.
+                transfers = run()
+                await anyio.lowlevel.checkpoint()
+            else:
+                transfers = await anyio.to_thread.run_sync(run, limiter=link._submits)
         self._poller.add(transfers)
         return transfers
 
@@ -590,6 +599,8 @@ class MooncakeLink(Link):
         self._closed = False
         self._credits = Credits(TCP_QUEUE_PER_PEER)  # this peer's share only: a stalled peer stalls itself
         self._submits = anyio.CapacityLimiter(SUBMIT_THREADS_PER_LINK)
+        self._warm = False
+        """A transfer to this peer completed: the engine holds a connection, submits only queue."""
 
     @property
     def peer(self) -> str:
