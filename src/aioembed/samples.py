@@ -9,13 +9,17 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from aioembed.layout import Field, Layout
 
-__all__ = ["checksum", "deterministic_request", "standard_layout"]
+__all__ = ["checksum", "deterministic_request", "same_rows", "standard_layout"]
+
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
 
 
 def standard_layout(hidden: int = 3584) -> Layout:
@@ -48,3 +52,31 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
         if nbytes:
             h.update((ctypes.c_char * nbytes).from_address(t.data_ptr()))
     return h.hexdigest()
+
+
+def same_rows(got: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], want: Mapping[str, torch.Tensor]) -> bool:
+    """True if every field of ``want`` has the same rows (dtype and bytes) in ``got``, where a field of
+    ``got`` is one tensor or its pieces in row order (a :class:`~aioembed.Lease`'s ``views``).
+
+    CPU tensors are compared with ``memcmp`` on the calling thread: ``torch.equal`` (or a ``torch.cat``
+    of the pieces) hands a few hundred KB to torch's intra-op threads, whose spin-waiting afterwards
+    steals the cores of a small host from everything else (a benchmark that checks its rows must not
+    slow what it measures)."""
+    for name, w in want.items():
+        g = got[name]
+        pieces = [g] if isinstance(g, torch.Tensor) else list(g)
+        if sum(p.shape[0] for p in pieces) != w.shape[0]:
+            return False
+        at = 0
+        for p in pieces:
+            part = w[at:at + p.shape[0]]
+            at += p.shape[0]
+            if p.dtype != part.dtype or tuple(p.shape[1:]) != tuple(part.shape[1:]):
+                return False
+            if p.device.type == "cpu" and part.device.type == "cpu" and p.is_contiguous() and part.is_contiguous():
+                nbytes = part.numel() * part.element_size()
+                if nbytes and _memcmp(p.data_ptr(), part.data_ptr(), nbytes) != 0:
+                    return False
+            elif not torch.equal(p.contiguous().view(torch.uint8), part.contiguous().view(torch.uint8)):
+                return False
+    return True

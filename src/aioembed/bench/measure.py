@@ -52,7 +52,7 @@ from aioembed.bench.workloads import (
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
 from aioembed.protocol.room import TransferStatus
-from aioembed.samples import standard_layout
+from aioembed.samples import same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 
@@ -297,8 +297,11 @@ class _LocalPair(_Pair):
         if mode == "lease":
             lease = await self.receiver.receive_leased(room, expected_tokens=expected)
             t = time.perf_counter()
-            rows, rounds = (lease.to_tensors() if check else {}), lease.rounds
+            ok, rounds = (not check or same_rows(lease.views, data)), lease.rounds
             lease.release()
+            if not ok:
+                raise PeerProcessError(f"room {room!r}: the rows differ from the source")
+            return t, rounds
         else:
             n = next(iter(data.values())).shape[0]
             if mode == "out" and (self._out is None or next(iter(self._out.values())).shape[0] < n):
@@ -307,7 +310,7 @@ class _LocalPair(_Pair):
                                               out=self._out if mode == "out" else None)
             t = time.perf_counter()
             rows, rounds = got.tensors, got.rounds
-        if check and not _same(rows, data):
+        if check and not same_rows(rows, data):
             raise PeerProcessError(f"room {room!r}: the rows differ from the source")
         return t, rounds
 
@@ -544,11 +547,6 @@ class _RemotePair(_Pair):
     async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                     via: int = 0) -> tuple[float, int]:
         return await self._transfer(room, data, expected, True, via)
-
-
-def _same(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> bool:
-    return all(torch.equal(got[k].contiguous().view(torch.uint8), want[k].contiguous().view(torch.uint8))
-               for k in want)
 
 
 def _series_times(starts: Sequence[float], ends: Sequence[float], send_starts: Sequence[float],

@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -43,7 +44,7 @@ import torch
 from aioembed.bench.workloads import make_source
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
-from aioembed.samples import standard_layout
+from aioembed.samples import same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 
 __all__ = ["main"]
@@ -71,7 +72,7 @@ class _Checker:
             have = tokens
         return self._out[have]
 
-    def same(self, check: list[int] | None, rows: dict[str, torch.Tensor]) -> bool:
+    def same(self, check: list[int] | None, rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> bool:
         """True if ``rows`` are rows ``[0, n)`` of the source ``check = [seed, top]`` (or nothing to check)."""
         if not check:
             return True
@@ -79,8 +80,9 @@ class _Checker:
         src = self._sources.get((seed, top))
         if src is None:
             src = self._sources[seed, top] = make_source(self.layout, top, seed=seed)
-        n = int(next(iter(rows.values())).shape[0])
-        return all(torch.equal(rows[k].contiguous().view(torch.uint8), src[k][:n].view(torch.uint8)) for k in src)
+        first = next(iter(rows.values()))
+        n = int(first.shape[0]) if isinstance(first, torch.Tensor) else sum(int(p.shape[0]) for p in first)
+        return same_rows(rows, {k: v[:n] for k, v in src.items()})
 
 
 async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cmd: dict[str, Any]) -> tuple[float, int]:
@@ -91,17 +93,18 @@ async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cm
     if mode == "lease":
         lease = await receiver.receive_leased(room, expected_tokens=expected, sender=sender)
         t = time.monotonic()
-        rows = lease.to_tensors() if cmd.get("check") else {}
+        ok = checker.same(cmd.get("check"), lease.views)  # in the pool, before the release
         rounds = lease.rounds
         lease.release()
-    else:
-        out = checker.out(int(cmd["out_tokens"])) if mode == "out" else None
-        got = await receiver.receive(room, expected_tokens=expected, sender=sender, out=out)
-        t = time.monotonic()
-        rows, rounds = got.tensors, got.rounds
-    if rows and not checker.same(cmd.get("check"), rows):
+        if not ok:
+            raise RuntimeError(f"room {room!r}: the rows differ from the source")
+        return t, rounds
+    out = checker.out(int(cmd["out_tokens"])) if mode == "out" else None
+    got = await receiver.receive(room, expected_tokens=expected, sender=sender, out=out)
+    t = time.monotonic()
+    if not checker.same(cmd.get("check"), got.tensors):
         raise RuntimeError(f"room {room!r}: the rows differ from the source")
-    return t, rounds
+    return t, got.rounds
 
 
 async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any]) -> None:
