@@ -29,7 +29,8 @@ from aioembed import (
     TransferError,
     TransferStatus,
 )
-from aioembed.protocol.messages import Abort, Hello, Init
+from aioembed.protocol.messages import Abort, Hello, Init, Resume, Status
+from aioembed.session.copy_out import RoundCopier
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
@@ -291,3 +292,36 @@ async def test_a_send_in_flight_when_the_sender_closes_ends_with_a_typed_error()
         (err,) = outcome
         assert isinstance(err, TransferError) and "sender closing" in str(err), repr(err)
         assert sender.writes_in_flight == 0
+
+
+async def test_a_final_status_still_in_the_inbox_when_the_room_is_cancelled_frees_its_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's last STATUS reached the room while the room was busy copying the round before, and the
+    caller cancelled the room then: the sender counts that rank as served and will never answer the room's
+    ABORT, so that STATUS is the proof that the last write ended (found by the abort storm once receive()
+    ran in the caller's task)."""
+    copying = anyio.Event()
+
+    async def slow_copy(self: RoundCopier, *args: Any) -> None:
+        copying.set()
+        await anyio.sleep(5)  # the room is busy here (cancelled below)
+
+    monkeypatch.setattr(RoundCopier, "copy", slow_copy)
+    async with raw_sender() as raw:
+        async with EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
+            raw.welcome(await raw.expect(Hello), CFG.heartbeat_interval)
+            handle = receiver.start("r")  # 1024 reserved; the request turns out to be 1500 tokens
+            await raw.expect(Init)
+            raw.send(Status(room="r", state=TransferStatus.TRANSFERRING, total_tokens=1500, sent_tokens=1024,
+                            round=0))
+            resume = await raw.expect(Resume)  # announced early; the room copies round 0 meanwhile
+            assert isinstance(resume, Resume)
+            await copying.wait()
+            raw.send(Status(room="r", state=TransferStatus.SUCCESS, total_tokens=1500, sent_tokens=1500, round=1))
+            with anyio.fail_after(5):
+                while not receiver._rooms["r"]._inbox.statistics().current_buffer_used:
+                    await anyio.sleep(0.005)  # the last STATUS waits in the room's inbox
+            handle.cancel("the caller gave up")
+            assert await handle.wait() is TransferStatus.ABORTED
+            assert isinstance(await raw.expect(Abort), Abort)  # the raw sender never acknowledges it
+            assert receiver.allocator.stats.used == 0  # the STATUS proved round 1's write over

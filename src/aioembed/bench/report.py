@@ -175,7 +175,8 @@ def render(result: Mapping[str, Any], console: Console) -> None:
         if cfg:
             console.print(f"[bold]{name}[/]: {escape(w.get('description', ''))}")
             console.print(f"    config: block_size={cfg['block_size']} default_tokens={cfg['default_tokens']} "
-                          f"pool_tokens={cfg['pool_tokens']} transport={cfg['transport']}", highlight=False)
+                          f"pool_tokens={cfg['pool_tokens']} transport={cfg['transport']} "
+                          f"device={cfg.get('device', 'cpu')}", highlight=False)
     m = result["machine"]
     console.print(f"machine: {m['cpu_count']} CPUs ({m['cpus_usable']} usable), load avg at start "
                   f"{m['loadavg_start']}, at end {m.get('loadavg_end')}; python {m['python']}, torch {m['torch']} "

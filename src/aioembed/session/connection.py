@@ -408,10 +408,13 @@ class SenderConnection:
         self._late(msg, room_id)
 
     def _late(self, msg: Status | Progress | Abort | AbortAck | Reject, room: RoomId) -> None:
-        """A frame for a room no longer in flight here: a proof (or doubt) about fenced blocks."""
+        self.late(msg, room, self.writer)
+
+    def late(self, msg: Status | Progress | Abort | AbortAck | Reject, room: RoomId, writer: Writer | None) -> None:
+        """A frame of ``writer`` for a room no longer in flight here (it arrived after the room ended,
+        or was still in the room's inbox when it ended): a proof (or doubt) about fenced blocks."""
         if isinstance(msg, Progress):
             return  # the round goes on: a PROGRESS proves nothing about the end of its writes
-        writer = self.writer
         if isinstance(msg, Abort):
             self.send(AbortAck(room=room))
         if writer is None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import anyio
 import torch
 
+from aioembed.memory.device_order import CudaFence
 from aioembed.memory.pool import BlockPool
 
 __all__ = ["COPY_INLINE_BYTES", "RoundCopier"]
@@ -28,15 +29,27 @@ class RoundCopier:
         self.pool = pool
         self.limiter = anyio.CapacityLimiter(threads)
         self.threads = threads
+        self._stream: torch.cuda.Stream | None = None
+
+    def _copy_cuda(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int) -> None:
+        """In a worker thread: the copy on a private stream, waited for by its own event (never a
+        device-wide synchronize: the language model's kernels on that GPU are not waited for). A copy
+        into CPU memory (``out=``) is a device-to-host copy: it blocks this thread, never the loop."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.pool.device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(self._stream):
+            self.pool.copy_out(blocks, count, out, out_start=start)
+        CudaFence(self._stream).wait()
 
     async def copy(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int) -> None:
         """Rows of ``blocks`` (``count`` tokens) into ``out[...][start:start + count]``."""
         pool = self.pool
         nbytes = count * pool.layout.bytes_per_token
-        if nbytes <= COPY_INLINE_BYTES or pool.device.type != "cpu":
+        if pool.device.type == "cuda":
+            await anyio.to_thread.run_sync(self._copy_cuda, blocks, out, start, count, limiter=self.limiter)
+            return
+        if nbytes <= COPY_INLINE_BYTES:
             pool.copy_out(blocks, count, out, out_start=start)
-            if pool.device.type != "cpu":
-                await anyio.to_thread.run_sync(torch.cuda.synchronize, pool.device, limiter=self.limiter)
             return
         bs = pool.block_size
         parts = max(1, min(self.threads, nbytes // COPY_INLINE_BYTES))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from aioembed.errors import TransferError
+from aioembed.memory.device_order import Fence, fence_after, wait_fence
 from aioembed.protocol.messages import RoomId
 from aioembed.session.handle import TransferStats
 
@@ -27,25 +28,50 @@ __all__ = ["Lease", "LeaseReturns"]
 
 
 class LeaseReturns:
-    """Where released leases' grants go back to the pool, from whatever thread releases them."""
+    """Where released leases' grants go back to the pool, from whatever thread releases them, once the
+    consumer's device work on them is done (a :class:`~aioembed.memory.device_order.Fence`)."""
 
-    def __init__(self, give_back: Callable[[list[int]], None]) -> None:
+    def __init__(self, give_back: Callable[[list[int]], None],
+                 spawn: Callable[..., None] | None = None) -> None:
         self._give_back = give_back
+        self._spawn = spawn
         self._loop_thread = threading.get_ident()
-        self._pending: deque[list[int]] = deque()
+        self._pending: deque[tuple[list[int], Fence | None]] = deque()
+        self.fenced = 0
+        """Releases waiting for their consumer's device work to complete."""
 
-    def release(self, grants: list[int]) -> None:
-        """Give ``grants`` back now if on the loop's thread, else at the loop's next chance."""
+    def release(self, grants: list[int], fence: Fence | None = None) -> None:
+        """Give ``grants`` back once ``fence`` is done: now if on the loop's thread (and no fence is
+        pending), else at the loop's next chance."""
         if threading.get_ident() == self._loop_thread:
-            self._give_back(grants)
+            self._return(grants, fence)
             self.drain()
         else:
-            self._pending.append(grants)
+            self._pending.append((grants, fence))
 
     def drain(self) -> None:
         """Return grants released from other threads (called on the loop's thread)."""
         while self._pending:
-            self._give_back(self._pending.popleft())
+            self._return(*self._pending.popleft())
+
+    def _return(self, grants: list[int], fence: Fence | None) -> None:
+        if fence is None or fence.done():
+            self._give_back(grants)
+        elif self._spawn is None:
+            fence.wait()  # no loop to wait on (a receiver closing): wait here rather than free early
+            self._give_back(grants)
+        else:
+            self.fenced += 1
+            self._spawn(self._after, fence, grants)
+
+    async def _after(self, fence: Fence, grants: list[int]) -> None:
+        try:
+            await wait_fence(fence)
+        finally:
+            # Done, or the receiver is closing (its tasks are cancelled): no room lands in its pool any
+            # more, and the views keep the pool's memory alive, so the blocks may go back either way.
+            self.fenced -= 1
+            self._give_back(grants)
 
     @property
     def pending(self) -> int:
@@ -53,14 +79,17 @@ class LeaseReturns:
         return len(self._pending)
 
 
-def _dropped(returns: LeaseReturns, grants: list[int], room: RoomId, state: dict[str, bool]) -> None:
+def _dropped(returns: LeaseReturns, grants: list[int], room: RoomId, state: dict[str, bool],
+             devices: tuple[torch.device, ...]) -> None:
     if state["released"]:
         return
     state["released"] = True
     warnings.warn(f"a Lease of room {room!r} was garbage-collected without release(); its "
                   f"{len(grants)} grant(s) went back to the pool now. Use `async with lease:`.",
                   ResourceWarning, stacklevel=2)
-    returns.release(grants)
+    # Kernels queued on the current stream may still read the views: order after them.
+    fence = fence_after([torch.empty(0, device=d) for d in devices]) if devices else None
+    returns.release(grants, fence)
 
 
 class Lease:
@@ -82,7 +111,8 @@ class Lease:
         self._grants = grants
         self._returns = returns
         self._state = {"released": False}
-        self._finalizer = weakref.finalize(self, _dropped, returns, grants, room, self._state)
+        devices = tuple({v.device for vs in views.values() for v in vs if v.device.type == "cuda"})
+        self._finalizer = weakref.finalize(self, _dropped, returns, grants, room, self._state, devices)
         self.part_metadata: tuple[dict[str, Any], ...] = ()
         """For a room received in parts: each part's metadata, in part order."""
 
@@ -109,14 +139,19 @@ class Lease:
         """True once the blocks went back to the pool."""
         return self._state["released"]
 
-    def release(self) -> None:
-        """Give the blocks back to the pool (idempotent)."""
+    def release(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Give the blocks back to the pool (idempotent).
+
+        For views on a CUDA device, the blocks go back only once the work queued so far on ``stream``
+        (default: the device's current stream) has completed: kernels already queued on the views may
+        still read them, and the next room's rows must not land under them."""
         if self._state["released"]:
             return
         self._state["released"] = True
         self._finalizer.detach()
+        fence = fence_after((v for vs in self.views.values() for v in vs), stream)
         self.views = {name: [] for name in self.views}
-        self._returns.release(self._grants)
+        self._returns.release(self._grants, fence)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Contiguous copies of every field (what ``receive()`` would have returned)."""

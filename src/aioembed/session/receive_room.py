@@ -340,6 +340,7 @@ class ReceiveRoomDriver:
         """Leave the connection's and the receiver's tables, report, resolve the handle."""
         self.ctx.forget(self)
         self._inbox_send.close()
+        self._hand_over_pending_frames()
         self._inbox.close()
         if self.stream is not None:
             self.stream.close()  # the consumer sees the end (and then the handle's error, if any)
@@ -358,6 +359,18 @@ class ReceiveRoomDriver:
             status = TransferStatus.ABORTED if isinstance(error, TransferAborted) else TransferStatus.FAILED
             self.handle._finish(error=error, status=status)
             log.info("receiver[%d]: room=%r: %s: %s", self.ctx.rank, self.room, status.name, error)
+
+    def _hand_over_pending_frames(self) -> None:
+        """Frames still in the inbox when the room ended (e.g. the sender's final STATUS, delivered just as
+        the caller cancelled) are proofs about the room's fenced blocks: they go to the connection as
+        late answers, like frames arriving after the end. Dropping them could fence blocks for ever."""
+        while True:
+            try:
+                event = self._inbox.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            if not isinstance(event, SessionLost):
+                self.conn.late(event, self.room, self.writer)
 
     def result(self, t_start: float) -> Received | Lease:
         """The finished request: copied tensors, or a lease on the readable grants."""

@@ -119,7 +119,7 @@ class EmbeddingReceiver:
             check_backend(self._transport, self.pool.device)
             await self._transport.register(self.pool.regions())
             self._ctx = zmq.Context()
-            returns = LeaseReturns(self._give_back_grants)
+            returns = LeaseReturns(self._give_back_grants, self._spawn)
             self._room_ctx = RoomContext(
                 keeper=self.keeper, pool=self.pool, layout=self.layout, config=cfg, observer=self.observer,
                 copier=RoundCopier(self.pool, threads=cfg.copy_threads), returns=returns, rank=self.rank,
@@ -527,8 +527,14 @@ class EmbeddingReceiver:
             raise InvalidRequest("out= and zero_copy=True exclude each other")
         if set(out) != set(self.layout):
             raise InvalidRequest(f"out= needs exactly the fields {list(self.layout)}, got {list(out)}")
+        pool = self.pool.device
         for name, f in self.layout.items():
             t = out[name]
+            if not (t.device == pool or t.device.type == "cpu"):
+                raise InvalidRequest(f"out[{name!r}] is on {t.device}; the pool is on {pool}: pass tensors on "
+                                     f"{pool} or on the CPU")
+            if pool.type == "cpu" and t.device.type != "cpu":
+                raise InvalidRequest(f"out[{name!r}] is on {t.device}; a CPU pool copies into CPU tensors")
             if t.dtype != f.dtype or tuple(t.shape[1:]) != f.shape or not t.is_contiguous():
                 raise InvalidRequest(f"out[{name!r}] must be contiguous {f.dtype} of shape (n, "
                                      f"{', '.join(map(str, f.shape))}), got {t.dtype} {tuple(t.shape)}")

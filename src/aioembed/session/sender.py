@@ -43,6 +43,7 @@ from aioembed.errors import (
     TransportError,
 )
 from aioembed.layout import Layout
+from aioembed.memory.device_order import fence_after, wait_fence
 from aioembed.memory.staging import StagedRows, StagingArea
 from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
@@ -258,7 +259,7 @@ class EmbeddingSender:
 
     async def send(
         self, room: int | str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None,
-        *, part: int | None = None,
+        *, part: int | None = None, stream: torch.cuda.Stream | None = None,
     ) -> None:
         """Deliver ``tensors`` (one per layout field, same token count) to every expected rank.
 
@@ -266,18 +267,23 @@ class EmbeddingSender:
         The tensors are read in place (not copied) and must stay unchanged until this returns.
         ``part``: these rows are part ``part`` of a room the receiver assembles from parts sent by
         several encoders (``receive(room, parts=[...])``): only that part's rows, in token order.
+
+        CUDA tensors are read only once the work queued on ``stream`` (default: the current stream of
+        their device, where ``model(x)`` just queued its kernels) has completed: call ``send()`` right
+        after the producing kernels, no ``torch.cuda.synchronize()`` needed. Pass ``stream`` if they were
+        produced on another stream.
         """
-        await self._send_key(self._room_key(room, part), tensors, metadata)
+        await self._send_key(self._room_key(room, part), tensors, metadata, stream)
 
     async def _send_key(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
-                        metadata: Mapping[str, Any] | None) -> None:
+                        metadata: Mapping[str, Any] | None, stream: torch.cuda.Stream | None = None) -> None:
         """``send()`` of the room (or room part) with wire id ``room``."""
         staged: StagedRows | None = None
         try:
             num_tokens, meta = self._check_request(room, tensors, metadata)
             if self._staging is not None:
                 staged = self._staging.stage(tensors, num_tokens)
-            sources = list(staged.tensors.values()) if staged else await self._sources_of(room, tensors)
+            sources = list(staged.tensors.values()) if staged else await self._sources_of(room, tensors, stream)
         except (InvalidRequest, LayoutError) as exc:
             # A receiver that already asked for the room learns why at once, not at its input_timeout.
             if self._room_is_waiting(room):
@@ -369,8 +375,10 @@ class EmbeddingSender:
         r = self._rooms.get(room)
         return r is not None and not r.active and r.machine.total is None
 
-    async def _sources_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors to write from, contiguous; large CPU copies run off the loop."""
+    async def _sources_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
+                          stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
+        """The tensors to write from, contiguous, once they are ready: large CPU copies run off the loop,
+        CUDA ones are queued on ``stream`` and waited for (see :mod:`aioembed.memory.device_order`)."""
         caps = self._transport.capabilities if self._transport is not None else None
         sources = []
         for name in self.layout:
@@ -379,11 +387,15 @@ class EmbeddingSender:
                 raise InvalidRequest(f"room {room!r}: field {name!r} is on {t.device}; transport "
                                      f"{self.config.transport!r} moves CPU memory only")
             if not t.is_contiguous():
-                if t.device.type == "cpu" and t.numel() * t.element_size() > COPY_INLINE_BYTES:
+                if t.device.type == "cuda":
+                    with torch.cuda.stream(stream or torch.cuda.current_stream(t.device)):
+                        t = t.contiguous()  # a kernel queued after the producer's: the fence covers both
+                elif t.numel() * t.element_size() > COPY_INLINE_BYTES:
                     t = await anyio.to_thread.run_sync(t.contiguous)
                 else:
                     t = t.contiguous()
             sources.append(t)
+        await wait_fence(fence_after(sources, stream))
         return sources
 
     async def _send_finished(self, r: SendRoomDriver, *, source: int, registered: bool, num_tokens: int,

@@ -1,0 +1,176 @@
+"""The GPU path, for any transport that moves CUDA memory: ordering with streams, and every receive mode.
+
+A plugin runs it by subclassing (compare :class:`~aioembed.testing.TransportConformance`)::
+
+    from aioembed.testing.gpu import CudaSuite
+
+    class TestCuda(CudaSuite):
+        transport_name = "ucx"
+        transport_options = {"tls": "tcp,cuda_copy,cuda_ipc"}
+
+Every test is marked ``cuda`` and skipped on a host without a CUDA device, or when the transport does
+not declare ``capabilities.cuda``: CPU CI collects it and runs none of it.
+
+The race tests are the ones a GPU host found failing: an encoder queues its last kernel and calls
+``send()`` at once; a consumer queues kernels on a lease's views and releases it at once. A kernel
+that sleeps on the GPU (``torch.cuda._sleep``) makes the queued work land late, so a library that
+reads or reuses memory before the stream got there sees the wrong rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, ClassVar
+
+import anyio
+import pytest
+import torch
+
+from aioembed.config import TransferConfig
+from aioembed.samples import deterministic_request, same_rows, standard_layout
+from aioembed.session.receiver import EmbeddingReceiver
+from aioembed.session.sender import EmbeddingSender
+from aioembed.transports.registry import resolve_transport
+
+__all__ = ["CudaSuite"]
+
+LAYOUT = standard_layout(256)
+SLEEP_CYCLES = 200_000_000
+"""GPU clock cycles a queued kernel sleeps before the real work: about 0.1 s on a current GPU."""
+
+
+def _late() -> None:
+    """Queue a kernel that sleeps ``SLEEP_CYCLES`` on the current stream: work queued after it runs late."""
+    torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+def _stream() -> torch.cuda.Stream:
+    return torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+
+def _on_gpu(rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.to("cuda:0") for n, t in rows.items()}
+
+
+def _to_cpu(rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.to("cpu") for n, t in rows.items()}
+
+
+class CudaSuite:
+    """Subclass with ``transport_name`` (and options) to run the GPU tests on a transport."""
+
+    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [
+        pytest.mark.anyio, pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ]
+    transport_name: ClassVar[str]
+    transport_options: ClassVar[Mapping[str, Any]] = {}
+
+    @pytest.fixture
+    def anyio_backend(self) -> str:
+        return "asyncio"
+
+    @asynccontextmanager
+    async def pair(self, **kw: Any) -> AsyncIterator[tuple[EmbeddingSender, EmbeddingReceiver]]:
+        if not resolve_transport(self.transport_name).capabilities.cuda:
+            pytest.skip(f"transport {self.transport_name!r} (this build) does not move CUDA memory")
+        base: dict[str, Any] = dict(transport=self.transport_name, transport_options=dict(self.transport_options),
+                                    device="cuda:0", default_tokens=1024, pool_tokens=4096, resume_reserve_tokens=0)
+        base.update(kw)
+        cfg = TransferConfig(**base)
+        async with EmbeddingSender(LAYOUT, cfg) as sender, \
+                EmbeddingReceiver(LAYOUT, cfg, connect=sender.address) as receiver:
+            await receiver.wait_connected()
+            yield sender, receiver
+
+    # -- the source race -------------------------------------------------------------------------
+
+    async def test_send_waits_for_the_producing_kernel_on_the_current_stream(self) -> None:
+        want = _on_gpu(deterministic_request(LAYOUT, 700, "late"))
+        async with self.pair() as (sender, receiver):
+            src = {n: torch.zeros_like(t) for n, t in want.items()}
+            torch.cuda.synchronize()
+            _late()  # the encoder's last kernel, still running ...
+            for n, t in src.items():
+                t.copy_(want[n])  # ... queued after it: the rows exist only once the stream gets here
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "late", src)  # at once, as after model(x)
+                got = await receiver.receive("late")
+            assert same_rows(_to_cpu(got.tensors), _to_cpu(want)), "rows read before the producing kernel ran"
+
+    async def test_send_waits_for_the_producing_kernel_on_a_side_stream(self) -> None:
+        want = _on_gpu(deterministic_request(LAYOUT, 700, "side"))
+        async with self.pair() as (sender, receiver):
+            src = {n: torch.zeros_like(t) for n, t in want.items()}
+            torch.cuda.synchronize()
+            side = _stream()
+            with torch.cuda.stream(side):
+                _late()
+                for n, t in src.items():
+                    t.copy_(want[n])
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: sender.send("side", src, stream=side))
+                got = await receiver.receive("side")
+            assert same_rows(_to_cpu(got.tensors), _to_cpu(want)), "rows read before the side stream ran"
+
+    async def test_a_non_contiguous_source_is_made_contiguous_in_stream_order(self) -> None:
+        want = _on_gpu(deterministic_request(LAYOUT, 500, "strided"))
+        async with self.pair() as (sender, receiver):
+            wide = {n: torch.zeros((t.shape[0] * 2, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                    for n, t in want.items()}
+            torch.cuda.synchronize()
+            _late()
+            for n, t in wide.items():
+                t[::2].copy_(want[n])
+            src = {n: t[::2] for n, t in wide.items()}  # strided views: contiguous() is a kernel too
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "strided", src)
+                got = await receiver.receive("strided")
+            assert same_rows(_to_cpu(got.tensors), _to_cpu(want))
+
+    # -- the consumer race ------------------------------------------------------------------------
+
+    async def test_a_released_lease_is_reused_only_after_its_consumer_read_it(self) -> None:
+        first = _on_gpu(deterministic_request(LAYOUT, 1024, "first"))
+        second = _on_gpu(deterministic_request(LAYOUT, 1024, "second"))
+        async with self.pair(default_tokens=1024, pool_tokens=1024) as (sender, receiver):  # one room fills it
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "first", first)
+                lease = await receiver.receive_leased("first")
+            seen = {n: torch.empty_like(t) for n, t in first.items()}
+            _late()  # the consumer's kernels, queued on the views, run late ...
+            for n, views in lease.views.items():
+                at = 0
+                for v in views:
+                    seen[n][at:at + v.shape[0]].copy_(v)
+                    at += v.shape[0]
+            lease.release()  # ... and the lease is released at once: its blocks must wait for them
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "second", second)  # lands in the same blocks once they are free
+                again = await receiver.receive_leased("second")
+            torch.cuda.synchronize()
+            assert same_rows(_to_cpu(seen), _to_cpu(first)), "the next room overwrote rows a kernel still read"
+            assert same_rows(_to_cpu(again.to_tensors()), _to_cpu(second))
+            again.release()
+
+    # -- every receive mode ------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("mode", ["receive", "out_gpu", "out_cpu", "leased"])
+    async def test_every_receive_mode_bit_for_bit(self, mode: str) -> None:
+        want = deterministic_request(LAYOUT, 2500, mode)  # several rounds of 1024
+        async with self.pair() as (sender, receiver):
+            src = _on_gpu(want)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, mode, src)
+                if mode == "leased":
+                    lease = await receiver.receive_leased(mode)
+                    rows = lease.to_tensors()
+                    lease.release()
+                else:
+                    device = "cpu" if mode == "out_cpu" else "cuda:0"
+                    out = LAYOUT.empty(2500, device=device) if mode.startswith("out") else None
+                    rows = (await receiver.receive(mode, out=out)).tensors
+                    if out is not None:
+                        assert all(rows[n].data_ptr() == out[n].data_ptr() for n in out)
+            assert same_rows(_to_cpu(rows), want)
