@@ -6,20 +6,28 @@ in the entry-point group :data:`ENTRY_POINT_GROUP` (see :mod:`aioembed.bench` fo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
+import anyio.abc
 import torch
 
 from aioembed.config import TransferConfig
-from aioembed.errors import ConfigError
+from aioembed.errors import ConfigError, TransportError
 from aioembed.layout import Layout
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "BaselinePeer",
     "LoopbackBaseline",
     "RawBaseline",
     "RawBaselineFactory",
@@ -106,6 +114,68 @@ class LoopbackBaseline:
     async def aclose(self) -> None:
         self._src, self._dst = {}, {}
         await anyio.lowlevel.checkpoint()
+
+
+class BaselinePeer:
+    """The destination process of a raw baseline: ``python -m <module> SPEC_JSON``, answering JSON lines
+    (one line when ready, then one per command sent on its stdin); its stderr is kept for error messages.
+    Plugins' baselines use it so that every raw number is taken across two processes, as aioembed's is."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._proc: anyio.abc.Process | None = None
+        self._stderr: Any = None
+        self._buf = b""
+
+    async def start(self, module: str, spec: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        """Start the process; returns its first line (what it announces once ready)."""
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in aclose()
+        self._proc = await anyio.open_process(
+            [sys.executable, "-m", module, json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        return await self.line(timeout)
+
+    async def line(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The process's next line, parsed."""
+        assert self._proc is not None and self._proc.stdout is not None
+        with anyio.fail_after(timeout):
+            while b"\n" not in self._buf:
+                try:
+                    self._buf += await self._proc.stdout.receive()
+                except anyio.EndOfStream:
+                    raise TransportError(f"{self.name} baseline peer process ended: {self.stderr_tail()}") from None
+        line, self._buf = self._buf.split(b"\n", 1)
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    async def ask(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
+        """Send a command; its answer."""
+        assert self._proc is not None and self._proc.stdin is not None
+        await self._proc.stdin.send(json.dumps(cmd).encode() + b"\n")
+        return await self.line()
+
+    def stderr_tail(self) -> str:
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        return str(self._stderr.read().decode(errors="replace")[-2000:])
+
+    async def aclose(self) -> None:
+        """Ask the process to exit (``{"op": "exit"}``), kill it if it does not within 10 s."""
+        with anyio.CancelScope(shield=True):
+            if self._proc is not None:
+                with anyio.move_on_after(10), contextlib.suppress(
+                        TransportError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, TimeoutError):
+                    await self.ask({"op": "exit"})
+                    await self._proc.wait()
+                if self._proc.returncode is None:
+                    self._proc.kill()
+                    await self._proc.wait()
+                await self._proc.aclose()
+                self._proc = None
+            if self._stderr is not None:
+                self._stderr.close()
+                self._stderr = None
 
 
 def _builtin() -> dict[str, RawBaselineFactory]:

@@ -432,45 +432,32 @@ class _RemotePair(_Pair):
 
     async def _transfer(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                         lease: bool, via: int) -> tuple[float, int]:
-        if self._ended is not None:
-            await self._fail(self._ended)
-        cid = next(self._ids)
-        done = anyio.Event()
-        box: list[dict[str, Any]] = []
-        self._waiting[cid] = (done, box)
         send_end = [0.0]
         sender = self.senders[via]
 
-        async def send() -> None:
+        async def sending() -> None:
             await sender.send(room, data)
             send_end[0] = time.monotonic()
 
         t0 = time.monotonic()
-        await self.command({"op": "recv", "id": cid, "room": room, "expected": expected, "lease": lease,
-                            "sender": sender.address})
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
-            await done.wait()
-        if not box:
-            await self._fail(self._ended or "no answer from the receiver child process")
-        ev = box[0]
-        if "error" in ev:
-            raise PeerProcessError(f"room {room!r} failed in the receiver child process: {ev['error']}")
+        ev = await self._ask({"op": "recv", "room": room, "expected": expected, "lease": lease}, sending, via)
         return max(send_end[0], float(ev["t"])) - t0, int(ev.get("rounds") or 0)
 
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                    via: int = 0) -> tuple[float, int]:
         return await self._transfer(room, data, expected, False, via)
 
-    async def _ask(self, cmd: dict[str, Any], sending: Callable[[], Coroutine[Any, Any, None]]) -> dict[str, Any]:
-        """Send ``cmd`` to the child, run ``sending`` here meanwhile; the child's answer."""
+    async def _ask(self, cmd: dict[str, Any], sending: Callable[[], Coroutine[Any, Any, None]],
+                   via: int = 0) -> dict[str, Any]:
+        """Send ``cmd`` to the child (receiving from sender ``via``), run ``sending`` here meanwhile; the
+        child's answer, once ``sending`` returned too."""
         if self._ended is not None:
             await self._fail(self._ended)
         cid = next(self._ids)
         done = anyio.Event()
         box: list[dict[str, Any]] = []
         self._waiting[cid] = (done, box)
-        await self.command(dict(cmd, id=cid, sender=self.senders[0].address))
+        await self.command(dict(cmd, id=cid, sender=self.senders[via].address))
         async with anyio.create_task_group() as tg:
             tg.start_soon(sending)
             await done.wait()
@@ -519,29 +506,15 @@ class _RemotePair(_Pair):
 
     async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                      chunk_tokens: int) -> tuple[float, float, int]:
-        if self._ended is not None:
-            await self._fail(self._ended)
-        cid = next(self._ids)
-        done = anyio.Event()
-        box: list[dict[str, Any]] = []
-        self._waiting[cid] = (done, box)
         send_end = [0.0]
 
-        async def send() -> None:
+        async def sending() -> None:
             await self.senders[0].send(room, data)
             send_end[0] = time.monotonic()
 
         t0 = time.monotonic()
-        await self.command({"op": "stream", "id": cid, "room": room, "expected": expected,
-                            "chunk_tokens": chunk_tokens, "sender": self.senders[0].address})
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
-            await done.wait()
-        if not box:
-            await self._fail(self._ended or "no answer from the receiver child process")
-        ev = box[0]
-        if "error" in ev:
-            raise PeerProcessError(f"room {room!r} failed in the receiver child process: {ev['error']}")
+        ev = await self._ask({"op": "stream", "room": room, "expected": expected, "chunk_tokens": chunk_tokens},
+                             sending)
         return float(ev["t_first"]) - t0, max(send_end[0], float(ev["t"])) - t0, int(ev["chunks"])
 
     async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,

@@ -106,17 +106,21 @@ class ControlSocket:
         except zmq.Again:
             return False  # at the high-water mark: queue it; the I/O task retries
         except zmq.ZMQError as exc:
-            if exc.errno == errno.EHOSTUNREACH:
-                log.debug("%s: peer unreachable, message dropped", self.name)
-            else:
-                log.warning("%s: send failed: %s", self.name, exc)
-            if self._on_send_error is not None:
-                self._on_send_error(frames, exc)
+            self._send_failed(frames, exc)
             return True
         self.sent += 1
         if int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
             self._poke()
         return True
+
+    def _send_failed(self, frames: Sequence[bytes], exc: zmq.ZMQError) -> None:
+        """A message ZeroMQ refused for good (not ``Again``): dropped, logged, reported."""
+        if exc.errno == errno.EHOSTUNREACH:
+            log.debug("%s: peer unreachable, message dropped", self.name)
+        else:
+            log.warning("%s: send failed: %s", self.name, exc)
+        if self._on_send_error is not None:
+            self._on_send_error(frames, exc)
 
     def _poke(self) -> None:
         self._poked = True
@@ -153,12 +157,7 @@ class ControlSocket:
                 except zmq.ZMQError as exc:
                     outbox.popleft()
                     self._queued -= 1
-                    if exc.errno == errno.EHOSTUNREACH:
-                        log.debug("%s: peer unreachable, message dropped", self.name)
-                    else:
-                        log.warning("%s: send failed: %s", self.name, exc)
-                    if self._on_send_error is not None:
-                        self._on_send_error(frames, exc)
+                    self._send_failed(frames, exc)
                     continue
                 outbox.popleft()
                 self._queued -= 1

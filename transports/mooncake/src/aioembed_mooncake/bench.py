@@ -21,13 +21,10 @@ for bit in the peer (SHA-256 per field), so the baseline cannot time writes that
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +33,7 @@ import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
 import torch
+from aioembed.bench.baselines import BaselinePeer
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
@@ -75,46 +73,14 @@ class MooncakeBaseline:
         self._src: dict[str, torch.Tensor] = {}
         self._dst: dict[str, int] = {}
         self._registered: list[int] = []
-        self._proc: anyio.abc.Process | None = None
-        self._stderr: Any = None
-        self._buf = b""
-
-    # -- the peer process ----------------------------------------------------------------
-
-    async def _line(self, timeout: float = 60.0) -> dict[str, Any]:
-        assert self._proc is not None and self._proc.stdout is not None
-        with anyio.fail_after(timeout):
-            while b"\n" not in self._buf:
-                try:
-                    self._buf += await self._proc.stdout.receive()
-                except anyio.EndOfStream:
-                    raise TransportError(f"mooncake baseline peer process ended: {self._peer_stderr()}") from None
-        line, self._buf = self._buf.split(b"\n", 1)
-        out: dict[str, Any] = json.loads(line)
-        return out
-
-    async def _ask(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
-        assert self._proc is not None and self._proc.stdin is not None
-        await self._proc.stdin.send(json.dumps(cmd).encode() + b"\n")
-        return await self._line()
-
-    def _peer_stderr(self) -> str:
-        if self._stderr is None:
-            return ""
-        self._stderr.seek(0)
-        return str(self._stderr.read().decode(errors="replace")[-2000:])
+        self._peer = BaselinePeer("mooncake")
 
     # -- RawBaseline ---------------------------------------------------------------------
 
     async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
         spec = {"options": self.options, "capacity": capacity_tokens,
                 "fields": [[name, f.row_bytes] for name, f in self.layout.items()]}
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in aclose()
-        self._proc = await anyio.open_process(
-            [sys.executable, "-m", "aioembed_mooncake.bench", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        ready = await self._line()
+        ready = await self._peer.start("aioembed_mooncake.bench", spec)
         self._session, self._dst = str(ready["session"]), {k: int(v) for k, v in ready["addrs"].items()}
         started = await anyio.to_thread.run_sync(start_engine, self._cfg.engine_settings())
         self._engine, self._rpc_port = started.engine, started.rpc_port
@@ -127,7 +93,7 @@ class MooncakeBaseline:
         self._registered = addrs
         n = min(_CHECK_TOKENS, capacity_tokens)
         await self.transfer("batch_write", n)
-        got = await self._ask({"op": "sum", "tokens": n})
+        got = await self._peer.ask({"op": "sum", "tokens": n})
         want = {name: _digest(t[:n]) for name, t in self._src.items()}
         if got.get("sums") != want:
             raise TransportError("mooncake baseline: the check write did not land bit for bit in the peer")
@@ -185,17 +151,7 @@ class MooncakeBaseline:
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
-            if self._proc is not None:
-                with anyio.move_on_after(10):
-                    with contextlib.suppress(TransportError, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                                             OSError, TimeoutError):
-                        await self._ask({"op": "exit"})
-                    await self._proc.wait()
-                if self._proc.returncode is None:
-                    self._proc.kill()
-                    await self._proc.wait()
-                await self._proc.aclose()
-                self._proc = None
+            await self._peer.aclose()
             if self._engine is not None:
                 if self._registered:
                     self._engine.batch_unregister_memory(self._registered)
@@ -203,9 +159,6 @@ class MooncakeBaseline:
                 box = [self._engine]
                 self._engine = None
                 await anyio.to_thread.run_sync(destroy_engine, box, self._rpc_port)
-            if self._stderr is not None:
-                self._stderr.close()
-                self._stderr = None
             self._src, self._dst = {}, {}
 
 

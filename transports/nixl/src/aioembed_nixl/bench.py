@@ -24,9 +24,7 @@ import asyncio
 import hashlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -34,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from aioembed.bench.baselines import BaselinePeer
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
@@ -85,8 +84,7 @@ class NixlBaseline:
         self.layout = layout
         self.options = dict(config.transport_options)
         self._opts = NixlOptions.parse(self.options)
-        self._proc: asyncio.subprocess.Process | None = None
-        self._stderr: Any = None
+        self._peer_process = BaselinePeer("nixl")
         self._agent: Any = None
         self._peer = ""
         self._src: dict[str, torch.Tensor] = {}
@@ -95,41 +93,16 @@ class NixlBaseline:
         self._remote: Any = None
         self._bases: dict[str, int] = {}
 
-    async def _line(self, timeout: float = 60.0) -> dict[str, Any]:
-        assert self._proc is not None and self._proc.stdout is not None
-        line = await asyncio.wait_for(self._proc.stdout.readline(), timeout)
-        if not line:
-            raise TransportError(f"nixl baseline peer process ended: {self._peer_stderr()}")
-        out: dict[str, Any] = json.loads(line)
-        return out
-
-    async def _ask(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
-        assert self._proc is not None and self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps(cmd).encode() + b"\n")
-        await self._proc.stdin.drain()
-        return await self._line()
-
-    def _peer_stderr(self) -> str:
-        if self._stderr is None:
-            return ""
-        self._stderr.seek(0)
-        return str(self._stderr.read().decode(errors="replace")[-2000:])
-
     async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
         spec = {"options": self.options, "capacity": capacity_tokens,
                 "fields": [[name, f.row_bytes] for name, f in self.layout.items()]}
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in aclose()
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aioembed_nixl.bench", json.dumps(spec),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        ready = await self._line()
+        ready = await self._peer_process.start("aioembed_nixl.bench", spec)
         self._src = {name: sources[name].contiguous() for name in self.layout}
         self._dst = {str(k): int(v) for k, v in ready["addresses"].items()}
         await asyncio.to_thread(self._prepare, bytes.fromhex(ready["metadata"]), capacity_tokens)
         n = min(_CHECK_TOKENS, capacity_tokens)
         await self.transfer("prepped", n)
-        got = await self._ask({"op": "sum", "tokens": n})
+        got = await self._peer_process.ask({"op": "sum", "tokens": n})
         want = {name: _digest(t[:n]) for name, t in self._src.items()}
         if got.get("sums") != want:
             raise TransportError("nixl baseline: the check transfer did not land bit for bit in the peer")
@@ -174,16 +147,7 @@ class NixlBaseline:
         await asyncio.sleep(0)
 
     async def aclose(self) -> None:
-        if self._proc is not None:
-            try:
-                await asyncio.wait_for(self._ask({"op": "exit"}), 10)
-                await asyncio.wait_for(self._proc.wait(), 10)
-            except (TransportError, OSError, TimeoutError, ConnectionError):
-                pass
-            if self._proc.returncode is None:
-                self._proc.kill()
-                await self._proc.wait()
-            self._proc = None
+        await self._peer_process.aclose()
         if self._agent is not None:
             for handle in (self._local, self._remote):
                 if handle is not None:
@@ -191,9 +155,6 @@ class NixlBaseline:
             self._local = self._remote = None
             agent, self._agent = self._agent, None
             await asyncio.to_thread(_drop, agent)
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
         self._src = {}
 
 

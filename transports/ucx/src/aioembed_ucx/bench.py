@@ -25,13 +25,12 @@ import ctypes
 import hashlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from aioembed.bench.baselines import BaselinePeer
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
@@ -70,47 +69,21 @@ class UcxBaseline:
         self.layout = layout
         self.options = dict(config.transport_options)
         self._opts = UcxOptions.parse(self.options)
-        self._proc: asyncio.subprocess.Process | None = None
-        self._stderr: Any = None
+        self._peer = BaselinePeer("ucx")
         self._ep: Any = None
         self._src: dict[str, torch.Tensor] = {}
-
-    async def _line(self, timeout: float = 60.0) -> dict[str, Any]:
-        assert self._proc is not None and self._proc.stdout is not None
-        line = await asyncio.wait_for(self._proc.stdout.readline(), timeout)
-        if not line:
-            raise TransportError(f"ucx baseline peer process ended: {self._peer_stderr()}")
-        out: dict[str, Any] = json.loads(line)
-        return out
-
-    async def _ask(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
-        assert self._proc is not None and self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps(cmd).encode() + b"\n")
-        await self._proc.stdin.drain()
-        return await self._line()
-
-    def _peer_stderr(self) -> str:
-        if self._stderr is None:
-            return ""
-        self._stderr.seek(0)
-        return str(self._stderr.read().decode(errors="replace")[-2000:])
 
     async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
         spec = {"options": self.options, "capacity": capacity_tokens,
                 "fields": [[name, f.row_bytes] for name, f in self.layout.items()]}
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in aclose()
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aioembed_ucx.bench", json.dumps(spec),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        ready = await self._line()
+        ready = await self._peer.start("aioembed_ucx.bench", spec)
         ucxx = ensure_context(self._opts)
         self._ep = await asyncio.wait_for(ucxx.create_endpoint(str(ready["host"]), int(ready["port"])),
                                           self._opts.connect_timeout)
         self._src = {name: sources[name].contiguous() for name in self.layout}
         n = min(_CHECK_TOKENS, capacity_tokens)
         await self.transfer("send_recv", n)
-        got = await self._ask({"op": "sum", "tokens": n})
+        got = await self._peer.ask({"op": "sum", "tokens": n})
         want = {name: _digest(t[:n]) for name, t in self._src.items()}
         if got.get("sums") != want:
             raise TransportError("ucx baseline: the check transfer did not land bit for bit in the peer")
@@ -133,24 +106,12 @@ class UcxBaseline:
             raise TransportError(f"ucx baseline: bad acknowledgement {bytes(ack)!r}")
 
     async def aclose(self) -> None:
-        if self._proc is not None:
-            try:
-                await asyncio.wait_for(self._ask({"op": "exit"}), 10)
-                await asyncio.wait_for(self._proc.wait(), 10)
-            except (TransportError, OSError, TimeoutError, ConnectionError):
-                pass
-            if self._proc.returncode is None:
-                self._proc.kill()
-                await self._proc.wait()
-            self._proc = None
+        await self._peer.aclose()
         if self._ep is not None:
             ep, self._ep = self._ep, None
             with contextlib.suppress(Exception):  # best effort at teardown
                 ep.abort()
             await asyncio.sleep(0)
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
         self._src = {}
 
 
