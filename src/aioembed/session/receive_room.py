@@ -55,12 +55,17 @@ from aioembed.session.handle import Received, ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.stream import Chunk, LeasedChunk, StreamItem
 
-__all__ = ["ReceiveRoomDriver", "RoomContext"]
+__all__ = ["ReceiveRoomDriver", "RoomContext", "short_fields"]
 
 log = logging.getLogger("aioembed.session.receiver")
 
 _INBOX = 16
 _REOPENS = 3
+
+
+def short_fields(out: Mapping[str, torch.Tensor], total: int) -> dict[str, int]:
+    """The fields of ``out=`` with fewer than ``total`` rows, and how many they have."""
+    return {n: int(t.shape[0]) for n, t in out.items() if t.shape[0] < total}
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,8 +531,7 @@ class ReceiveRoomDriver:
             with anyio.CancelScope() as scope:
                 self._wait_scope = scope
                 grant = await self.ctx.keeper.reserve(self.room, tokens, timeout=cfg.round_timeout,
-                                                      priority=not first, keep_free=keep,
-                                                      round=0 if first else self.machine.round + 1,
+                                                      priority=not first, keep_free=keep, round=round_,
                                                       on_wait=self._held_chunks_note if self._holds_chunks(first)
                                                       else None)
         except AllocationTimeout as exc:
@@ -591,7 +595,8 @@ class ReceiveRoomDriver:
             raise TransferAborted(f"room {self.room!r}: the stream was closed", room=self.room) from None
 
     def _holds_chunks(self, first: bool) -> bool:
-        """A later round of a zero-copy stream: the caller may hold this room's chunks while it waits."""
+        """A later round of a zero-copy stream: the caller may hold this room's chunks while it waits (only
+        then is a wait worth a task that explains it)."""
         return not first and self.stream is not None and self.zero_copy
 
     def _held_chunks_note(self) -> str | None:
@@ -609,7 +614,7 @@ class ReceiveRoomDriver:
     def _make_output(self, total: int) -> dict[str, torch.Tensor]:
         if self.out is None:
             return self.ctx.layout.empty(total, device=self.ctx.pool.device)
-        short = {n: int(t.shape[0]) for n, t in self.out.items() if t.shape[0] < total}
+        short = short_fields(self.out, total)
         if short:
             raise TransferFailed(f"room {self.room!r}: the request has {total} tokens but out= holds only "
                                  f"{short}", room=self.room)

@@ -43,7 +43,7 @@ from aioembed.session.connection import LossKind, SenderConnection
 from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle
 from aioembed.session.lease import Lease, LeaseReturns
-from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext
+from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext, short_fields
 from aioembed.session.stream import Chunk, LeasedChunk, RoomStream, StreamItem
 from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import Transport
@@ -219,12 +219,13 @@ class EmbeddingReceiver:
         conn.touch()
         while True:
             await anyio.sleep(max(0.0, conn.last_used + timeout - anyio.current_time()))
-            if anyio.current_time() >= conn.last_used + timeout and self._idle(conn):
+            if anyio.current_time() < conn.last_used + timeout:
+                continue  # a room started meanwhile
+            if self._idle(conn):
                 log.info("receiver[%d]: closing the idle connection to sender %s", self.rank, conn.address)
                 conn.stop_scope.cancel()
                 return
-            if anyio.current_time() >= conn.last_used + timeout:
-                conn.touch()  # busy (rooms, or blocks its sender may still write): look again later
+            conn.touch()  # busy (rooms, or blocks its sender may still write): look again later
 
     def _close_an_idle_connection(self) -> None:
         idle = [c for c in self._conns.values() if self._idle(c)]
@@ -425,7 +426,7 @@ class EmbeddingReceiver:
         """The room's output: the caller's tensors (checked) or fresh ones, for ``total`` tokens."""
         if out is None:
             return self.layout.empty(total, device=self.pool.device)
-        short = {n: int(t.shape[0]) for n, t in out.items() if t.shape[0] < total}
+        short = short_fields(out, total)
         if short:
             raise InvalidRequest(f"room {room!r}: its parts hold {total} tokens but out= holds only {short}")
         return {n: t[:total] for n, t in out.items()}

@@ -23,7 +23,6 @@ it, handed out or not; after a complete stream, leased chunks live until the cal
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -38,8 +37,6 @@ from aioembed.session.handle import ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
 
 __all__ = ["Chunk", "LeasedChunk", "RoomStream", "StreamItem"]
-
-log = logging.getLogger("aioembed.session.receiver")
 
 
 @dataclass(frozen=True, slots=True)
