@@ -68,6 +68,11 @@ class TransferConfig:
     stream_chunk_tokens: int = 2048
     """Streaming receive: the sender announces rows within a round every this many tokens (rounded up
     to whole blocks), so chunks reach the caller before the round ends; 0: only at round ends."""
+    copy_chunk_tokens: int = 4096
+    """Copying receive (``receive()``, ``out=``): the sender announces rows within a round every this many
+    tokens (rounded up to whole blocks), and the receiver copies each chunk out while the next ones are
+    still being written, so the copy overlaps the transfer instead of following it; 0: copy each round
+    once it has landed."""
     max_senders: int = 64
     """Most senders one receiver keeps a connection to (idle ones are closed to make room)."""
     sender_idle_timeout: float = 300.0
@@ -111,6 +116,7 @@ class TransferConfig:
         if self.max_round_tokens is not None:
             _check_int("max_round_tokens", self.max_round_tokens, 1, _MAX_INT)
         _check_int("stream_chunk_tokens", self.stream_chunk_tokens, 0, _MAX_INT)
+        _check_int("copy_chunk_tokens", self.copy_chunk_tokens, 0, _MAX_INT)
         _check_int("staging_tokens", self.staging_tokens, 0, _MAX_INT)
         _check_int("staging_max_tokens", self.staging_max_tokens, 1, _MAX_INT)
         for name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeout",

@@ -302,7 +302,7 @@ async def test_a_final_status_still_in_the_inbox_when_the_room_is_cancelled_free
     ran in the caller's task)."""
     copying = anyio.Event()
 
-    async def slow_copy(self: RoundCopier, *args: Any) -> None:
+    async def slow_copy(self: RoundCopier, *args: Any, **kwargs: Any) -> None:
         copying.set()
         await anyio.sleep(5)  # the room is busy here (cancelled below)
 
@@ -316,7 +316,8 @@ async def test_a_final_status_still_in_the_inbox_when_the_room_is_cancelled_free
                             round=0))
             resume = await raw.expect(Resume)  # announced early; the room copies round 0 meanwhile
             assert isinstance(resume, Resume)
-            await copying.wait()
+            with anyio.fail_after(5):
+                await copying.wait()
             raw.send(Status(room="r", state=TransferStatus.SUCCESS, total_tokens=1500, sent_tokens=1500, round=1))
             with anyio.fail_after(5):
                 while not receiver._rooms["r"]._inbox.statistics().current_buffer_used:

@@ -41,8 +41,11 @@ class RoundCopier:
             self.pool.copy_out(blocks, count, out, out_start=start)
         CudaFence(self._stream).wait()
 
-    async def copy(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int) -> None:
-        """Rows of ``blocks`` (``count`` tokens) into ``out[...][start:start + count]``."""
+    async def copy(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int, *,
+                   spread: bool = True) -> None:
+        """Rows of ``blocks`` (``count`` tokens) into ``out[...][start:start + count]``. ``spread=False``: one
+        thread, for a chunk copied while the rest of its round is still being written (the transport needs
+        the other cores meanwhile)."""
         pool = self.pool
         nbytes = count * pool.layout.bytes_per_token
         if pool.device.type == "cuda":
@@ -52,7 +55,7 @@ class RoundCopier:
             pool.copy_out(blocks, count, out, out_start=start)
             return
         bs = pool.block_size
-        parts = max(1, min(self.threads, nbytes // COPY_INLINE_BYTES))
+        parts = max(1, min(self.threads if spread else 1, nbytes // COPY_INLINE_BYTES))
         per = -(-len(blocks) // parts)
 
         def part(b0: int) -> None:

@@ -104,7 +104,8 @@ class ReceiveRoomDriver:
     stream: MemoryObjectSendStream[StreamItem] | None = None
     """A streamed room: chunks go here as they land (see :mod:`~aioembed.session.stream`)."""
     progress_tokens: int = 0
-    """A streamed room: ``PROGRESS`` asked for every this many tokens within a round (0: none)."""
+    """``PROGRESS`` asked for every this many tokens within a round (0: none): a streamed room hands each
+    chunk out, a copied one copies it out while the rest of the round is written."""
     machine: ReceiverRoomState = field(init=False)
     writer: Writer | None = field(default=None, init=False)
     """The writer the room was announced to (``None`` until INIT)."""
@@ -112,7 +113,7 @@ class ReceiveRoomDriver:
     def __post_init__(self) -> None:
         cfg = self.ctx.config
         self.machine = ReceiverRoomState(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
-        # A streamed room may get one PROGRESS per chunk of a round before its driver looks: room for them.
+        # A room may get one PROGRESS per chunk of a round before its driver looks: room for them.
         inbox = _INBOX + (math.ceil(cfg.round_tokens / self.progress_tokens) if self.progress_tokens else 0)
         send, recv = anyio.create_memory_object_stream[RoomEvent](inbox)
         self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
@@ -257,14 +258,14 @@ class ReceiveRoomDriver:
         return self._on_frame(event)
 
     async def take_round(self, arrived: Arrived, grant: int) -> bool:
-        """A round (or, streaming, a chunk of one) landed: announce the next round early if memory allows,
+        """A round (or a chunk of one) landed: announce the next round early if memory allows,
         copy, keep or hand out these rows."""
         keeper = self.ctx.keeper
         self.handle._set_status(TransferStatus.TRANSFERRING)
         if arrived.metadata is not None:
             self._metadata = dict(arrived.metadata)
         if arrived.partial:
-            await self._deliver(arrived, grant)
+            await self._take_chunk(arrived, grant)
             return False
         self.ctx.observer.round_finished(side="receiver", seconds=time.perf_counter() - self._round_started)
         if self.zero_copy and self.stream is None:  # a whole-room lease keeps every round
@@ -289,6 +290,14 @@ class ReceiveRoomDriver:
             if late is not None:
                 self.resume(late, tokens)
         return False
+
+    async def _take_chunk(self, arrived: Arrived, grant: int) -> None:
+        """Rows within a round landed (``PROGRESS``): a stream hands them out; a copied room copies them out
+        now, while the rest of the round is written (its grant stays announced until the round's STATUS)."""
+        if self.stream is not None:
+            await self._deliver(arrived, grant)
+        else:
+            await self._copy(grant, arrived, consume=False)
 
     def _admit_zero_copy(self, arrived: Arrived, first_grant: int) -> None:
         """A zero-copy room keeps every round until its lease is released, so once its total is known
@@ -554,7 +563,8 @@ class ReceiveRoomDriver:
         try:
             if self._output is None:
                 self._output = self._make_output(arrived.total)
-            await self.ctx.copier.copy(self._rows_of(grant, arrived), self._output, arrived.start, arrived.count)
+            await self.ctx.copier.copy(self._rows_of(grant, arrived), self._output, arrived.start, arrived.count,
+                                       spread=not arrived.partial)
         finally:
             if consume:
                 keeper.apply(keeper.ledger.consumed(grant))  # read (or given up): nothing else writes it

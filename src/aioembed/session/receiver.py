@@ -407,6 +407,9 @@ class EmbeddingReceiver:
         if handle is None:
             handle = ReceiveHandle(key)
             handle._scope = anyio.CancelScope()
+        if stream is None and not zero_copy:
+            # Copied out chunk by chunk while the rest of the round is written (the copy overlaps the transfer).
+            progress_tokens = -(-self.config.copy_chunk_tokens // self.config.block_size) * self.config.block_size
         r = ReceiveRoomDriver(key, handle, conn, self._room_ctx, expected_tokens=expected_tokens,
                               zero_copy=zero_copy, out=out, exact_tokens=exact, stream=stream,
                               progress_tokens=progress_tokens)

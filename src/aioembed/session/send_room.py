@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.abc
 import torch
 
 from aioembed.config import TransferConfig
@@ -31,9 +32,13 @@ from aioembed.session.peer_sessions import PeerSession
 from aioembed.transports.base import WriteOp
 from aioembed.transports.boundary import GuardedTransport
 
-__all__ = ["SendContext", "SendRoomDriver"]
+__all__ = ["CHUNK_WRITES_IN_FLIGHT", "SendContext", "SendRoomDriver"]
 
 log = logging.getLogger("aioembed.session.sender")
+
+CHUNK_WRITES_IN_FLIGHT = 2
+"""Chunk writes of one round posted at once: the next chunk is on the link while the last one's completion
+is noticed and announced (one at a time, each chunk would leave the link idle for that long)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,10 +176,10 @@ class SendRoomDriver:
         outcome = WriteOutcome.FAILED_CLEANLY if cancel_safe else WriteOutcome.POISONED
         t0 = time.perf_counter()
         try:
-            for upto, chunk_ops in chunks:
-                await peer.link.write(chunk_ops)
-                if upto is not None and not self._announce_progress(task, peer, upto):
-                    break  # the room ended meanwhile: nothing more is written (nothing is in flight)
+            if len(chunks) == 1:
+                await peer.link.write(ops)
+            else:
+                await self._write_chunks(task, peer, chunks)
             outcome = WriteOutcome.LANDED
         except TransportError as exc:
             may_land = exc.may_land if exc.may_land is not None else not cancel_safe
@@ -210,6 +215,53 @@ class SendRoomDriver:
         log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
                   task.count, len(ops))
         self.poke()
+
+    async def _write_chunks(self, task: WriteTask, peer: PeerSession,
+                            chunks: list[tuple[int | None, list[WriteOp]]]) -> None:
+        """Write a round chunk by chunk, up to :data:`CHUNK_WRITES_IN_FLIGHT` at once (so the link never waits
+        for a chunk's completion to be noticed), and announce each chunk, in order, once it and every chunk
+        before it landed. Returns once every chunk posted has ended (none is left in flight); raises the
+        first chunk's failure. Once a chunk failed or the room ended, no further chunk is posted."""
+        n = len(chunks)
+        ended = [anyio.Event() for _ in range(n)]
+        failed: list[Exception | None] = [None] * n
+        slots = anyio.Semaphore(CHUNK_WRITES_IN_FLIGHT)
+        stop = False
+
+        async def write_one(i: int) -> None:
+            nonlocal stop
+            try:
+                await peer.link.write(chunks[i][1])
+            except Exception as exc:  # kept for the caller, in chunk order: the other writes go on to their end
+                failed[i] = exc
+                stop = True  # before the slot is free: no chunk is posted after a failure
+            finally:
+                ended[i].set()
+                slots.release()
+
+        async def post_all(tg: anyio.abc.TaskGroup) -> None:
+            for i in range(n):
+                await slots.acquire()
+                # The room may have ended (an ABORT, the peer declared dead) before the chunk that freed
+                # this slot was announced: nothing more goes to it.
+                if stop or self.machine.failed is not None or not peer.alive:
+                    slots.release()
+                    return
+                tg.start_soon(write_one, i)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post_all, tg)
+            for i, (upto, _) in enumerate(chunks):
+                await ended[i].wait()
+                if failed[i] is not None:
+                    stop = True
+                    break
+                if upto is not None and not self._announce_progress(task, peer, upto):
+                    stop = True  # the room ended meanwhile: nothing more is posted
+                    break
+        first = next((exc for exc in failed if exc is not None), None)
+        if first is not None:
+            raise first
 
     def _chunks(self, task: WriteTask, peer: PeerSession) -> list[tuple[int | None, list[WriteOp]]]:
         """The write ops of ``task``, cut where the rank asked for ``PROGRESS`` (block-aligned within the

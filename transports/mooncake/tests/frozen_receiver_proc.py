@@ -23,6 +23,9 @@ CONFIG = TransferConfig(
     transport="mooncake", transport_options={"protocol": "tcp", "hostname": "127.0.0.1"},
     default_tokens=1024, pool_tokens=32768, resume_reserve_tokens=0, heartbeat_interval=0.2,
     heartbeat_misses=3, handshake_timeout=5.0, input_timeout=60.0, round_timeout=60.0,
+    # One write for A's whole round, so the whole round lands late. (Chunked, the sender would post no
+    # chunk after the room failed, and only the chunks already in flight would land.)
+    copy_chunk_tokens=0,
 )
 A_TOKENS, A_EXPECTED = 20000, 20096  # 157 blocks of 128
 B_TOKENS, B_EXPECTED = 12000, 12672  # 99 blocks: with A's 157, the whole pool of 256

@@ -1,0 +1,174 @@
+"""A copied round is written in chunks, two on the link at once, and copied out chunk by chunk as it lands.
+
+``copy_chunk_tokens`` makes a copying receive (``receive()``, ``out=``) ask for ``PROGRESS`` within a
+round; the sender posts the chunk writes two at a time and announces each in order; the receiver
+copies each announced chunk while the next ones are still being written. A MockTransport with a fixed
+delay per write makes the timeline observable: when each write was posted, when each copy ran.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferError, TransferFailed, TransferStatus
+from aioembed.testing import MockTransport, WriteCall, WriteFault
+
+from .conftest import LAYOUT, assert_same, make_request, wait_pools_free
+
+pytestmark = pytest.mark.anyio
+
+BS = 16
+CFG = TransferConfig(block_size=BS, default_tokens=1024, pool_tokens=2048, resume_reserve_tokens=0,
+                     copy_chunk_tokens=4 * BS, staging_tokens=0, input_timeout=30.0, round_timeout=30.0)
+DELAY = 0.15
+
+
+class Timeline:
+    """When each write was posted, and when each copy-out started and ended (``time.monotonic``)."""
+
+    def __init__(self, fail_index: int | None = None) -> None:
+        self.posted: list[tuple[float, int]] = []
+        self.copies: list[tuple[float, float, int, int]] = []
+        self.fail_index = fail_index
+
+    def faults(self, call: WriteCall) -> WriteFault:
+        self.posted.append((time.monotonic(), call.nbytes))
+        if call.index == self.fail_index:
+            return WriteFault(error=RuntimeError("the NIC dropped the link"), fail_after=1.5 * DELAY)
+        return WriteFault(delay=DELAY)
+
+    def spy_copies(self, receiver: EmbeddingReceiver) -> None:
+        copier = receiver._room_ctx.copier  # type: ignore[union-attr]
+        inner = copier.copy
+
+        async def copy(blocks: Any, out: dict[str, torch.Tensor], start: int, count: int, **kw: Any) -> None:
+            t0 = time.monotonic()
+            await inner(blocks, out, start, count, **kw)
+            self.copies.append((t0, time.monotonic(), start, count))
+
+        copier.copy = copy
+
+
+async def transfer(sender: EmbeddingSender, receiver: EmbeddingReceiver, want: dict[str, torch.Tensor],
+                   **kw: Any) -> Any:
+    """``receive("r", **kw)`` beside ``send("r", want)``; the received result."""
+    got: dict[str, Any] = {}
+
+    async def receive() -> None:
+        got["r"] = await receiver.receive("r", **kw)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(receive)
+        await sender.send("r", want)
+    return got["r"]
+
+
+async def test_a_copied_round_is_written_two_chunks_at_a_time_and_copied_as_it_lands() -> None:
+    line = Timeline()
+    want = make_request(10 * BS, 1)  # 160 tokens in chunks of 64: 64, 64, 32
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=line.faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        line.spy_copies(receiver)
+        got = await transfer(sender, receiver, want)
+        assert_same(got.tensors, want)
+        assert got.rounds == 1
+
+        bpt = LAYOUT.bytes_per_token
+        assert [n for _, n in line.posted] == [64 * bpt, 64 * bpt, 32 * bpt]
+        t = [at for at, _ in line.posted]
+        assert t[1] - t[0] < DELAY / 2, "the second chunk waits for the first: not pipelined"
+        assert t[2] - t[0] >= DELAY - 0.01, "three chunk writes were on the link at once"
+        # One copy per chunk, in token order, and the first ran while the last chunk was still being written.
+        assert [(s, c) for _, _, s, c in line.copies] == [(0, 64), (64, 64), (128, 32)]
+        assert line.copies[0][1] < t[2] + DELAY
+        await wait_pools_free(sender, receiver)
+
+
+async def test_out_and_resumed_rounds_are_copied_chunk_by_chunk() -> None:
+    line = Timeline()
+    cfg = CFG.replace(default_tokens=8 * BS)  # 200 tokens: a 128-token round, then a RESUME for 72
+    want = make_request(200, 2)
+    out = LAYOUT.empty(256)
+    async with EmbeddingSender(LAYOUT, cfg, transport=MockTransport(faults=line.faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(), connect=sender.address) as receiver:
+        line.spy_copies(receiver)
+        got = await transfer(sender, receiver, want, out=out)
+        assert got.rounds == 2
+        assert_same(got.tensors, want)
+        assert_same({n: t[:200] for n, t in out.items()}, want)
+        assert [(s, c) for _, _, s, c in line.copies] == [(0, 64), (64, 64), (128, 64), (192, 8)]
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_failed_chunk_stops_the_round_and_no_later_chunk_is_posted() -> None:
+    line = Timeline(fail_index=1)
+    want = make_request(16 * BS, 3)  # 4 chunks; the second fails, cleanly (the mock is cancel-safe)
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=line.faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        line.spy_copies(receiver)
+        errors: dict[str, BaseException] = {}
+
+        async def receive() -> None:
+            try:
+                await receiver.receive("r")
+            except TransferFailed as exc:
+                errors["receive"] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            with pytest.raises(TransferFailed, match="dropped the link"):
+                await sender.send("r", want)
+        assert "dropped the link" in str(errors["receive"])
+        # Chunks 0 and 1 went out together, chunk 2 when chunk 0 landed; chunk 1 failed before chunk 2 landed,
+        # so chunk 3 was never posted.
+        assert len(line.posted) == 3
+        assert [(s, c) for _, _, s, c in line.copies] == [(0, 64)]
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_room_cancelled_mid_round_gets_no_further_chunk_and_keeps_its_blocks_until_its_writes_end(
+        ) -> None:
+    line = Timeline()
+    want = make_request(16 * BS, 5)  # 4 chunks of 64 tokens
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=line.faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        errors: dict[str, BaseException] = {}
+
+        async def send() -> None:
+            try:
+                await sender.send("r", want)
+            except TransferError as exc:
+                errors["send"] = exc
+
+        handle = receiver.start("r")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with anyio.fail_after(5):
+                while len(line.posted) < 2:
+                    await anyio.sleep(0.005)
+            handle.cancel("the caller gave up")
+            assert await handle.wait() is TransferStatus.ABORTED
+            # Chunks 0 and 1 are still being written into the room's blocks: they stay out of the free list.
+            assert receiver.allocator.stats.used > 0
+        assert isinstance(errors["send"], TransferError), errors
+        assert len(line.posted) == 2, "a chunk was posted after the room ended"
+        await wait_pools_free(sender, receiver)
+
+
+async def test_copy_chunk_tokens_zero_copies_each_round_whole() -> None:
+    line = Timeline()
+    cfg = CFG.replace(copy_chunk_tokens=0)
+    want = make_request(10 * BS, 4)
+    async with EmbeddingSender(LAYOUT, cfg, transport=MockTransport(faults=line.faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(), connect=sender.address) as receiver:
+        line.spy_copies(receiver)
+        got = await transfer(sender, receiver, want)
+        assert_same(got.tensors, want)
+        assert len(line.posted) == 1
+        assert [(s, c) for _, _, s, c in line.copies] == [(0, 160)]
+        await wait_pools_free(sender, receiver)
