@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 
 import anyio
 import pytest
+import torch
 
-from aioembed import TransferConfig, TransferStatus
+from aioembed import Field, Layout, TransferConfig, TransferStatus
+from aioembed.memory.output import HUGE_PAGE_BYTES
 
 from .conftest import assert_pools_free, assert_same, make_request, running
 
@@ -219,3 +222,20 @@ async def test_handle_status_and_wait() -> None:
         assert got.rounds == 2
         assert_same(got.tensors, src)
         assert set(got.stats.phases) >= {"handshake", "allocate", "wait", "copy"}
+
+
+async def test_a_large_copied_receive_lands_bit_for_bit_in_a_huge_page_output() -> None:
+    """8 KiB rows: the embeddings of 3000 tokens (24 MB) go to a fresh output on huge pages, copied
+    chunk by chunk over two rounds."""
+    wide = Layout(embeddings=Field((4096,), torch.bfloat16), token_ids=Field((), torch.int32))
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, copy_chunk_tokens=512)
+    async with running(cfg, layout=wide) as (sender, [receiver]):
+        src = make_request(3000, seed=11, layout=wide)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "wide", src)
+            got = await receiver.receive("wide")
+        assert got.rounds == 2
+        assert_same(got.tensors, src)
+        if sys.platform == "linux":
+            assert got.tensors["embeddings"].data_ptr() % HUGE_PAGE_BYTES == 0
+        assert_pools_free(sender, receiver)

@@ -32,6 +32,7 @@ from aioembed.errors import (
     TransferTimeout,
 )
 from aioembed.layout import Layout
+from aioembed.memory.output import empty_output
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
@@ -623,7 +624,7 @@ class ReceiveRoomDriver:
 
     def _make_output(self, total: int) -> dict[str, torch.Tensor]:
         if self.out is None:
-            return self.ctx.layout.empty(total, device=self.ctx.pool.device)
+            return empty_output(self.ctx.layout, total, self.ctx.pool.device)
         short = short_fields(self.out, total)
         if short:
             raise TransferFailed(f"room {self.room!r}: the request has {total} tokens but out= holds only "

@@ -32,6 +32,7 @@ from aioembed.config import TransferConfig
 from aioembed.errors import AioembedError, InvalidRequest, ProtocolError
 from aioembed.layout import Layout
 from aioembed.memory.allocator import BlockAllocator
+from aioembed.memory.output import empty_output
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import RoomId, validate_room
@@ -428,7 +429,7 @@ class EmbeddingReceiver:
     def _output_for(self, room: RoomId, total: int, out: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The room's output: the caller's tensors (checked) or fresh ones, for ``total`` tokens."""
         if out is None:
-            return self.layout.empty(total, device=self.pool.device)
+            return empty_output(self.layout, total, self.pool.device)
         short = short_fields(out, total)
         if short:
             raise InvalidRequest(f"room {room!r}: its parts hold {total} tokens but out= holds only {short}")

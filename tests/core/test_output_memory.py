@@ -1,0 +1,95 @@
+"""Fresh outputs of a copying receive: large CPU fields on huge pages, the rest as ``Layout.empty``."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aioembed import Field, Layout
+from aioembed.memory import output as output_module
+from aioembed.memory.output import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES, empty_output
+
+LAYOUT = Layout(
+    embeddings=Field((4096,), torch.bfloat16),  # 8 KiB a row: 1024 rows make the 8 MiB threshold
+    token_ids=Field((), torch.int32),
+    mrope_positions=Field((3,), torch.int64),
+)
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    if not THP.exists():
+        return None
+    found = re.search(r"\[(\w+)\]", THP.read_text())
+    return found.group(1) if found else None
+
+
+def _anon_huge_kib(address: int) -> int:
+    """``AnonHugePages`` of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_fields_have_the_layout_shape_dtype_and_are_contiguous() -> None:
+    tokens = 3000
+    out = empty_output(LAYOUT, tokens, torch.device("cpu"))
+    assert out.keys() == LAYOUT.empty(0).keys()
+    for name, f in LAYOUT.items():
+        t = out[name]
+        assert t.shape == (tokens, *f.shape) and t.dtype == f.dtype and t.is_contiguous(), name
+    # Writing every byte of each field leaves the others untouched (no overlap inside the slack).
+    for i, name in enumerate(LAYOUT):
+        out[name].view(torch.uint8).fill_(i + 1)
+    for i, name in enumerate(LAYOUT):
+        assert bool((out[name].view(torch.uint8) == i + 1).all()), name
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="huge pages are asked for on Linux only")
+def test_a_large_field_starts_on_a_huge_page_and_small_ones_are_plain() -> None:
+    tokens = HUGE_PAGE_MIN_BYTES // LAYOUT["embeddings"].row_bytes
+    out = empty_output(LAYOUT, tokens, torch.device("cpu"))
+    big = out["embeddings"]
+    assert big.data_ptr() % HUGE_PAGE_BYTES == 0
+    for name in ("token_ids", "mrope_positions"):  # 4 / 24 bytes a row: far under the threshold
+        assert out[name].storage_offset() == 0
+        assert out[name].untyped_storage().nbytes() == out[name].nbytes
+    # Just under the threshold: an ordinary allocation.
+    small = empty_output(LAYOUT, tokens - 1, torch.device("cpu"))["embeddings"]
+    assert small.storage_offset() == 0 and small.untyped_storage().nbytes() == small.nbytes
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
+                    reason="this kernel grants no transparent huge pages to memory that asks")
+def test_a_large_field_is_backed_by_huge_pages_once_written() -> None:
+    out = empty_output(LAYOUT, 4 * HUGE_PAGE_MIN_BYTES // LAYOUT["embeddings"].row_bytes, torch.device("cpu"))
+    big = out["embeddings"]
+    big.view(torch.uint8).fill_(7)
+    assert _anon_huge_kib(big.data_ptr()) >= HUGE_PAGE_BYTES // 1024
+
+
+def test_refused_advice_falls_back_to_ordinary_pages_and_is_not_asked_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    advisor = output_module._HugePageAdvisor()
+    calls: list[int] = []
+
+    def refuse(address: int, length: int, advice: int) -> int:
+        calls.append(length)
+        return -1
+
+    monkeypatch.setattr(advisor, "_madvise", refuse)
+    monkeypatch.setattr(output_module, "_ADVISOR", advisor)
+    tokens = HUGE_PAGE_MIN_BYTES // LAYOUT["embeddings"].row_bytes
+    for _ in range(3):
+        big = empty_output(LAYOUT, tokens, torch.device("cpu"))["embeddings"]
+        assert big.storage_offset() == 0 and big.shape == (tokens, 4096)
+    assert len(calls) == 1
