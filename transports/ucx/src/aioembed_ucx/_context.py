@@ -8,6 +8,7 @@ opened; a later endpoint asking for different ones is a ``ConfigError``.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 from aioembed.errors import ConfigError, TransportError
 
 from aioembed_ucx._options import UcxOptions
+from aioembed_ucx._progress import install_armed_progress
 
 __all__ = ["DEFAULT_PROGRESS_MODE", "INSTALL_HINT", "ensure_context", "load_ucxx"]
 
@@ -50,7 +52,18 @@ def _effective_mode(opts: UcxOptions) -> str:
 
 
 def ensure_context(opts: UcxOptions) -> Any:
-    """Initialise ucxx for this process with ``opts`` (first call) or check they match."""
+    """Initialise ucxx for this process with ``opts`` (first call) or check they match; in ``blocking``
+    mode, the running loop's progress is an :class:`~aioembed_ucx._progress.ArmedProgress`."""
+    ucxx = _ensure_initialised(opts)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop yet: the next call from one installs its progress
+        return ucxx
+    install_armed_progress(ucxx)
+    return ucxx
+
+
+def _ensure_initialised(opts: UcxOptions) -> Any:
     ucxx = load_ucxx()
     mode = _effective_mode(opts)
     key = (opts.tls, mode, tuple(sorted(opts.ucx_options.items())))

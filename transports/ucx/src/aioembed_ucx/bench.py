@@ -37,6 +37,7 @@ from aioembed.layout import Layout
 
 from aioembed_ucx._context import ensure_context
 from aioembed_ucx._options import UcxOptions
+from aioembed_ucx._progress import tag_recv, tag_send
 
 __all__ = ["UcxBaseline", "main"]
 
@@ -60,7 +61,9 @@ class UcxBaseline:
     description = (
         "ucxx without aioembed: one endpoint to a peer process (same tls/progress_mode/ucx_options); per transfer "
         "one ep.send per field (concurrently) from the source tensors into ep.recv's pre-posted over the peer's "
-        "preallocated destination tensors, then a 16-byte acknowledgement from the peer"
+        "preallocated destination tensors, then a 16-byte acknowledgement from the peer; in blocking mode every "
+        "request is awaited through the plugin's event-driven progress, as aioembed's are (ucxx's own wait polls on "
+        "every loop turn and kept a core busy in each process, the idle peer's too, while the other variants ran)"
     )
     methods: tuple[str, ...] = ("send_recv",)
     cross_process = True
@@ -93,10 +96,10 @@ class UcxBaseline:
             raise ValueError(f"unknown ucx baseline method {method!r}; known: {self.methods}")
         ep = self._ep
         ack = bytearray(len(_ACK))
-        ack_recv = asyncio.ensure_future(ep.recv(ack, tag=_ACK_TAG))
+        ack_recv = asyncio.ensure_future(tag_recv(ep, ack, _ACK_TAG))
         try:
             await asyncio.gather(*(
-                ep.send(_span(self._src[name].data_ptr(), num_tokens * f.row_bytes), tag=i)
+                tag_send(ep, _span(self._src[name].data_ptr(), num_tokens * f.row_bytes), i)
                 for i, (name, f) in enumerate(self.layout.items())
             ))
             await asyncio.wait_for(ack_recv, self._opts.write_timeout)
@@ -128,7 +131,7 @@ async def _peer(spec: dict[str, Any]) -> None:
 
     async def serve(ep: Any) -> None:
         def post() -> list[asyncio.Future[Any]]:
-            return [asyncio.ensure_future(ep.recv(_span(t.data_ptr(), t.numel()), tag=i))
+            return [asyncio.ensure_future(tag_recv(ep, _span(t.data_ptr(), t.numel()), i))
                     for i, t in enumerate(dst.values())]
 
         pending = post()
@@ -136,7 +139,7 @@ async def _peer(spec: dict[str, Any]) -> None:
             while True:
                 await asyncio.gather(*pending)
                 pending = post()  # the next transfer's receives are posted before this one is acknowledged
-                await ep.send(_ACK, tag=_ACK_TAG)
+                await tag_send(ep, _ACK, _ACK_TAG)
         except asyncio.CancelledError:
             pass
         except Exception as exc:  # the benchmark process closing its endpoint ends the loop

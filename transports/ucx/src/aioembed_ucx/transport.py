@@ -48,6 +48,7 @@ from aioembed.transports.base import (
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import ensure_context
 from aioembed_ucx._options import UcxOptions
+from aioembed_ucx._progress import tag_recv, tag_send
 
 __all__ = ["UcxLink", "UcxTransport"]
 
@@ -293,10 +294,10 @@ class UcxTransport(Transport):
             async with asyncio.timeout(timeout):
                 ep = await _create_endpoint(self._ucxx, peer.host, peer.port)
                 body = msgpack.packb({"endpoint": peer.endpoint})
-                await ep.send(w.PREFIX.pack(w.MAGIC, w.VERSION, w.KIND_HELLO, 0, len(body)), tag=w.T_PREFIX)
-                await ep.send(body, tag=w.t_body(0))
+                await tag_send(ep, w.PREFIX.pack(w.MAGIC, w.VERSION, w.KIND_HELLO, 0, len(body)), w.T_PREFIX)
+                await tag_send(ep, body, w.t_body(0))
                 reply = bytearray(w.REPLY_SIZE)
-                await ep.recv(reply, tag=w.t_reply(0))
+                await tag_recv(ep, reply, w.t_reply(0))
                 status, message = w.decode_reply(reply)
         except TimeoutError:
             _abort(ep)
@@ -363,7 +364,7 @@ class UcxTransport(Transport):
         try:
             while True:
                 prefix = bytearray(w.PREFIX.size)
-                await ep.recv(prefix, tag=w.T_PREFIX)
+                await tag_recv(ep, prefix, w.T_PREFIX)
                 progress.tick()
                 magic, version, kind, wid, body_len = w.PREFIX.unpack(prefix)
                 if magic != w.MAGIC or version != w.VERSION or kind not in (w.KIND_HELLO, w.KIND_WRITE) \
@@ -405,7 +406,7 @@ class UcxTransport(Transport):
         try:
             body = bytearray(body_len)
             if body_len:
-                await ep.recv(body, tag=w.t_body(wid))
+                await tag_recv(ep, body, w.t_body(wid))
                 progress.tick()
             if kind == w.KIND_HELLO:
                 await self._answer_hello(ep, wid, body)
@@ -414,24 +415,24 @@ class UcxTransport(Transport):
                 direct, inline = self._plan_receive(body)
             except TransportError as exc:
                 log.warning("ucx endpoint %s: refused write %d: %s", self.id[:8], wid, exc)
-                await ep.send(w.encode_reply(w.REFUSED, str(exc)), tag=w.t_reply(wid))
+                await tag_send(ep, w.encode_reply(w.REFUSED, str(exc)), w.t_reply(wid))
                 return
             # Post every receive straight into the pool before telling the writer to go.
-            pending = [asyncio.ensure_future(ep.recv(buf, tag=w.t_data(wid, i))) for i, buf in enumerate(direct)]
+            pending = [asyncio.ensure_future(tag_recv(ep, buf, w.t_data(wid, i))) for i, buf in enumerate(direct)]
             blob = None
             if inline:
                 blob = bytearray(sum(n for _, n in inline))
-                pending.append(asyncio.ensure_future(ep.recv(blob, tag=w.t_data(wid, len(direct)))))
+                pending.append(asyncio.ensure_future(tag_recv(ep, blob, w.t_data(wid, len(direct)))))
             for f in pending:
                 f.add_done_callback(progress.tick)
-            await ep.send(w.encode_reply(w.OK), tag=w.t_reply(wid))
+            await tag_send(ep, w.encode_reply(w.OK), w.t_reply(wid))
             await asyncio.gather(*pending)
             if blob is not None:
                 off = 0
                 for dst, n in inline:
                     ctypes.memmove(dst, (ctypes.c_char * n).from_buffer(blob, off), n)
                     off += n
-            await ep.send(w.encode_reply(w.OK), tag=w.t_ack(wid))
+            await tag_send(ep, w.encode_reply(w.OK), w.t_ack(wid))
         finally:
             for f in pending:
                 f.cancel()
@@ -446,7 +447,7 @@ class UcxTransport(Transport):
                                                     f"{str(want)[:8]} (did the peer restart?)"),
                           tag=w.t_reply(wid))
             return
-        await ep.send(w.encode_reply(w.OK, self.id), tag=w.t_reply(wid))
+        await tag_send(ep, w.encode_reply(w.OK, self.id), w.t_reply(wid))
 
     def _plan_receive(self, body: bytearray) -> tuple[list[object], list[tuple[int, int]]]:
         """Check every destination against registered memory *before* receiving anything."""
@@ -698,25 +699,25 @@ class UcxLink(Link):
                         inline: Sequence[tuple[int, int, int]]) -> None:
         wid = next(self._wids)
         body = w.encode_ops([(d, n) for _, d, n, _ in direct], [(d, n) for _, d, n in inline])
-        await ep.send(w.PREFIX.pack(w.MAGIC, w.VERSION, w.KIND_WRITE, wid, len(body)), tag=w.T_PREFIX)
-        await ep.send(body, tag=w.t_body(wid))
+        await tag_send(ep, w.PREFIX.pack(w.MAGIC, w.VERSION, w.KIND_WRITE, wid, len(body)), w.T_PREFIX)
+        await tag_send(ep, body, w.t_body(wid))
         reply = bytearray(w.REPLY_SIZE)
-        await ep.recv(reply, tag=w.t_reply(wid))
+        await tag_recv(ep, reply, w.t_reply(wid))
         self._progress.tick()
         status, message = w.decode_reply(reply)
         if status != w.OK:
             raise _Refused(f"{self.peer} refused the write: {message}")
         ack = bytearray(w.REPLY_SIZE)
-        ack_recv = asyncio.ensure_future(ep.recv(ack, tag=w.t_ack(wid)))
+        ack_recv = asyncio.ensure_future(tag_recv(ep, ack, w.t_ack(wid)))
         try:
-            sends = [ep.send(_buffer(s, n, sd), tag=w.t_data(wid, i)) for i, (s, _, n, sd) in enumerate(direct)]
+            sends = [tag_send(ep, _buffer(s, n, sd), w.t_data(wid, i)) for i, (s, _, n, sd) in enumerate(direct)]
             if inline:
                 blob = bytearray(sum(n for _, _, n in inline))
                 off = 0
                 for s, _, n in inline:
                     ctypes.memmove((ctypes.c_char * n).from_buffer(blob, off), s, n)
                     off += n
-                sends.append(ep.send(blob, tag=w.t_data(wid, len(direct))))
+                sends.append(tag_send(ep, blob, w.t_data(wid, len(direct))))
             await asyncio.gather(*sends)
             await ack_recv
             self._progress.tick()

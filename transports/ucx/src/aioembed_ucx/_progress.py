@@ -1,0 +1,179 @@
+"""Driving the UCX worker from the asyncio loop in ``blocking`` mode, idle at no CPU cost.
+
+UCX's event-driven pattern is: progress the worker, ``arm`` it (which fails while events are still
+unprocessed: progress and try again), then sleep on the worker's epoll file descriptor until it
+fires, and start over. ucxx 0.52's ``BlockingMode`` arms the worker once at start-up, and its fd
+callback only progresses: it never arms the worker again. After the first event the descriptor
+stays readable, the loop calls the callback on every turn, and an idle process spins at 1 CPU-s/s
+(measured here: sender and receiver in two processes, each at 0.99-1.0 CPU-s/s with no transfer in
+flight). On a 2-core host that spinning also stole the cores that transfers needed: 64-token
+requests took 6.4 ms one at a time in a process that had a second, idle ucxx endpoint, against 2 ms
+without it.
+
+:class:`ArmedProgress` takes ucxx's place for the running loop (ucxx starts no progress task of its
+own for a loop that already has one): the fd callback progresses and re-arms, retrying on the next
+loop turn while the worker stays busy, and a safety timer progresses the worker once a second in
+case an event never reaches the descriptor (ucxx keeps the same guard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from collections.abc import Hashable
+from typing import Any
+
+__all__ = ["ArmedProgress", "install_armed_progress", "tag_recv", "tag_send"]
+
+log = logging.getLogger("aioembed.transports.ucx")
+
+_ARM_TRIES = 8
+"""Progress-and-arm attempts in one callback before yielding to the loop (events keep arriving)."""
+_SAFETY_SECONDS = 1.0
+"""The worker is progressed at least this often, whatever the descriptor says."""
+
+
+class ArmedProgress:
+    """Progress for one ucxx worker on one asyncio loop (see the module docstring)."""
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop, *, replaced: Any = None) -> None:
+        self.worker = worker
+        self.loop = loop
+        self._replaced = replaced  # ucxx's progress object for this loop, stopped (see install_armed_progress)
+        self.arms = 0
+        """Successful arms (each one is a sleep on the descriptor)."""
+        self.retries = 0
+        """Loop turns on which the worker was still busy after :data:`_ARM_TRIES` attempts."""
+        self._retry: asyncio.Handle | None = None
+        self._last = time.monotonic()
+        self._progressed = asyncio.Event()  # set (and replaced) after every progress: waiters look again
+        worker.init_blocking_progress_mode()
+        self._fd = int(worker.epoll_file_descriptor)
+        loop.add_reader(self._fd, self._on_event)
+        self._safety: asyncio.TimerHandle | None = loop.call_later(_SAFETY_SECONDS, self._on_safety)
+        self._closed = False
+        self._progress_and_arm()
+
+    def _on_event(self) -> None:
+        self._progress_and_arm()
+
+    def _progress_and_arm(self) -> None:
+        if self._closed:
+            return
+        self._retry = None
+        self._last = time.monotonic()
+        try:
+            for _ in range(_ARM_TRIES):
+                self.worker.progress()
+                if self.worker.arm():
+                    self.arms += 1
+                    return
+        finally:
+            self._progressed.set()
+            self._progressed = asyncio.Event()
+        # Still busy: let the tasks that the completions woke run first, then try again.
+        self.retries += 1
+        if self._retry is None:
+            self._retry = self.loop.call_soon(self._progress_and_arm)
+
+    async def wait(self, request: Any) -> None:
+        """Until ``request`` (a ucxx request) completed; raises its error. Completions happen only inside
+        the worker's progress, so this looks at the request once after each progress, never in a loop of
+        its own (ucxx's ``wait_yield`` polls every loop turn: one core per pending request)."""
+        while not request.completed:
+            await self._progressed.wait()
+        request.check_error()
+
+    def _on_safety(self) -> None:
+        if self._closed:
+            return
+        if time.monotonic() - self._last >= _SAFETY_SECONDS:
+            self._progress_and_arm()
+        self._safety = self.loop.call_later(_SAFETY_SECONDS, self._on_safety)
+
+    def close(self) -> None:
+        """Stop driving the worker (the loop is closing, or ucxx is reset)."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in (self._retry, self._safety):
+            if handle is not None:
+                handle.cancel()
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self._fd)
+
+
+def install_armed_progress(ucxx: Any) -> ArmedProgress | None:
+    """Make the running loop's UCX progress an :class:`ArmedProgress` if ucxx runs in ``blocking`` mode
+    and has not started progress for this loop yet; returns the loop's driver (``None`` in the other
+    modes, or when ucxx's own task already runs)."""
+    ctx = ucxx.core._get_ctx()
+    if ctx.progress_mode != "blocking":
+        return None
+    app = importlib.import_module("ucxx._lib_async.application_context")
+    loop = asyncio.get_running_loop()
+    have = app.ProgressTasks.get(loop)
+    if isinstance(have, ArmedProgress):
+        return have
+    if have is not None:
+        _stop_ucxx_progress(have, loop, ctx.worker)
+    driver = ArmedProgress(ctx.worker, loop, replaced=have)
+    app.ProgressTasks[loop] = driver
+    return driver
+
+
+def _stop_ucxx_progress(task: Any, loop: asyncio.AbstractEventLoop, worker: Any) -> None:
+    """Stop ucxx's ``BlockingMode`` (its context starts one for the loop it is created on): its fd
+    reader and its two tasks. The object itself is kept alive by the driver that replaces it, because
+    its finalizer removes whatever reader the worker's descriptor has."""
+    loop.remove_reader(int(worker.epoll_file_descriptor))
+    for name in ("arm_task", "progress_task"):
+        t = getattr(task, name, None)
+        if t is not None:
+            t.cancel()
+
+
+def _driver() -> ArmedProgress | None:
+    app = importlib.import_module("ucxx._lib_async.application_context")
+    have = app.ProgressTasks.get(asyncio.get_running_loop())
+    return have if isinstance(have, ArmedProgress) else None
+
+
+def _posting(ep: Any, buffer: Any, tag: Hashable, which: str) -> tuple[Any, Any, Any]:
+    """The raw endpoint, buffer and tag of ``ep.send``/``ep.recv`` (the same tag hashing: the peer may
+    use ucxx's own calls)."""
+    arr = importlib.import_module("ucxx._lib.arr")
+    types = importlib.import_module("ucxx.types")
+    utils = importlib.import_module("ucxx._lib_async.utils")
+    libucxx = importlib.import_module("ucxx._lib.libucxx")
+    raw = ep._ep
+    if raw is None:
+        raise libucxx.UCXCloseError("Endpoint closed")
+    raw.raise_on_error()
+    if ep.closed:
+        raise libucxx.UCXCloseError("Endpoint closed")
+    if not isinstance(buffer, arr.Array):
+        buffer = arr.Array(buffer)
+    return raw, buffer, types.Tag(utils.hash64bits(ep._tags[which], hash(tag)))
+
+
+async def tag_send(ep: Any, buffer: Any, tag: Hashable) -> None:
+    """``await ep.send(buffer, tag=tag)``, awaited through the loop's :class:`ArmedProgress` when it has one."""
+    driver = _driver()
+    if driver is None:
+        await ep.send(buffer, tag=tag)
+        return
+    raw, buf, t = _posting(ep, buffer, tag, "msg_send")
+    await driver.wait(raw.tag_send(buf, t))
+
+
+async def tag_recv(ep: Any, buffer: Any, tag: Hashable) -> None:
+    """``await ep.recv(buffer, tag=tag)``, awaited through the loop's :class:`ArmedProgress` when it has one."""
+    driver = _driver()
+    if driver is None:
+        await ep.recv(buffer, tag=tag)
+        return
+    raw, buf, t = _posting(ep, buffer, tag, "msg_recv")
+    await driver.wait(raw.tag_recv(buf, t, importlib.import_module("ucxx.types").TagMaskFull))
