@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import logging
 import time
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -115,13 +116,22 @@ def install_armed_progress(ucxx: Any) -> ArmedProgress | None:
     app = importlib.import_module("ucxx._lib_async.application_context")
     loop = asyncio.get_running_loop()
     have = app.ProgressTasks.get(loop)
-    if isinstance(have, ArmedProgress):
+    if isinstance(have, ArmedProgress) and have.worker is ctx.worker:
         return have
-    if have is not None:
+    # ucxx was reset (after a fork): its new context cleared ucxx's table and started a new progress
+    # object, while the driver of the old worker still reads on this loop.
+    old = _DRIVERS.pop(loop, None)
+    if old is not None:
+        old.close()
+    if have is not None and not isinstance(have, ArmedProgress):
         _stop_ucxx_progress(have, loop, ctx.worker)
     driver = ArmedProgress(ctx.worker, loop, replaced=have)
-    app.ProgressTasks[loop] = driver
+    app.ProgressTasks[loop] = _DRIVERS[loop] = driver
     return driver
+
+
+_DRIVERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ArmedProgress] = weakref.WeakKeyDictionary()
+"""The driver of each loop, beside ucxx's table (which a reset clears)."""
 
 
 def _stop_ucxx_progress(task: Any, loop: asyncio.AbstractEventLoop, worker: Any) -> None:
