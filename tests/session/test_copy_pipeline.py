@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferError, TransferFailed, TransferStatus
+from aioembed.session.send_room import SendRoomDriver
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 
 from .conftest import LAYOUT, assert_same, make_request, wait_pools_free
@@ -157,6 +158,68 @@ async def test_a_room_cancelled_mid_round_gets_no_further_chunk_and_keeps_its_bl
             assert receiver.allocator.stats.used > 0
         assert isinstance(errors["send"], TransferError), errors
         assert len(line.posted) == 2, "a chunk was posted after the room ended"
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_room_ending_while_its_next_chunk_waits_for_a_slot_stops_the_round(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Announcing chunk 1 ends the room (as an ABORT arriving then would) while the slot for chunk 2 is
+    on its way to the poster. No chunk is posted after that, and the sender does not wait for the chunk
+    that never was (it once waited forever, when the loop turns fell that way under load)."""
+    posted: list[int] = []
+    posted_when_ended: list[int] = []
+
+    def faults(call: WriteCall) -> WriteFault:
+        posted.append(call.index)
+        return WriteFault(delay=DELAY)
+
+    announce = SendRoomDriver._announce_progress
+
+    def announce_then_end(self: SendRoomDriver, task: Any, peer: Any, upto: int) -> bool:
+        ok = announce(self, task, peer, upto)
+        if ok and upto == 8 * BS:  # the end of chunk 1
+            self.machine.fail("the encoder gave up on the request")
+            posted_when_ended.append(len(posted))
+        return ok
+
+    semaphore = anyio.Semaphore
+
+    class LateSlots:
+        """A slot reaches the chunk poster late: the chunks before it have been announced (and the room
+        ended) by the time it looks."""
+
+        def __init__(self, value: int) -> None:
+            self._slots = semaphore(value)
+            self._taken = 0
+
+        async def acquire(self) -> None:
+            await self._slots.acquire()
+            self._taken += 1
+            if self._taken > 2:  # chunks 0 and 1 go out at once; chunk 2's slot comes after chunk 1 landed
+                await anyio.sleep(2 * DELAY)
+
+        def release(self) -> None:
+            self._slots.release()
+
+    monkeypatch.setattr(SendRoomDriver, "_announce_progress", announce_then_end)
+    monkeypatch.setattr(anyio, "Semaphore", LateSlots)  # only the chunk writer takes one here
+    want = make_request(16 * BS, 6)  # 4 chunks of 64 tokens
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        errors: dict[str, BaseException] = {}
+
+        async def receive() -> None:
+            try:
+                await receiver.receive("r")
+            except TransferError as exc:
+                errors["receive"] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            with anyio.fail_after(10), pytest.raises(TransferError, match="gave up"):
+                await sender.send("r", want)
+        assert "gave up" in str(errors["receive"])
+        assert posted_when_ended and len(posted) == posted_when_ended[0] == 2, posted
         await wait_pools_free(sender, receiver)
 
 

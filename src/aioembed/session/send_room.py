@@ -225,6 +225,7 @@ class SendRoomDriver:
         n = len(chunks)
         ended = [anyio.Event() for _ in range(n)]
         failed: list[Exception | None] = [None] * n
+        posted = [False] * n
         slots = anyio.Semaphore(CHUNK_WRITES_IN_FLIGHT)
         stop = False
 
@@ -240,20 +241,26 @@ class SendRoomDriver:
                 slots.release()
 
         async def post_all(tg: anyio.abc.TaskGroup) -> None:
+            nonlocal stop
             for i in range(n):
                 await slots.acquire()
-                # The room may have ended (an ABORT, the peer declared dead) before the chunk that freed
-                # this slot was announced: nothing more goes to it.
+                # The room may have ended (an ABORT, the peer declared dead) after the chunks before this
+                # one were announced: nothing more goes to it, and the loop below, which may already wait
+                # for this chunk, is told that it was never posted.
                 if stop or self.machine.failed is not None or not peer.alive:
                     slots.release()
+                    stop = True
+                    for j in range(i, n):
+                        ended[j].set()
                     return
+                posted[i] = True
                 tg.start_soon(write_one, i)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(post_all, tg)
             for i, (upto, _) in enumerate(chunks):
                 await ended[i].wait()
-                if failed[i] is not None:
+                if not posted[i] or failed[i] is not None:
                     stop = True
                     break
                 if upto is not None and not self._announce_progress(task, peer, upto):
