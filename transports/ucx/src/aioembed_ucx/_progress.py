@@ -19,9 +19,11 @@ case an event never reaches the descriptor (ucxx keeps the same guard).
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import time
+import types
 import weakref
 from collections.abc import Hashable
 from typing import Any
@@ -145,28 +147,38 @@ def _stop_ucxx_progress(task: Any, loop: asyncio.AbstractEventLoop, worker: Any)
             t.cancel()
 
 
+@functools.cache
+def _ucxx() -> types.SimpleNamespace:
+    """The ucxx internals the waits below use, resolved once (the same ones ``Endpoint.send``/``recv`` use)."""
+    libucxx = importlib.import_module("ucxx._lib.libucxx")
+    ucxx_types = importlib.import_module("ucxx.types")
+    return types.SimpleNamespace(
+        app=importlib.import_module("ucxx._lib_async.application_context"),
+        Array=importlib.import_module("ucxx._lib.arr").Array,
+        Tag=ucxx_types.Tag, TagMaskFull=ucxx_types.TagMaskFull,
+        hash64bits=importlib.import_module("ucxx._lib_async.utils").hash64bits,
+        UCXCloseError=libucxx.UCXCloseError,
+    )
+
+
 def _driver() -> ArmedProgress | None:
-    app = importlib.import_module("ucxx._lib_async.application_context")
-    have = app.ProgressTasks.get(asyncio.get_running_loop())
+    have = _ucxx().app.ProgressTasks.get(asyncio.get_running_loop())
     return have if isinstance(have, ArmedProgress) else None
 
 
 def _posting(ep: Any, buffer: Any, tag: Hashable, which: str) -> tuple[Any, Any, Any]:
     """The raw endpoint, buffer and tag of ``ep.send``/``ep.recv`` (the same tag hashing: the peer may
     use ucxx's own calls)."""
-    arr = importlib.import_module("ucxx._lib.arr")
-    types = importlib.import_module("ucxx.types")
-    utils = importlib.import_module("ucxx._lib_async.utils")
-    libucxx = importlib.import_module("ucxx._lib.libucxx")
+    u = _ucxx()
     raw = ep._ep
     if raw is None:
-        raise libucxx.UCXCloseError("Endpoint closed")
+        raise u.UCXCloseError("Endpoint closed")
     raw.raise_on_error()
     if ep.closed:
-        raise libucxx.UCXCloseError("Endpoint closed")
-    if not isinstance(buffer, arr.Array):
-        buffer = arr.Array(buffer)
-    return raw, buffer, types.Tag(utils.hash64bits(ep._tags[which], hash(tag)))
+        raise u.UCXCloseError("Endpoint closed")
+    if not isinstance(buffer, u.Array):
+        buffer = u.Array(buffer)
+    return raw, buffer, u.Tag(u.hash64bits(ep._tags[which], hash(tag)))
 
 
 async def tag_send(ep: Any, buffer: Any, tag: Hashable) -> None:
@@ -186,4 +198,4 @@ async def tag_recv(ep: Any, buffer: Any, tag: Hashable) -> None:
         await ep.recv(buffer, tag=tag)
         return
     raw, buf, t = _posting(ep, buffer, tag, "msg_recv")
-    await driver.wait(raw.tag_recv(buf, t, importlib.import_module("ucxx.types").TagMaskFull))
+    await driver.wait(raw.tag_recv(buf, t, _ucxx().TagMaskFull))
