@@ -381,8 +381,11 @@ class EmbeddingReceiver:
         chunk = self.config.stream_chunk_tokens if chunk_tokens is None else chunk_tokens
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise InvalidRequest(f"chunk_tokens={chunk!r} must be an int >= 0 (0: one chunk per round)")
+        return self._whole_blocks(chunk)
+
+    def _whole_blocks(self, tokens: int) -> int:
         bs = self.config.block_size
-        return -(-chunk // bs) * bs
+        return -(-tokens // bs) * bs
 
     def _start_driver(self, key: RoomId, address: str, *, expected_tokens: int | None, exact: bool,
                       zero_copy: bool, out: Mapping[str, torch.Tensor] | None,
@@ -410,7 +413,7 @@ class EmbeddingReceiver:
             handle._scope = anyio.CancelScope()
         if stream is None and not zero_copy:
             # Copied out chunk by chunk while the rest of the round is written (the copy overlaps the transfer).
-            progress_tokens = -(-self.config.copy_chunk_tokens // self.config.block_size) * self.config.block_size
+            progress_tokens = self._whole_blocks(self.config.copy_chunk_tokens)
         r = ReceiveRoomDriver(key, handle, conn, self._room_ctx, expected_tokens=expected_tokens,
                               zero_copy=zero_copy, out=out, exact_tokens=exact, stream=stream,
                               progress_tokens=progress_tokens)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import anyio.abc
 import torch
 
 from aioembed.config import TransferConfig
@@ -219,53 +218,39 @@ class SendRoomDriver:
     async def _write_chunks(self, task: WriteTask, peer: PeerSession,
                             chunks: list[tuple[int | None, list[WriteOp]]]) -> None:
         """Write a round chunk by chunk, up to :data:`CHUNK_WRITES_IN_FLIGHT` at once (so the link never waits
-        for a chunk's completion to be noticed), and announce each chunk, in order, once it and every chunk
-        before it landed. Returns once every chunk posted has ended (none is left in flight); raises the
-        first chunk's failure. Once a chunk failed or the room ended, no further chunk is posted."""
-        n = len(chunks)
-        ended = [anyio.Event() for _ in range(n)]
-        failed: list[Exception | None] = [None] * n
-        posted = [False] * n
-        slots = anyio.Semaphore(CHUNK_WRITES_IN_FLIGHT)
-        stop = False
+        for a chunk's completion to be noticed), and announce each chunk, in order, once it landed. One loop
+        posts and announces, so no chunk is posted once a chunk failed or the room ended. Returns once every
+        chunk posted has ended (none is left in flight); raises the first chunk's failure."""
+        ended = [anyio.Event() for _ in chunks]
+        failed: list[Exception | None] = [None] * len(chunks)
 
         async def write_one(i: int) -> None:
-            nonlocal stop
             try:
                 await peer.link.write(chunks[i][1])
             except Exception as exc:  # kept for the caller, in chunk order: the other writes go on to their end
                 failed[i] = exc
-                stop = True  # before the slot is free: no chunk is posted after a failure
             finally:
                 ended[i].set()
-                slots.release()
 
-        async def post_all(tg: anyio.abc.TaskGroup) -> None:
-            nonlocal stop
-            for i in range(n):
-                await slots.acquire()
-                # The room may have ended (an ABORT, the peer declared dead) after the chunks before this
-                # one were announced: nothing more goes to it, and the loop below, which may already wait
-                # for this chunk, is told that it was never posted.
-                if stop or self.machine.failed is not None or not peer.alive:
-                    slots.release()
-                    stop = True
-                    for j in range(i, n):
-                        ended[j].set()
-                    return
-                posted[i] = True
-                tg.start_soon(write_one, i)
+        async def settled(i: int) -> bool:
+            """Chunk ``i`` ended: True if it landed and was announced (the round goes on)."""
+            await ended[i].wait()
+            upto = chunks[i][0]
+            return failed[i] is None and (upto is None or self._announce_progress(task, peer, upto))
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(post_all, tg)
-            for i, (upto, _) in enumerate(chunks):
-                await ended[i].wait()
-                if not posted[i] or failed[i] is not None:
-                    stop = True
-                    break
-                if upto is not None and not self._announce_progress(task, peer, upto):
-                    stop = True  # the room ended meanwhile: nothing more is posted
-                    break
+            oldest = 0  # the first chunk posted and not yet settled
+            for i in range(len(chunks)):
+                if i - oldest == CHUNK_WRITES_IN_FLIGHT:
+                    if not await settled(oldest):
+                        break
+                    oldest += 1
+                if self.machine.failed is not None or not peer.alive:
+                    break  # the room ended (an ABORT, the peer declared dead): nothing more goes to it
+                tg.start_soon(write_one, i)
+            else:
+                while oldest < len(chunks) and await settled(oldest):
+                    oldest += 1
         first = next((exc for exc in failed if exc is not None), None)
         if first is not None:
             raise first

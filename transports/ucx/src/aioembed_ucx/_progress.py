@@ -183,19 +183,18 @@ def _posting(ep: Any, buffer: Any, tag: Hashable, which: str) -> tuple[Any, Any,
 
 async def tag_send(ep: Any, buffer: Any, tag: Hashable) -> None:
     """``await ep.send(buffer, tag=tag)``, awaited through the loop's :class:`ArmedProgress` when it has one."""
-    driver = _driver()
-    if driver is None:
-        await ep.send(buffer, tag=tag)
-        return
-    raw, buf, t = _posting(ep, buffer, tag, "msg_send")
-    await driver.wait(raw.tag_send(buf, t))
+    await _tagged(ep, buffer, tag, send=True)
 
 
 async def tag_recv(ep: Any, buffer: Any, tag: Hashable) -> None:
     """``await ep.recv(buffer, tag=tag)``, awaited through the loop's :class:`ArmedProgress` when it has one."""
+    await _tagged(ep, buffer, tag, send=False)
+
+
+async def _tagged(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> None:
     driver = _driver()
-    if driver is None:
-        await ep.recv(buffer, tag=tag)
+    if driver is None:  # another progress mode: ucxx's own calls
+        await (ep.send if send else ep.recv)(buffer, tag=tag)
         return
-    raw, buf, t = _posting(ep, buffer, tag, "msg_recv")
-    await driver.wait(raw.tag_recv(buf, t, _ucxx().TagMaskFull))
+    raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
+    await driver.wait(raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull))
