@@ -29,6 +29,7 @@ from aioembed.protocol.ownership import (
     Writer,
 )
 from aioembed.session.deadlines import DeadlineTimer
+from aioembed.session.fence_log import FenceLog
 
 __all__ = ["WAIT_NOTE_AFTER", "BlockKeeper"]
 
@@ -47,8 +48,8 @@ class BlockKeeper:
         self.ledger = BlockLedger()
         self.name = name
         self.observer = observer
-        self.timer = DeadlineTimer(self.ledger.next_deadline, self._due, self._stalled,
-                                   stall_tolerance=stall_tolerance)
+        self.fence_log = FenceLog(log, name)
+        self.timer = DeadlineTimer(self._next_deadline, self._due, self._stalled, stall_tolerance=stall_tolerance)
         self.fenced_total: Counter[str] = Counter()
         """Blocks ever fenced, by reason name (for metrics)."""
         self.released_total: Counter[str] = Counter()
@@ -109,7 +110,7 @@ class BlockKeeper:
     # -- applying the ledger's decisions -------------------------------------------------------
 
     def apply(self, actions: Iterable[LedgerAction]) -> None:
-        """Carry out ``Free`` / ``Fence`` actions on the allocator (and log each fence once)."""
+        """Carry out ``Free`` / ``Fence`` actions on the allocator (and log fences: see :mod:`.fence_log`)."""
         changed = False
         for a in actions:
             changed = True
@@ -118,8 +119,7 @@ class BlockKeeper:
                 self.fenced_total[a.reason.name] += len(a.blocks)
                 self.observer.blocks_fenced(reason=a.reason.name.lower(), blocks=len(a.blocks),
                                             sender=a.writer.address if a.writer else "")
-                log.warning("%s: room=%r: %d blocks fenced: %s (%s)", self.name, a.room, len(a.blocks),
-                            a.reason.value, a.writer or "no writer")
+                self.fence_log.fenced(a, anyio.current_time())
             else:
                 self._free(a)
         if changed:
@@ -132,8 +132,7 @@ class BlockKeeper:
             self.released_total[a.proof.name] += len(a.blocks)
             self.observer.fence_released(proof=a.proof.name.lower(), blocks=len(a.blocks),
                                          sender=a.writer.address if a.writer else "")
-            log.info("%s: room=%r: %d fenced blocks released: %s", self.name, a.room, len(a.blocks),
-                     a.proof.value)
+            self.fence_log.released(a, anyio.current_time())
         elif a.proof not in (Proof.CONSUMED, Proof.UNANNOUNCED, Proof.STATUS):
             log.debug("%s: room=%r: %d blocks freed: %s", self.name, a.room, len(a.blocks), a.proof.value)
 
@@ -185,9 +184,19 @@ class BlockKeeper:
         """Free grants whose timed release came (a background task of the receiver)."""
         await self.timer.run()
 
+    def _next_deadline(self) -> float | None:
+        times = [t for t in (self.ledger.next_deadline(), self.fence_log.next_due()) if t is not None]
+        return min(times, default=None)
+
     def _due(self, now: float) -> None:
         self.apply(self.ledger.tick(now))
+        self.fence_log.flush(now)
+
+    def close(self) -> None:
+        """The receiver is closing: sum up the bursts of fence log lines still open."""
+        self.fence_log.flush(anyio.current_time(), final=True)
 
     def _stalled(self, now: float) -> None:
         log.warning("%s: the event loop stalled; timed releases of fenced blocks start again", self.name)
         self.ledger.loop_stalled(now)
+        self.fence_log.flush(now)

@@ -168,6 +168,7 @@ class EmbeddingReceiver:
 
     async def _teardown(self) -> None:
         await self._tasks.exit()  # its tasks were cancelled (or never started): the host stops
+        self.keeper.close()
         for c in self._conns.values():
             c.close()
         if self._ctx is not None:
