@@ -231,6 +231,8 @@ def test_random_plans_move_exactly_the_right_bytes(case: dict[str, object], seed
     assert isinstance(blocks, list)
     if case["src_blocks"] is None and blocks == list(range(blocks[0], blocks[0] + len(blocks))):
         assert len(runs) <= 1  # contiguous on both sides: a single op per field
+    for a, b in itertools.pairwise(runs):  # coalesced as far as it goes: no two neighbours could merge
+        assert not (a.src_row + a.count == b.src_row and a.dst_row + a.count == b.dst_row), (a, b)
 
 
 @given(case=plan_cases())

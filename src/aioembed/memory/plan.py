@@ -67,6 +67,7 @@ def plan_row_runs(
         raise PlanError(f"source start {src_start} is negative")
 
     runs: list[RowRun] = []
+    run_src = run_dst = run_count = 0  # the run being extended (plain ints: a RowRun per block is slow)
     done = 0
     while done < num_tokens:
         s_tok = src_start + done
@@ -80,14 +81,15 @@ def plan_row_runs(
             s_blk, s_off = divmod(s_tok, block_size)
             s_row = src_blocks[s_blk] * block_size + s_off
             step = min(step, block_size - s_off)
-        if runs:
-            last = runs[-1]
-            if last.src_row + last.count == s_row and last.dst_row + last.count == d_row:
-                runs[-1] = RowRun(last.src_row, last.dst_row, last.count + step)
-                done += step
-                continue
-        runs.append(RowRun(s_row, d_row, step))
+        if run_count and run_src + run_count == s_row and run_dst + run_count == d_row:
+            run_count += step
+        else:
+            if run_count:
+                runs.append(RowRun(run_src, run_dst, run_count))
+            run_src, run_dst, run_count = s_row, d_row, step
         done += step
+    if run_count:
+        runs.append(RowRun(run_src, run_dst, run_count))
     return runs
 
 
