@@ -174,8 +174,11 @@ class BlockKeeper:
             self.fence(g.id, FenceReason.WRITE_FAILED)
 
     def stalled(self, now: float) -> None:
-        """Our loop did not run for a while: timed releases start their windows again."""
+        """Our loop did not run for a while: timed releases start their windows again, and bursts of fence
+        log lines due meanwhile are summed up (else the timer would take their past deadline for a
+        second stall)."""
         self.ledger.loop_stalled(now)
+        self.fence_log.flush(now)
         self.timer.wake()
 
     # -- the timer ---------------------------------------------------------------------------
@@ -193,8 +196,9 @@ class BlockKeeper:
         self.fence_log.flush(now)
 
     def close(self) -> None:
-        """The receiver is closing: sum up the bursts of fence log lines still open."""
-        self.fence_log.flush(anyio.current_time(), final=True)
+        """The receiver is closing (its timer task is gone): sum up the bursts of fence log lines still
+        open; later fences are logged in full."""
+        self.fence_log.close()
 
     def _stalled(self, now: float) -> None:
         log.warning("%s: the event loop stalled; timed releases of fenced blocks start again", self.name)

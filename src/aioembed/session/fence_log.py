@@ -11,7 +11,7 @@ dropped: the DEBUG lines carry every room, and the metrics count every block.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aioembed.protocol.messages import RoomId
 from aioembed.protocol.ownership import Fence, Free
@@ -21,64 +21,86 @@ __all__ = ["BURST_WINDOW", "FenceLog"]
 BURST_WINDOW = 10.0
 """Seconds after a logged fence (or release) during which more of the same are summed up."""
 
+_FENCED, _RELEASED = "fenced", "released"
+_NOUNS = {_FENCED: ("block fenced", "blocks fenced"), _RELEASED: ("fenced block released", "fenced blocks released")}
+
+
+def _blocks(kind: str, n: int, more: str = "") -> str:
+    """``"3 blocks fenced"``, ``"1 more fenced block released"``."""
+    return f"{n} {more}{_NOUNS[kind][n != 1]}"
+
 
 @dataclass(slots=True)
 class _Burst:
     first_room: RoomId
     until: float
-    rooms: int = 0
     blocks: int = 0
+    """Blocks of the actions after the first one (a room may have several grants)."""
+    rooms: set[RoomId] = field(default_factory=set)
+    """Rooms after the first one."""
 
 
 class FenceLog:
     """Logs :class:`Fence` and (fenced-grant) :class:`Free` actions for one pool, bursts summed up.
 
-    Pure bookkeeping: the caller passes the time, and calls :meth:`flush` when :meth:`next_due` comes
-    (and at close, with ``final=True``)."""
+    Pure bookkeeping: the caller passes the time, calls :meth:`flush` when :meth:`next_due` comes, and
+    :meth:`close` at the end (after which every line is logged in full: no burst would be summed up)."""
 
-    def __init__(self, log: logging.Logger, name: str, *, window: float = BURST_WINDOW) -> None:
+    def __init__(self, log: logging.Logger, name: str, *, window: float | None = None) -> None:
         self._log = log
         self._name = name
-        self._window = window
+        self._window = BURST_WINDOW if window is None else window
         self._bursts: dict[tuple[str, str, str], _Burst] = {}
+        self._closed = False
 
     def fenced(self, a: Fence, now: float) -> None:
-        key = ("fenced", a.reason.value, str(a.writer or "no writer"))
-        self._note(key, logging.WARNING, a.room, len(a.blocks), now)
+        """Blocks of ``a.room`` were fenced: a write may still reach them (WARNING)."""
+        self._note((_FENCED, a.reason.value, str(a.writer or "no writer")), logging.WARNING, a.room,
+                   len(a.blocks), now)
 
     def released(self, a: Free, now: float) -> None:
-        key = ("fenced blocks released", a.proof.value, str(a.writer or "no writer"))
-        self._note(key, logging.INFO, a.room, len(a.blocks), now)
+        """Fenced blocks of ``a.room`` came back: a proof said no write can reach them (INFO)."""
+        self._note((_RELEASED, a.proof.value, str(a.writer or "no writer")), logging.INFO, a.room,
+                   len(a.blocks), now)
 
     def _note(self, key: tuple[str, str, str], level: int, room: RoomId, blocks: int, now: float) -> None:
         self.flush(now)
         what, why, writer = key
         burst = self._bursts.get(key)
         if burst is None:
-            self._bursts[key] = _Burst(room, now + self._window)
-            line = "blocks fenced" if what == "fenced" else what
-            self._log.log(level, "%s: room=%r: %d %s: %s (%s)", self._name, room, blocks, line, why, writer)
+            if not self._closed:
+                self._bursts[key] = _Burst(room, now + self._window)
+            self._log.log(level, "%s: room=%r: %s: %s (%s)", self._name, room, _blocks(what, blocks), why, writer)
             return
-        burst.rooms += 1
+        if room != burst.first_room:
+            burst.rooms.add(room)
         burst.blocks += blocks
-        self._log.debug("%s: room=%r: %d blocks %s (in the burst after room=%r): %s (%s)", self._name, room,
-                        blocks, what, burst.first_room, why, writer)
+        self._log.debug("%s: room=%r: %s (in the burst after room=%r): %s (%s)", self._name, room,
+                        _blocks(what, blocks), burst.first_room, why, writer)
 
     def next_due(self) -> float | None:
         """When the earliest open burst should be summed up, if any is open."""
         return min((b.until for b in self._bursts.values()), default=None)
 
-    def flush(self, now: float, *, final: bool = False) -> None:
-        """Sum up the bursts whose window has passed (every one if ``final``) and close them."""
+    def flush(self, now: float) -> None:
+        """Sum up the bursts whose window has passed, and close them."""
         for key, burst in list(self._bursts.items()):
-            if burst.until > now and not final:
-                continue
-            del self._bursts[key]
-            if not burst.rooms:
-                continue
-            what, why, writer = key
-            level = logging.WARNING if what == "fenced" else logging.INFO
-            verb = "had blocks fenced" if what == "fenced" else "had fenced blocks released"
-            self._log.log(level, "%s: %d more rooms after room=%r %s within %.0f s (%d blocks): %s (%s); "
-                          "each room is logged at DEBUG", self._name, burst.rooms, burst.first_room, verb,
-                          self._window, burst.blocks, why, writer)
+            if burst.until <= now:
+                self._sum_up(key, burst)
+
+    def close(self) -> None:
+        """Sum up every open burst now; from here on every line is logged in full."""
+        self._closed = True
+        for key, burst in list(self._bursts.items()):
+            self._sum_up(key, burst)
+
+    def _sum_up(self, key: tuple[str, str, str], burst: _Burst) -> None:
+        del self._bursts[key]
+        if not burst.blocks:
+            return
+        what, why, writer = key
+        level = logging.WARNING if what == _FENCED else logging.INFO
+        rooms = len(burst.rooms)
+        self._log.log(level, "%s: %s in the %g s after room=%r (%d other room%s): %s (%s); each is logged at DEBUG",
+                      self._name, _blocks(what, burst.blocks, "more "), self._window, burst.first_room, rooms,
+                      "" if rooms == 1 else "s", why, writer)

@@ -167,8 +167,10 @@ class EmbeddingReceiver:
                 self._closed.set()
 
     async def _teardown(self) -> None:
-        await self._tasks.exit()  # its tasks were cancelled (or never started): the host stops
-        self.keeper.close()
+        try:
+            await self._tasks.exit()  # its tasks were cancelled (or never started): the host stops
+        finally:
+            self.keeper.close()
         for c in self._conns.values():
             c.close()
         if self._ctx is not None:
