@@ -202,5 +202,4 @@ class BlockKeeper:
 
     def _stalled(self, now: float) -> None:
         log.warning("%s: the event loop stalled; timed releases of fenced blocks start again", self.name)
-        self.ledger.loop_stalled(now)
-        self.fence_log.flush(now)
+        self.stalled(now)

@@ -11,6 +11,7 @@ dropped: the DEBUG lines carry every room, and the metrics count every block.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from aioembed.protocol.messages import RoomId
@@ -22,6 +23,7 @@ BURST_WINDOW = 10.0
 """Seconds after a logged fence (or release) during which more of the same are summed up."""
 
 _FENCED, _RELEASED = "fenced", "released"
+_LEVELS = {_FENCED: logging.WARNING, _RELEASED: logging.INFO}
 _NOUNS = {_FENCED: ("block fenced", "blocks fenced"), _RELEASED: ("fenced block released", "fenced blocks released")}
 
 
@@ -55,22 +57,21 @@ class FenceLog:
 
     def fenced(self, a: Fence, now: float) -> None:
         """Blocks of ``a.room`` were fenced: a write may still reach them (WARNING)."""
-        self._note((_FENCED, a.reason.value, str(a.writer or "no writer")), logging.WARNING, a.room,
-                   len(a.blocks), now)
+        self._note((_FENCED, a.reason.value, str(a.writer or "no writer")), a.room, len(a.blocks), now)
 
     def released(self, a: Free, now: float) -> None:
         """Fenced blocks of ``a.room`` came back: a proof said no write can reach them (INFO)."""
-        self._note((_RELEASED, a.proof.value, str(a.writer or "no writer")), logging.INFO, a.room,
-                   len(a.blocks), now)
+        self._note((_RELEASED, a.proof.value, str(a.writer or "no writer")), a.room, len(a.blocks), now)
 
-    def _note(self, key: tuple[str, str, str], level: int, room: RoomId, blocks: int, now: float) -> None:
+    def _note(self, key: tuple[str, str, str], room: RoomId, blocks: int, now: float) -> None:
         self.flush(now)
         what, why, writer = key
         burst = self._bursts.get(key)
         if burst is None:
             if not self._closed:
                 self._bursts[key] = _Burst(room, now + self._window)
-            self._log.log(level, "%s: room=%r: %s: %s (%s)", self._name, room, _blocks(what, blocks), why, writer)
+            self._log.log(_LEVELS[what], "%s: room=%r: %s: %s (%s)", self._name, room, _blocks(what, blocks), why,
+                          writer)
             return
         if room != burst.first_room:
             burst.rooms.add(room)
@@ -91,16 +92,14 @@ class FenceLog:
     def close(self) -> None:
         """Sum up every open burst now; from here on every line is logged in full."""
         self._closed = True
-        for key, burst in list(self._bursts.items()):
-            self._sum_up(key, burst)
+        self.flush(math.inf)
 
     def _sum_up(self, key: tuple[str, str, str], burst: _Burst) -> None:
         del self._bursts[key]
         if not burst.blocks:
             return
         what, why, writer = key
-        level = logging.WARNING if what == _FENCED else logging.INFO
         rooms = len(burst.rooms)
-        self._log.log(level, "%s: %s in the %g s after room=%r (%d other room%s): %s (%s); each is logged at DEBUG",
-                      self._name, _blocks(what, burst.blocks, "more "), self._window, burst.first_room, rooms,
-                      "" if rooms == 1 else "s", why, writer)
+        self._log.log(_LEVELS[what], "%s: %s in the %g s after room=%r (%d other room%s): %s (%s); each is logged "
+                      "at DEBUG", self._name, _blocks(what, burst.blocks, "more "), self._window, burst.first_room,
+                      rooms, "" if rooms == 1 else "s", why, writer)
