@@ -4,9 +4,14 @@
 ``transfer_check_status`` says, in well under a microsecond and without blocking, whether it is
 done (1), failed (-1) or timed out (-2), or still pending (0). The engine offers no completion
 callback or file descriptor, so completions are polled: by one poll loop per endpoint, run by
-whichever waiting task holds the baton (no background task, no thread). It sleeps between polls,
-briefly after progress and longer while nothing moves, and stops as soon as nothing is pending.
-A final status frees the id inside the engine, so an id is never polled again after it.
+whichever waiting task holds the baton (no background task, no thread). It stops as soon as
+nothing is pending. A final status frees the id inside the engine, so an id is never polled again.
+
+When to look: a sleep on the event loop lasts at least a millisecond (the selector's resolution),
+longer than a small transfer takes, while looking on every loop turn keeps a core busy. So the loop
+looks on every turn only where a completion is likely: just after a submit or a completion, and
+around the time a transfer is *expected* to end, which :class:`CompletionForecast` learns per size
+class from the transfers seen so far. Elsewhere it sleeps, backing off from 50 us to 2 ms.
 
 Per link, :class:`Credits` bound the transfers in flight (the engine's per-peer queue is finite),
 so a stalled peer holds its own link's credits and nothing else: writes to healthy peers go on.
@@ -20,20 +25,60 @@ from collections.abc import Callable, Sequence
 
 import anyio
 
-__all__ = ["DONE", "PENDING", "Credits", "PendingTransfer", "TransferPoller"]
+__all__ = ["DONE", "PENDING", "CompletionForecast", "Credits", "PendingTransfer", "TransferPoller"]
 
 _POLL_FIRST = 0.00005
 _POLL_MAX = 0.002
 _POLL_FRESH = 0.0003
 """Seconds after a submit or a completion during which the poll loop only yields between polls."""
+_SPIN_LEAD = 0.0012
+"""Seconds before a transfer's expected end from which the loop looks on every turn: more than one
+sleep of the selector (1 ms), so a sleep never overshoots the expected end."""
+_SPIN_SLACK_MIN = 0.0005
+_SPIN_SLACK_SHARE = 0.25
+_SPIN_SLACK_MAX = 0.002
+"""Past its expected end, a late transfer is looked at on every turn for 25 % of the expected time
+more (0.5 to 2 ms); then the loop sleeps again (it is late: the forecast learns from it)."""
 
 DONE, PENDING = 1, 0
+
+
+class CompletionForecast:
+    """How long a transfer of a given size takes on this endpoint: an exponential average per size
+    class (powers of two), learned from the transfers seen ending. Pure bookkeeping, no clock.
+
+    A poll sees *that* a transfer ended, not when: it ended after the last poll that saw it pending
+    and before the one that saw it done. A narrow interval counts by its middle; a wide one (the loop
+    slept) by its start, so the forecast errs early, which costs a few idle loop turns, never late,
+    which would cost latency (and would feed on itself: a late look measures a longer time)."""
+
+    ALPHA = 0.25
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(0, nbytes).bit_length()
+
+    def expected(self, nbytes: int) -> float | None:
+        """Seconds a transfer of ``nbytes`` is expected to take, or None before one of its class ended."""
+        return self._seconds.get(self.size_class(nbytes))
+
+    def observe(self, nbytes: int, *, ended_after: float, ended_by: float) -> None:
+        """A transfer of ``nbytes`` ended between ``ended_after`` and ``ended_by`` seconds after its submit."""
+        ended_after = max(0.0, min(ended_after, ended_by))
+        narrow = ended_by - ended_after <= max(0.0002, 0.25 * ended_by)
+        seconds = (ended_after + ended_by) / 2 if narrow else ended_after
+        key = self.size_class(nbytes)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else old + self.ALPHA * (seconds - old)
 
 
 class PendingTransfer:
     """One submitted transfer: its engine id, and its final status once known."""
 
-    __slots__ = ("batch", "length", "on_done", "status")
+    __slots__ = ("batch", "length", "on_done", "pending_at", "spin_from", "spin_until", "status", "submitted")
 
     def __init__(self, batch: int, length: int) -> None:
         self.batch = batch
@@ -41,6 +86,12 @@ class PendingTransfer:
         self.status = PENDING
         self.on_done: Callable[[], None] | None = None
         """Called once it ends, when its writer stopped waiting for it (e.g. to return a credit)."""
+        self.submitted = 0.0
+        """``time.perf_counter()`` when the poller took it."""
+        self.pending_at = 0.0
+        """When a poll last saw it pending."""
+        self.spin_from = self.spin_until = 0.0
+        """Around its expected end: look on every loop turn within (empty before the forecast knows)."""
 
 
 class TransferPoller:
@@ -48,6 +99,7 @@ class TransferPoller:
 
     def __init__(self, check: Callable[[int], int]) -> None:
         self._check = check
+        self.forecast = CompletionForecast()
         self._pending: dict[int, PendingTransfer] = {}
         self._leading = False
         self._progress = anyio.Event()  # set (and replaced) after every poll that finished something
@@ -59,25 +111,45 @@ class TransferPoller:
         return len(self._pending)
 
     def add(self, transfers: Sequence[PendingTransfer]) -> None:
+        now = time.perf_counter()
         for t in transfers:
+            t.submitted = t.pending_at = now
+            expected = self.forecast.expected(t.length)
+            if expected is not None:
+                slack = min(_SPIN_SLACK_MAX, max(_SPIN_SLACK_MIN, _SPIN_SLACK_SHARE * expected))
+                t.spin_from, t.spin_until = now + expected - _SPIN_LEAD, now + expected + slack
             self._pending[t.batch] = t
 
     def _poll(self) -> bool:
         """Check every pending transfer once; True if any finished."""
         self.polls += 1
-        finished = [t for t in self._pending.values() if self._finished(t)]
+        now = time.perf_counter()
+        finished = [t for t in self._pending.values() if self._finished(t, now)]
         for t in finished:
             del self._pending[t.batch]
         return bool(finished)
 
-    def _finished(self, t: PendingTransfer) -> bool:
+    def _finished(self, t: PendingTransfer, now: float) -> bool:
         status = int(self._check(t.batch))
         if status == PENDING:
+            t.pending_at = now
             return False
         t.status = status
+        if status == DONE:
+            self.forecast.observe(t.length, ended_after=t.pending_at - t.submitted, ended_by=now - t.submitted)
         if t.on_done is not None:
             t.on_done()
         return True
+
+    def _spin_window(self, now: float) -> tuple[bool, float | None]:
+        """(whether a pending transfer is due now, when the next one's window opens)."""
+        opens: float | None = None
+        for t in self._pending.values():
+            if t.spin_from <= now < t.spin_until:
+                return True, None
+            if t.spin_from > now and (opens is None or t.spin_from < opens):
+                opens = t.spin_from
+        return False, opens
 
     async def wait(self, transfers: Sequence[PendingTransfer], deadline: float | None = None) -> bool:
         """Return True once every transfer has a final status, or False at ``deadline`` (the rest stay
@@ -108,19 +180,19 @@ class TransferPoller:
                 self._wake()
                 delay = _POLL_FIRST
                 fresh_until = time.perf_counter() + _POLL_FRESH
-            else:
-                delay = min(_POLL_MAX, delay * 2)
             if all(t.status != PENDING for t in mine):
                 return
             if deadline is not None and anyio.current_time() >= deadline:
                 return
-            if time.perf_counter() < fresh_until:
-                # Just after progress, transfers of small writes end within microseconds: look again on
-                # the loop's next turn (other tasks run in between). A timer would sleep at least a
-                # millisecond here (the selector's resolution), longer than such a transfer takes.
+            now = time.perf_counter()
+            due, opens = self._spin_window(now)
+            if due or now < fresh_until:
+                # A completion is likely within microseconds: look again on the loop's next turn (other
+                # tasks run in between). A timer would sleep at least a millisecond here.
                 await anyio.lowlevel.checkpoint()
-            else:
-                await anyio.sleep(delay)
+                continue
+            await anyio.sleep(delay if opens is None else max(0.0, min(delay, opens - now)))
+            delay = min(_POLL_MAX, delay * 2)  # the back-off grows with sleeps only, not with loop turns
 
     def _wake(self) -> None:
         self._progress.set()

@@ -1,0 +1,169 @@
+"""The completion poller: when it looks at the engine, and what it learns (no engine needed: a fake
+``transfer_check_status`` that ends each transfer at a chosen time)."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+import aioembed_mooncake._transfers as transfers
+from aioembed_mooncake._transfers import DONE, PENDING, CompletionForecast, PendingTransfer, TransferPoller
+
+pytestmark = pytest.mark.anyio
+
+
+# -- the forecast (pure) --------------------------------------------------------------------------
+
+
+def test_the_forecast_knows_nothing_before_a_transfer_of_the_size_class_ended() -> None:
+    f = CompletionForecast()
+    assert f.expected(460_000) is None
+    f.observe(460_000, ended_after=0.0004, ended_by=0.0005)
+    assert f.expected(460_000) == pytest.approx(0.00045)  # a narrow interval counts by its middle
+    assert f.expected(300_000) == pytest.approx(0.00045)  # the same power of two
+    assert f.expected(600_000) is None  # the next one up
+    assert f.expected(256) is None
+
+
+def test_a_wide_interval_counts_by_its_start_so_the_forecast_errs_early() -> None:
+    f = CompletionForecast()
+    # The loop slept 2 ms between a poll that saw the transfer pending and the one that saw it done.
+    f.observe(1 << 20, ended_after=0.0005, ended_by=0.0025)
+    assert f.expected(1 << 20) == pytest.approx(0.0005)
+    # An interval that ends before it starts (clock read in another order) is clamped, never negative.
+    f.observe(1 << 10, ended_after=0.003, ended_by=0.001)
+    assert f.expected(1 << 10) == pytest.approx(0.001)
+
+
+def test_the_forecast_follows_a_change_of_speed_both_ways() -> None:
+    f = CompletionForecast()
+    f.observe(4096, ended_after=0.0099, ended_by=0.0100)
+    for _ in range(40):  # the link got ten times faster
+        f.observe(4096, ended_after=0.00099, ended_by=0.00100)
+    assert f.expected(4096) == pytest.approx(0.001, rel=0.02)
+    for _ in range(40):  # and slow again
+        f.observe(4096, ended_after=0.0199, ended_by=0.0200)
+    assert f.expected(4096) == pytest.approx(0.020, rel=0.02)
+
+
+# -- the poll loop ----------------------------------------------------------------------------------
+
+
+class FakeEngine:
+    """``transfer_check_status`` of transfers that end at set ``time.perf_counter()`` times."""
+
+    def __init__(self) -> None:
+        self.ends: dict[int, tuple[float, int]] = {}
+        self.checks: list[tuple[int, float]] = []
+
+    def submit(self, batch: int, length: int, seconds: float, status: int = DONE) -> PendingTransfer:
+        self.ends[batch] = (time.perf_counter() + seconds, status)
+        return PendingTransfer(batch, length)
+
+    def check(self, batch: int) -> int:
+        now = time.perf_counter()
+        self.checks.append((batch, now))
+        end, status = self.ends[batch]
+        return status if now >= end else PENDING
+
+
+class SleepLog:
+    """Every ``anyio.sleep`` the poller asks for: (when, how long)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[float, float]] = []
+        real = anyio.sleep
+
+        async def sleep(seconds: float) -> None:
+            self.calls.append((time.perf_counter(), seconds))
+            await real(seconds)
+
+        monkeypatch.setattr(transfers.anyio, "sleep", sleep)
+
+
+async def test_the_back_off_starts_small_when_the_fresh_window_has_passed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop turns of the window after a submit do not grow the back-off: the first sleep after it
+    is the shortest one (it used to be the longest, 2 ms, so a transfer ending just after the window
+    was seen 2 ms late: 64-token requests took 3.5 ms instead of 1.7)."""
+    engine, sleeps = FakeEngine(), SleepLog(monkeypatch)
+    poller = TransferPoller(engine.check)
+    t = engine.submit(1, 460_000, 0.030)
+    poller.add([t])
+    assert await poller.wait([t]) is True
+    assert t.status == DONE
+    assert sleeps.calls, "a 30 ms transfer with nothing learned yet is waited for with sleeps"
+    delays = [d for _, d in sleeps.calls]
+    doubling = [min(transfers._POLL_MAX, transfers._POLL_FIRST * 2**i) for i in range(len(delays))]
+    assert delays == doubling
+    assert poller.pending == 0
+
+
+async def test_around_the_expected_end_the_loop_looks_on_every_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    poller.forecast.observe(8 << 20, ended_after=0.0299, ended_by=0.0300)  # learned: about 30 ms
+    expected = poller.forecast.expected(8 << 20)
+    assert expected == pytest.approx(0.02995)
+
+    sleeps = SleepLog(monkeypatch)
+    t = engine.submit(9, 8 << 20, 0.030)
+    poller.add([t])
+    assert t.spin_from == pytest.approx(t.submitted + expected - transfers._SPIN_LEAD)
+    assert t.spin_until > t.submitted + expected
+    await poller.wait([t])
+    assert t.status == DONE
+    # Before the window it slept (no core spent on a 30 ms wait), each sleep ending by the window's start;
+    # inside the window it asked for no sleep at all: it looked on every loop turn. (0.5 ms: the log
+    # reads the clock a little after the poller did.)
+    assert any(at < t.spin_from for at, _ in sleeps.calls), "it slept while the transfer could not have ended"
+    wrong = [(at, d) for at, d in sleeps.calls if at + d > t.spin_from + 5e-4 and at < t.spin_until - 5e-4]
+    assert wrong == [], (wrong, t.spin_from, t.spin_until)
+    assert [at for batch, at in engine.checks if batch == 9 and at >= t.spin_from], "it looked in the window"
+
+
+async def test_only_completed_transfers_teach_the_forecast() -> None:
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    failed = engine.submit(1, 4096, 0.001, status=-1)
+    poller.add([failed])
+    await poller.wait([failed])
+    assert failed.status == -1
+    assert poller.forecast.expected(4096) is None  # a failure says nothing about how long writes take
+    ok = engine.submit(2, 4096, 0.001)
+    poller.add([ok])
+    await poller.wait([ok])
+    assert poller.forecast.expected(4096) is not None
+
+
+async def test_several_waiters_share_one_poll_loop_and_each_returns_when_its_own_transfers_end() -> None:
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    finished: dict[str, float] = {}
+    quick = [engine.submit(1, 1000, 0.002), engine.submit(2, 1000, 0.002)]
+    slow = [engine.submit(3, 1 << 20, 0.030)]
+    poller.add(quick + slow)
+
+    async def waiter(name: str, mine: list[PendingTransfer]) -> None:
+        assert await poller.wait(mine)
+        finished[name] = time.perf_counter()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter, "slow", slow)
+        tg.start_soon(waiter, "quick", quick)
+    assert all(t.status == DONE for t in quick + slow)
+    assert finished["quick"] < finished["slow"]
+    assert finished["slow"] >= engine.ends[3][0]
+    assert poller.pending == 0
+
+
+async def test_a_deadline_leaves_the_transfer_pending_for_a_later_drain() -> None:
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    t = engine.submit(1, 4096, 0.050)
+    poller.add([t])
+    assert await poller.wait([t], deadline=anyio.current_time() + 0.005) is False
+    assert t.status == PENDING and poller.pending == 1
+    await poller.drain()
+    assert t.status == DONE and poller.pending == 0
