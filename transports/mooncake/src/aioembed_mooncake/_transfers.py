@@ -120,14 +120,23 @@ class TransferPoller:
                 t.spin_from, t.spin_until = now + expected - _SPIN_LEAD, now + expected + slack
             self._pending[t.batch] = t
 
-    def _poll(self) -> bool:
-        """Check every pending transfer once; True if any finished."""
+    def _poll(self) -> tuple[bool, bool, float | None]:
+        """Check every pending transfer once: (whether any finished, whether one still pending is in its
+        expected-end window now, when the next such window opens)."""
         self.polls += 1
         now = time.perf_counter()
-        finished = [t for t in self._pending.values() if self._finished(t, now)]
+        finished: list[PendingTransfer] = []
+        due, opens = False, None
+        for t in self._pending.values():
+            if self._finished(t, now):
+                finished.append(t)
+            elif t.spin_from <= now < t.spin_until:
+                due = True
+            elif t.spin_from > now and (opens is None or t.spin_from < opens):
+                opens = t.spin_from
         for t in finished:
             del self._pending[t.batch]
-        return bool(finished)
+        return bool(finished), due, opens
 
     def _finished(self, t: PendingTransfer, now: float) -> bool:
         status = int(self._check(t.batch))
@@ -140,16 +149,6 @@ class TransferPoller:
         if t.on_done is not None:
             t.on_done()
         return True
-
-    def _spin_window(self, now: float) -> tuple[bool, float | None]:
-        """(whether a pending transfer is due now, when the next one's window opens)."""
-        opens: float | None = None
-        for t in self._pending.values():
-            if t.spin_from <= now < t.spin_until:
-                return True, None
-            if t.spin_from > now and (opens is None or t.spin_from < opens):
-                opens = t.spin_from
-        return False, opens
 
     async def wait(self, transfers: Sequence[PendingTransfer], deadline: float | None = None) -> bool:
         """Return True once every transfer has a final status, or False at ``deadline`` (the rest stay
@@ -176,7 +175,8 @@ class TransferPoller:
         delay = _POLL_FIRST
         fresh_until = time.perf_counter() + _POLL_FRESH
         while True:
-            if self._poll():
+            moved, due, opens = self._poll()
+            if moved:
                 self._wake()
                 delay = _POLL_FIRST
                 fresh_until = time.perf_counter() + _POLL_FRESH
@@ -185,7 +185,6 @@ class TransferPoller:
             if deadline is not None and anyio.current_time() >= deadline:
                 return
             now = time.perf_counter()
-            due, opens = self._spin_window(now)
             if due or now < fresh_until:
                 # A completion is likely within microseconds: look again on the loop's next turn (other
                 # tasks run in between). A timer would sleep at least a millisecond here.
