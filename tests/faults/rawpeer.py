@@ -62,7 +62,7 @@ async def raw_receiver(address: str, layout: Layout, config: TransferConfig) -> 
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     send, recv = anyio.create_memory_object_stream[list[bytes]](10_000)
-    chan = ControlSocket(sock, send.send_nowait, name="raw-receiver")
+    chan = ControlSocket(sock, send.send_nowait, name="raw-receiver", bundles=True)
     transport = await LoopbackTransport.open({})
     pool = BlockPool(layout, num_blocks=config.pool_blocks, block_size=config.block_size)
     await transport.register(pool.regions())
@@ -144,7 +144,7 @@ async def raw_sender() -> AsyncIterator[RawSender]:
     sock.bind("tcp://127.0.0.1:0")
     address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     raw = RawSender(address)
-    chan = raw.chan = ControlSocket(sock, raw.on_frames, name="raw-sender")
+    chan = raw.chan = ControlSocket(sock, raw.on_frames, name="raw-sender", routed=True, bundles=True)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(chan.run)

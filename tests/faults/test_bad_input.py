@@ -10,20 +10,23 @@ import msgpack
 import pytest
 import torch
 
-from aioembed import EmbeddingSender, TransferConfig
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig
+from aioembed.errors import IncompatiblePeer
 from aioembed.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
+    Hello,
     Init,
     Reject,
     Resume,
     Status,
     Welcome,
+    encode,
 )
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
-from .rawpeer import pool_guard, raw_receiver
+from .rawpeer import pool_guard, raw_receiver, raw_sender
 
 pytestmark = pytest.mark.anyio
 
@@ -62,6 +65,21 @@ async def test_garbage_and_unknown_frames_are_rejected_and_valid_rooms_go_on() -
                 got = await receiver.receive("ok")
             assert_same(got.tensors, src)
         await wait_pools_free(sender, receiver)
+
+
+async def test_a_peer_of_the_previous_protocol_version_is_refused_by_name() -> None:
+    """Version 3 bundles messages that version 2 would drop: the two must not talk, and say why."""
+    old = PROTOCOL_VERSION - 1
+    async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
+        assert isinstance(await raw.expect(Hello), Hello)
+        raw.send_raw(msgpack.packb({"type": "REJECT", "v": old, "reason": "bad frame", "code": "bad_frame"}))
+        with pytest.raises(IncompatiblePeer, match=f"speaks protocol version {old}"):
+            await receiver.wait_connected(timeout=5)
+    async with running(CFG) as (sender, _), raw_receiver(sender.address, LAYOUT, CFG) as raw_r:
+        body = msgpack.unpackb(encode(raw_r.hello(LAYOUT, CFG)))
+        raw_r.send_raw(msgpack.packb({**body, "v": old}))
+        rej = await raw_r.expect(Reject)
+        assert isinstance(rej, Reject) and f"protocol version {old} is not supported" in rej.reason
 
 
 async def test_incompatible_hello_is_rejected_with_what_differs() -> None:

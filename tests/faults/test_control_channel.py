@@ -19,7 +19,9 @@ FRAME = b"x" * (64 << 10)
 
 
 @asynccontextmanager
-async def router_with_two_peers() -> AsyncIterator[tuple[ControlSocket, zmq.Socket[bytes], zmq.Socket[bytes]]]:
+async def router_with_two_peers(
+    bundles: bool = False,
+) -> AsyncIterator[tuple[ControlSocket, zmq.Socket[bytes], zmq.Socket[bytes]]]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 4), (zmq.SNDBUF, 65536), (zmq.ROUTER_MANDATORY, 1)):
@@ -34,7 +36,8 @@ async def router_with_two_peers() -> AsyncIterator[tuple[ControlSocket, zmq.Sock
         d.connect(address)
         peers.append(d)
     hello: list[bytes] = []
-    chan = ControlSocket(router, lambda frames: hello.append(frames[0]), name="test-router", routed=True)
+    chan = ControlSocket(router, lambda frames: hello.append(frames[0]), name="test-router", routed=True,
+                         bundles=bundles)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(chan.run)
@@ -108,3 +111,135 @@ async def test_the_outbox_limit_is_per_peer() -> None:
         with anyio.fail_after(5):
             while not _recv_all(healthy):
                 await anyio.sleep(0.01)
+
+
+# -- bundles: a burst of messages to one peer goes as few ZeroMQ messages ----------------------------
+
+
+@asynccontextmanager
+async def dealer_to_raw_router() -> AsyncIterator[tuple[ControlSocket, zmq.Socket[bytes], list[list[bytes]]]]:
+    """A DEALER wrapped in a ControlSocket (its I/O task running), connected to a bare ROUTER."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.ROUTING_ID, b"dealer")
+    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    handled: list[list[bytes]] = []
+    chan = ControlSocket(dealer, handled.append, name="test-dealer", bundles=True)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(chan.run)
+            chan.send([b"hello"])  # the ROUTER learns the DEALER's identity (it drops frames to unknown ones)
+            assert await anyio.to_thread.run_sync(_wire_messages, router, 1) == [[b"dealer", b"hello"]]
+            router.send_multipart([b"dealer", b"welcome"])
+            with anyio.fail_after(5):
+                while not handled:  # the I/O task ran after the last send: the next lone one goes at once
+                    await anyio.sleep(0.005)
+            assert handled == [[b"welcome"]]
+            handled.clear()
+            chan.sent = chan.received = 0
+            yield chan, router, handled
+            tg.cancel_scope.cancel()
+    finally:
+        chan.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+def _wire_messages(sock: zmq.Socket[bytes], count: int, timeout_ms: int = 5000) -> list[list[bytes]]:
+    """``count`` ZeroMQ messages as they came (a bundle is one, with a frame per message), blocking."""
+    out = []
+    while len(out) < count:
+        assert sock.poll(timeout_ms, zmq.POLLIN), f"only {len(out)} of {count} ZeroMQ messages came"
+        out.append(sock.recv_multipart())
+    return out
+
+
+async def test_a_burst_goes_as_bundles_in_order_and_a_lone_message_at_once() -> None:
+    async with dealer_to_raw_router() as (chan, router, _):
+        chan.send([b"first"])
+        # Handed to ZeroMQ inside send(): it arrives while this task never yields to the I/O task.
+        assert _wire_messages(router, 1) == [[b"dealer", b"first"]]
+        for i in range(150):  # one loop turn: the first went at once above, so all of these queue
+            chan.send([b"m%d" % i])
+        assert chan.queued == 150
+        wire = await anyio.to_thread.run_sync(_wire_messages, router, 3)
+        assert [len(m) - 1 for m in wire] == [64, 64, 22]  # bundles of at most 64 behind the identity
+        assert [f for m in wire for f in m[1:]] == [b"m%d" % i for i in range(150)]
+        assert chan.sent == 151 and chan.bundles_sent == 3 and chan.queued == 0
+        chan.send([b"again"])  # the I/O task ran (it sent the bundles): a lone message goes at once again
+        assert _wire_messages(router, 1) == [[b"dealer", b"again"]]
+
+
+async def test_a_bundle_stays_under_its_byte_cap() -> None:
+    big = b"x" * (400 << 10)
+    async with dealer_to_raw_router() as (chan, router, _):
+        chan.send([b"lone"])
+        for _ in range(7):
+            chan.send([big])
+        chan.send([b"y" * (2 << 20)])  # larger than the cap alone: goes alone
+        wire = await anyio.to_thread.run_sync(_wire_messages, router, 6)
+        assert [len(m) - 1 for m in wire] == [1, 2, 2, 2, 1, 1]
+        assert all(sum(len(f) for f in m[1:]) <= (1 << 20) for m in wire[:-1])
+        assert wire[-1][1] == b"y" * (2 << 20)
+
+
+async def test_received_bundles_are_handed_over_one_message_at_a_time() -> None:
+    async with dealer_to_raw_router() as (_chan, router, handled):
+        router.send_multipart([b"dealer", b"a", b"b", b"c"])
+        router.send_multipart([b"dealer", b"d"])
+        with anyio.fail_after(5):
+            while len(handled) < 4:
+                await anyio.sleep(0.01)
+        assert handled == [[b"a"], [b"b"], [b"c"], [b"d"]]
+        assert _chan.received == 4
+
+
+async def test_a_router_bundles_per_peer_and_splits_what_it_receives() -> None:
+    async with router_with_two_peers(bundles=True) as (chan, stuck, healthy):
+        got: list[list[bytes]] = []
+        chan._on_frames = got.append
+        for i in range(10):  # interleaved: each peer gets its own messages, in order
+            chan.send([b"stuck", b"s%d" % i])
+            chan.send([b"healthy", b"h%d" % i])
+        for peer, name in ((stuck, b"s"), (healthy, b"h")):
+            wire = await anyio.to_thread.run_sync(_wire_messages, peer, 2)
+            assert [len(m) for m in wire] == [1, 9]
+            assert [f for m in wire for f in m] == [name + b"%d" % i for i in range(10)]
+        assert chan.bundles_sent == 2
+        stuck.send_multipart([b"p", b"q"])  # a DEALER's bundle: the ROUTER hands each with the identity
+        with anyio.fail_after(5):
+            while len(got) < 2:
+                await anyio.sleep(0.01)
+        assert got == [[b"stuck", b"p"], [b"stuck", b"q"]]
+
+
+async def test_a_message_must_be_one_payload_frame() -> None:
+    from aioembed.errors import AioembedError
+
+    async with dealer_to_raw_router() as (chan, _router, _):
+        with pytest.raises(AioembedError, match=r"a message is \[payload\], got 2 frames"):
+            chan.send([b"a", b"b"])
+    async with router_with_two_peers(bundles=True) as (rchan, _stuck, _healthy):
+        with pytest.raises(AioembedError, match=r"a message is \[identity, payload\], got 1 frames"):
+            rchan.send([b"stuck"])
+
+
+async def test_without_bundles_multipart_messages_go_and_come_whole() -> None:
+    """A monitor socket's events are two frames: such a channel neither bundles nor splits."""
+    async with router_with_two_peers() as (chan, stuck, _healthy):
+        got: list[list[bytes]] = []
+        chan._on_frames = got.append
+        for i in range(5):
+            chan.send([b"stuck", b"a%d" % i, b"b%d" % i])
+        wire = await anyio.to_thread.run_sync(_wire_messages, stuck, 5)
+        assert wire == [[b"a%d" % i, b"b%d" % i] for i in range(5)]
+        assert chan.bundles_sent == 0
+        stuck.send_multipart([b"p", b"q"])
+        with anyio.fail_after(5):
+            while not got:
+                await anyio.sleep(0.01)
+        assert got == [[b"stuck", b"p", b"q"]]

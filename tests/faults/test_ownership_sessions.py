@@ -109,7 +109,7 @@ class ScriptedSender:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind("tcp://127.0.0.1:0")
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.chan = ControlSocket(sock, self.on_frames, name="scripted-sender")
+        self.chan = ControlSocket(sock, self.on_frames, name="scripted-sender", routed=True, bundles=True)
         self.tg = tg
         self.receiver_box = receiver_box
         self.violations = violations

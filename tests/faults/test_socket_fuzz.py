@@ -145,8 +145,8 @@ async def _injecting_proxy(upstream: str) -> AsyncIterator[tuple[str, ControlSoc
         if identity:
             front_chan.send([identity[0], fr[0]])
 
-    front_chan = ControlSocket(front, from_receiver, name="proxy-front")
-    back_chan = ControlSocket(back, from_sender, name="proxy-back")
+    front_chan = ControlSocket(front, from_receiver, name="proxy-front", routed=True, bundles=True)
+    back_chan = ControlSocket(back, from_sender, name="proxy-back", bundles=True)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(front_chan.run)

@@ -9,6 +9,15 @@ before every wait, and only then waits on the FD. Other tasks send through
 to ZeroMQ at once (all tasks share one thread) and re-reads ``zmq.EVENTS``, waking the I/O task
 only if input is waiting; otherwise it queues the frame and wakes the I/O task.
 
+With ``bundles=True`` (the protocol's channels), several messages to one peer go as one ZeroMQ
+message (a *bundle*: one frame per message, behind the peer's identity for a ROUTER) when they queue
+up: a send from a task while an earlier one to that peer went straight to ZeroMQ since the I/O task
+last ran (a burst: many rooms finishing in one loop turn) is queued, and the I/O task hands the
+queue over in bundles. Each ZeroMQ message wakes ZeroMQ's I/O thread and the peer's; a bundle does
+so once. A lone message still goes at once, so a single room waits for nothing. The receiving side
+splits bundles, so the handler sees one message at a time either way. Without it (a monitor socket,
+whose events are two frames) messages go and come as they are.
+
 For a ROUTER (``routed=True``, the first frame names the peer), frames queue per peer: a peer
 at its high-water mark (``zmq.Again``) is skipped, with a short growing retry delay, while frames
 to every other peer go on. A ROUTER's ``POLLOUT`` is always set, so waiting on it would spin; the
@@ -38,6 +47,9 @@ FrameHandler = Callable[[list[bytes]], None]
 SendErrorHandler = Callable[[Sequence[bytes], zmq.ZMQError], None]
 
 _RECV_BATCH = 256
+_BUNDLE_MAX = 64
+_BUNDLE_BYTES = 1 << 20
+"""A bundle holds at most this many messages and (unless a single message is larger) bytes."""
 _RETRY_FIRST = 0.001
 _RETRY_MAX = 0.05
 
@@ -45,9 +57,11 @@ _RETRY_MAX = 0.05
 class ControlSocket:
     """Wraps a non-blocking ZeroMQ socket; :meth:`run` is its single I/O task.
 
-    ``on_frames`` is called (synchronously, on the I/O task) for every received multipart
-    message; it must not block. Exceptions it raises are logged and the loop goes on: one
-    bad frame must not take the channel down.
+    ``on_frames`` is called (synchronously, on the I/O task) for every received message; it must not
+    block. Exceptions it raises are logged and the loop goes on: one bad frame must not take the
+    channel down. With ``bundles``, a message is one payload frame, behind the peer's identity for a
+    ROUTER (``[identity, payload]`` when ``routed``, else ``[payload]``), both to :meth:`send` and to
+    ``on_frames`` (once per frame of a received bundle); the peer must bundle too.
     """
 
     def __init__(
@@ -59,16 +73,19 @@ class ControlSocket:
         on_send_error: SendErrorHandler | None = None,
         max_outbox: int = 1 << 16,
         routed: bool = False,
+        bundles: bool = False,
     ) -> None:
         self.sock = sock
         self.name = name
         self._on_frames = on_frames
         self._on_send_error = on_send_error
         self._routed = routed
+        self._bundles = bundles
         # peer (first frame for a ROUTER, b"" otherwise) -> its queued messages, in arrival order
         self._outboxes: dict[bytes, deque[Sequence[bytes]]] = {}
         self._blocked: dict[bytes, tuple[float, float]] = {}  # peer -> (retry at, current delay)
         self._queued = 0
+        self._fresh: set[bytes] = set()  # peers sent to at once since the I/O task last ran
         self._max_outbox = max_outbox
         self._wake_scope: anyio.CancelScope | None = None
         self._poked = False
@@ -77,13 +94,21 @@ class ControlSocket:
         self._drained.set()
         self.sent = 0
         self.received = 0
+        self.bundles_sent = 0
+        """ZeroMQ messages that carried more than one message."""
 
     def send(self, frames: Sequence[bytes]) -> None:
-        """Queue one multipart message for the I/O task. Never blocks."""
+        """Send one multipart message (the peer's identity first when routed) or queue it for the I/O
+        task. Never blocks."""
         if self._closed:
             raise AioembedError(f"control socket {self.name} is closed")
+        if self._bundles and len(frames) != (2 if self._routed else 1):
+            shape = "[identity, payload]" if self._routed else "[payload]"
+            raise AioembedError(f"control socket {self.name}: a message is {shape}, got {len(frames)} frames")
         peer = bytes(frames[0]) if self._routed else b""
-        if peer not in self._outboxes and self._send_now(frames):
+        if peer not in self._outboxes and peer not in self._fresh and self._send_now(frames):
+            if self._bundles:
+                self._fresh.add(peer)
             return
         outbox = self._outboxes.setdefault(peer, deque())
         if len(outbox) >= self._max_outbox:  # per peer: one peer not reading does not stop the others
@@ -98,9 +123,10 @@ class ControlSocket:
         self._poke()
 
     def _send_now(self, frames: Sequence[bytes]) -> bool:
-        """Hand ``frames`` to ZeroMQ at once when nothing is queued for their peer (the usual case): no
-        wake-up of the I/O task. A send may consume the edge of a message that already arrived, so
-        ``zmq.EVENTS`` is read again afterwards and the I/O task woken if input is waiting."""
+        """Hand ``frames`` to ZeroMQ at once when nothing is queued for their peer and nothing went to it
+        at once since the I/O task last ran (the usual case): no wake-up of the I/O task. A send may
+        consume the edge of a message that already arrived, so ``zmq.EVENTS`` is read again afterwards
+        and the I/O task woken if input is waiting."""
         try:
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
         except zmq.Again:
@@ -146,7 +172,7 @@ class ControlSocket:
                 continue
             outbox = self._outboxes[peer]
             while outbox:
-                frames = outbox[0]
+                n, frames = self._bundle(outbox)
                 try:
                     sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
                 except zmq.Again:
@@ -155,19 +181,39 @@ class ControlSocket:
                     self._blocked[peer] = (now + delay, delay)
                     break
                 except zmq.ZMQError as exc:
-                    outbox.popleft()
-                    self._queued -= 1
-                    self._send_failed(frames, exc)
+                    for _ in range(n):
+                        self._send_failed(outbox.popleft(), exc)
+                    self._queued -= n
                     continue
-                outbox.popleft()
-                self._queued -= 1
-                self.sent += 1
+                for _ in range(n):
+                    outbox.popleft()
+                self._queued -= n
+                self.sent += n
+                if n > 1:
+                    self.bundles_sent += 1
             else:
                 del self._outboxes[peer]
                 self._blocked.pop(peer, None)
         if not self._outboxes:
             self._drained.set()
         return min((at for at, _ in self._blocked.values()), default=None)
+
+    def _bundle(self, outbox: deque[Sequence[bytes]]) -> tuple[int, Sequence[bytes]]:
+        """The first messages of ``outbox`` as one ZeroMQ message: how many, and its frames."""
+        first = outbox[0]
+        if not self._bundles:
+            return 1, first
+        size = len(first[-1])
+        n = 1
+        while n < len(outbox) and n < _BUNDLE_MAX:
+            size += len(outbox[n][-1])
+            if size > _BUNDLE_BYTES:
+                break
+            n += 1
+        if n == 1:
+            return 1, first
+        payloads = [outbox[i][-1] for i in range(n)]
+        return n, [first[0], *payloads] if self._routed else payloads
 
     def receive_pending(self) -> int:
         """Hand every message already queued on the socket to the handler, now (from any task of the
@@ -185,11 +231,22 @@ class ControlSocket:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return False
-            self.received += 1
-            try:
-                self._on_frames(frames)
-            except Exception:
-                log.exception("%s: handler failed on a %d-frame message; message dropped", self.name, len(frames))
+            if not self._bundles:
+                messages = [frames]
+            elif self._routed:
+                if len(frames) < 2:
+                    log.warning("%s: dropped a message without a payload frame", self.name)
+                    continue
+                identity = frames[0]
+                messages = [[identity, payload] for payload in frames[1:]] if len(frames) > 2 else [frames]
+            else:
+                messages = [[payload] for payload in frames] if len(frames) > 1 else [frames]
+            for message in messages:
+                self.received += 1
+                try:
+                    self._on_frames(message)
+                except Exception:
+                    log.exception("%s: handler failed on a message; message dropped", self.name)
         return True
 
     async def run(self) -> None:
@@ -199,6 +256,7 @@ class ControlSocket:
         try:
             while True:
                 self._poked = False
+                self._fresh.clear()
                 retry_at = self._flush(anyio.current_time())
                 more = self._drain()
                 events = int(sock.get(zmq.EVENTS))

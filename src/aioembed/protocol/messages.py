@@ -47,8 +47,9 @@ __all__ = [
     "validate_room",
 ]
 
-PROTOCOL_VERSION = 2
-"""2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership)."""
+PROTOCOL_VERSION = 3
+"""2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership). 3: a ZeroMQ message
+may bundle several frames, one message each (:mod:`aioembed.control.channel`)."""
 MAX_FRAME_BYTES = 16 << 20
 """Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCKS_PER_MESSAGE = 1 << 20

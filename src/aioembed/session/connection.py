@@ -141,7 +141,7 @@ class SenderConnection:
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
-        self.chan = ControlSocket(sock, self._on_frames, name=self.name)
+        self.chan = ControlSocket(sock, self._on_frames, name=self.name, bundles=True)
         self.monitor = ControlSocket(mon, self._on_monitor, name=f"{self.name}:monitor")
         self._handlers: dict[type, Callable[[Any], None]] = {
             Welcome: self._on_welcome, Reject: self._on_reject, Status: self._on_room_frame,

@@ -166,7 +166,8 @@ class EmbeddingSender:
             check_backend(self._transport, torch.device("cpu"))
             self._ctx = zmq.Context()
             sock, self.address, self._auth = make_router(self._ctx, self.bind, cfg)
-            self._chan = ControlSocket(sock, self._on_frames, name=f"sender@{self.address}", routed=True)
+            self._chan = ControlSocket(sock, self._on_frames, name=f"sender@{self.address}", routed=True,
+                                       bundles=True)
             if cfg.staging_tokens:
                 await self._open_staging()
             self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
