@@ -243,3 +243,29 @@ async def test_without_bundles_multipart_messages_go_and_come_whole() -> None:
             while not got:
                 await anyio.sleep(0.01)
         assert got == [[b"stuck", b"p", b"q"]]
+
+
+async def test_once_the_io_task_stopped_a_message_goes_at_once_and_is_not_stranded() -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.ROUTING_ID, b"dealer")
+    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    chan = ControlSocket(dealer, lambda frames: None, name="test-dealer", bundles=True)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(chan.run)
+            await anyio.sleep(0.05)
+            chan.send([b"before"])  # at once; the next one to this peer would wait for the I/O task
+            tg.cancel_scope.cancel()
+        chan.send([b"after"])  # no I/O task any more (an owner closing): it must not wait for one
+        assert chan.queued == 0
+        wire = await anyio.to_thread.run_sync(_wire_messages, router, 2)
+        assert wire == [[b"dealer", b"before"], [b"dealer", b"after"]]
+    finally:
+        chan.close()
+        router.close(linger=0)
+        ctx.term()

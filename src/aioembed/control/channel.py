@@ -86,6 +86,7 @@ class ControlSocket:
         self._blocked: dict[bytes, tuple[float, float]] = {}  # peer -> (retry at, current delay)
         self._queued = 0
         self._fresh: set[bytes] = set()  # peers sent to at once since the I/O task last ran
+        self._running = False  # the I/O task runs (only then can a queued message wait for it)
         self._max_outbox = max_outbox
         self._wake_scope: anyio.CancelScope | None = None
         self._poked = False
@@ -107,7 +108,7 @@ class ControlSocket:
             raise AioembedError(f"control socket {self.name}: a message is {shape}, got {len(frames)} frames")
         peer = bytes(frames[0]) if self._routed else b""
         if peer not in self._outboxes and peer not in self._fresh and self._send_now(frames):
-            if self._bundles:
+            if self._bundles and self._running:
                 self._fresh.add(peer)
             return
         outbox = self._outboxes.setdefault(peer, deque())
@@ -253,6 +254,7 @@ class ControlSocket:
         """The I/O loop; run it in the owner's task group and cancel it to stop."""
         sock = self.sock
         fd = int(sock.get(zmq.FD))
+        self._running = True
         try:
             while True:
                 self._poked = False
@@ -273,6 +275,8 @@ class ControlSocket:
                 self._wake_scope = None
         finally:
             self._wake_scope = None
+            self._running = False  # sends from now on go at once, as before the task started
+            self._fresh.clear()
 
     async def drain(self) -> None:
         """Wait until every queued message was handed to ZeroMQ (bound it with a timeout)."""
