@@ -116,10 +116,8 @@ async def test_the_outbox_limit_is_per_peer() -> None:
 # -- bundles: a burst of messages to one peer goes as few ZeroMQ messages ----------------------------
 
 
-@asynccontextmanager
-async def dealer_to_raw_router() -> AsyncIterator[tuple[ControlSocket, zmq.Socket[bytes], list[list[bytes]]]]:
-    """A DEALER wrapped in a ControlSocket (its I/O task running), connected to a bare ROUTER."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+def _bare_router_and_dealer(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A bound ROUTER and a DEALER (routing id ``b"dealer"``) connected to it."""
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
@@ -127,6 +125,14 @@ async def dealer_to_raw_router() -> AsyncIterator[tuple[ControlSocket, zmq.Socke
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.ROUTING_ID, b"dealer")
     dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    return router, dealer
+
+
+@asynccontextmanager
+async def dealer_to_raw_router() -> AsyncIterator[tuple[ControlSocket, zmq.Socket[bytes], list[list[bytes]]]]:
+    """A DEALER wrapped in a ControlSocket (its I/O task running), connected to a bare ROUTER."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router, dealer = _bare_router_and_dealer(ctx)
     handled: list[list[bytes]] = []
     chan = ControlSocket(dealer, handled.append, name="test-dealer", bundles=True)
     try:
@@ -247,13 +253,7 @@ async def test_without_bundles_multipart_messages_go_and_come_whole() -> None:
 
 async def test_once_the_io_task_stopped_a_message_goes_at_once_and_is_not_stranded() -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind("tcp://127.0.0.1:0")
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.ROUTING_ID, b"dealer")
-    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    router, dealer = _bare_router_and_dealer(ctx)
     chan = ControlSocket(dealer, lambda frames: None, name="test-dealer", bundles=True)
     try:
         async with anyio.create_task_group() as tg:

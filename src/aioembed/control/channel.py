@@ -211,8 +211,6 @@ class ControlSocket:
             if size > _BUNDLE_BYTES:
                 break
             n += 1
-        if n == 1:
-            return 1, first
         payloads = [outbox[i][-1] for i in range(n)]
         return n, [first[0], *payloads] if self._routed else payloads
 
@@ -238,10 +236,9 @@ class ControlSocket:
                 if len(frames) < 2:
                     log.warning("%s: dropped a message without a payload frame", self.name)
                     continue
-                identity = frames[0]
-                messages = [[identity, payload] for payload in frames[1:]] if len(frames) > 2 else [frames]
+                messages = [[frames[0], payload] for payload in frames[1:]]
             else:
-                messages = [[payload] for payload in frames] if len(frames) > 1 else [frames]
+                messages = [[payload] for payload in frames]
             for message in messages:
                 self.received += 1
                 try:
