@@ -88,9 +88,13 @@ async def kill_sender_round(seed: int) -> None:
 
 async def kill_receiver_round(seed: int) -> None:
     rng = random.Random(seed)
-    doomed = _rooms("d", 30, rng)
+    # Enough doomed rooms that the victim (4 at a time) cannot finish them all while this process, slowed
+    # by a loaded CI host, is still reading its first few results (30 once were not enough); the sender
+    # takes every room at once, so those never asked for time out together after one input_timeout.
+    doomed = _rooms("d", 60, rng)
     spared = _rooms("k", 12, rng)
-    async with spawn(SideSpec(role="send", config=CONFIG, rooms=doomed + spared, concurrency=64)) as sender:
+    async with spawn(SideSpec(role="send", config=CONFIG, rooms=doomed + spared,
+                              concurrency=len(doomed) + len(spared))) as sender:
         ready = await sender.until("ready", timeout=60)
         victim = SideSpec(role="receive", config=CONFIG, rooms=doomed, connect=ready["address"], concurrency=4)
         survivor = SideSpec(role="receive", config=CONFIG, rooms=spared, connect=ready["address"], concurrency=2)
