@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 
-__all__ = ["LoopStalls", "loop_stalls"]
+__all__ = ["LoopStalls", "loop_stalls", "open_stalls"]
 
 
 class LoopStalls:
@@ -36,3 +39,30 @@ async def loop_stalls(tick: float = 0.002) -> AsyncIterator[LoopStalls]:
         out.longest = 0.0
         yield out
         tg.cancel_scope.cancel()
+
+
+async def open_stalls(transport: str, options: Mapping[str, Any]) -> dict[str, float]:
+    """Open (and close) one endpoint of ``transport`` while measuring the loop: ``{"open": seconds the
+    open took, "longest": the longest stall meanwhile}``. Meaningful in a fresh process only, where the
+    open loads the engine's native libraries (see :func:`main`)."""
+    from aioembed.transports.registry import open_transport
+
+    async with loop_stalls() as stalls:
+        t0 = time.perf_counter()
+        endpoint = await open_transport(transport, options)
+        took = time.perf_counter() - t0
+        await anyio.sleep(0.02)  # the ticker's wake-up after the open records its stall
+        await endpoint.aclose()
+    return {"open": took, "longest": stalls.longest}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m aioembed.testing.loop TRANSPORT [OPTIONS_JSON]``: :func:`open_stalls` in this (fresh)
+    process, printed as one JSON line."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    options = json.loads(args[1]) if len(args) > 1 else {}
+    print(json.dumps(anyio.run(open_stalls, args[0], options)))
+
+
+if __name__ == "__main__":
+    main()

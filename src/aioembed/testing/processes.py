@@ -118,6 +118,10 @@ async def _run_side(spec: SideSpec) -> None:
     config = TransferConfig.from_mapping(spec.config, source="spec")
     limiter = anyio.Semaphore(spec.concurrency)
     results: dict[str, int] = {"ok": 0, "failed": 0}
+    # Deriving and checking rows (tens of ms each for large rooms) runs in one worker thread: on the
+    # loop, a burst of rooms ending together held it for 0.5 s on an idle 2-core host and past the 5 s
+    # of heartbeat silence under load, and the sender failed this side's rooms as silent.
+    checker = anyio.CapacityLimiter(1)
 
     def report(room: RoomSpec, ok: bool, **extra: Any) -> None:
         results["ok" if ok else "failed"] += 1
@@ -131,10 +135,7 @@ async def _run_side(spec: SideSpec) -> None:
 
             async def send_one(room: RoomSpec) -> None:
                 async with limiter:
-                    data = deterministic_request(layout, room.tokens, room.room)
-                    if room.part is not None:
-                        data = {n: t[room.start:room.end].contiguous() for n, t in data.items()}
-                    meta = {"tokens": room.tokens, "sum": checksum(data)}
+                    data, meta = await anyio.to_thread.run_sync(_source, layout, room, limiter=checker)
                     try:
                         await sender.send(room.room, data, meta, part=room.part)
                     except AioembedError as exc:
@@ -164,7 +165,8 @@ async def _run_side(spec: SideSpec) -> None:
                     except AioembedError as exc:
                         report(room, False, error=str(exc), kind=type(exc).__name__)
                         return
-                    problem = _check_received(layout, room, got, parts)
+                    problem = await anyio.to_thread.run_sync(_check_received, layout, room, got, parts,
+                                                             limiter=checker)
                     report(room, problem is None, tokens=got.num_tokens, rounds=got.rounds, error=problem)
 
             async with anyio.create_task_group() as tg:
@@ -180,6 +182,14 @@ async def _run_side(spec: SideSpec) -> None:
                   stats=dict(results, free=st.free, total=st.total, fenced=st.fenced))
     else:
         raise SystemExit(f"unknown role {spec.role!r}")
+
+
+def _source(layout: Layout, room: RoomSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The rows a sender sends for ``room`` (its part only, if it sends one) and their metadata."""
+    data = deterministic_request(layout, room.tokens, room.room)
+    if room.part is not None:
+        data = {n: t[room.start:room.end].contiguous() for n, t in data.items()}
+    return data, {"tokens": room.tokens, "sum": checksum(data)}
 
 
 def _check_received(layout: Layout, room: RoomSpec, got: Received, parts: list[Part] | None) -> str | None:

@@ -20,6 +20,10 @@
   loaded its InfiniBand modules. On a host with no RDMA device those modules serve nothing, so the
   plugin asks UCX not to load them (``UCX_MODULES=^ib``) unless ``UCX_MODULES`` is already set
   (environment or ``ucx_options``). UCX reads it once per process, at the first backend.
+* **The GIL.** NIXL loads a backend's plugin (and the UCX it bundles: 0.4 s of library constructors)
+  inside a pybind11 call that holds the GIL, so even from the agent's worker thread the event loop
+  stood still that long. The plugin file is loaded first through a ctypes ``dlopen``, which releases
+  the GIL (:mod:`aioembed.transports.native_libraries`); NIXL's own load then finds it loaded.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aioembed.errors import ConfigError
+from aioembed.transports.native_libraries import preload_shared_libraries
 
 from aioembed_nixl._options import NixlOptions
 
@@ -157,6 +162,20 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
+def _plugin_file(backend: str) -> str | None:
+    """The file NIXL loads for ``backend``: ``plugins/libplugin_<backend>.so`` beside the ``libnixl.so`` this
+    process loaded (NIXL finds its plugins from its own location). ``None`` where that cannot be told."""
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split(None, 5)[5].strip() for line in maps if line.rstrip().endswith("/libnixl.so")}
+    except (OSError, IndexError):
+        return None
+    if len(libs) != 1:
+        return None
+    path = os.path.join(os.path.dirname(libs.pop()), "plugins", f"libplugin_{backend}.so")
+    return path if os.path.isfile(path) else None
+
+
 def create_agent(nixl: Nixl, name: str, options: NixlOptions) -> Any:
     """A ``nixl_agent`` named ``name`` with its progress thread sleeping at most ``progress_delay``,
     and the backend of ``options`` created. Blocking (UCX initialises in ~0.4 s): call it off the loop.
@@ -177,6 +196,9 @@ def create_agent(nixl: Nixl, name: str, options: NixlOptions) -> Any:
     config.captureTelemetry = False
     # UCX reads its settings when NIXL first loads the plugin (get_plugin_params already does).
     with _environment(backend_environment(options)):
+        if (plugin := _plugin_file(options.backend)) is not None:
+            for problem in preload_shared_libraries([plugin]):
+                log.debug("nixl: preloading %s (NIXL loads it itself)", problem)
         agent.agent = bindings.nixlAgent(name, config)
         plugins = list(agent.get_plugin_list())
         if options.backend not in plugins:

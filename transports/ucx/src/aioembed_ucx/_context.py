@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
+import logging
 import os
+import sys
 import threading
 from typing import Any
 
 from aioembed.errors import ConfigError, TransportError
+from aioembed.transports.native_libraries import preload_shared_libraries
 
 from aioembed_ucx._options import UcxOptions
 from aioembed_ucx._progress import install_armed_progress
 
 __all__ = ["DEFAULT_PROGRESS_MODE", "INSTALL_HINT", "ensure_context", "load_ucxx"]
+
+log = logging.getLogger("aioembed.transports.ucx")
 
 INSTALL_HINT = ("pip install 'aioembed-ucx[cu12]' (CUDA 12 wheels) or 'aioembed-ucx[cu13]' (CUDA 13); "
                 "both work on machines without a GPU")
@@ -35,10 +41,34 @@ class _State:
     pid: int | None = None
 
 
+# What the libucx wheel's loader opens, in its order (``libucx.load``); ucxx then links against them.
+_UCX_WHEEL_LIBRARIES = ("libucs.so", "libucs_signal.so", "libuct.so", "libucp.so")
+
+
+def _preload_wheel_ucx() -> None:
+    """Load the libucx wheel's libraries with the GIL released (0.4 s of UCX constructors, which the
+    wheel's own ``ctypes.CDLL`` runs holding the GIL: the event loop stood still that long at every
+    process's first ``open``, 2-3 s on a loaded host)."""
+    if os.getenv("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "false").lower() != "false":
+        return  # the wheel's loader may pick a system UCX instead: load nothing it might not
+    spec = importlib.util.find_spec("libucx")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    lib = os.path.join(next(iter(spec.submodule_search_locations)), "lib")
+    paths = [os.path.join(lib, name) for name in _UCX_WHEEL_LIBRARIES]
+    if not all(os.path.isfile(p) for p in paths):
+        return
+    for problem in preload_shared_libraries(paths):
+        log.debug("ucx: preloading %s (ucxx's import loads it itself)", problem)
+
+
 def load_ucxx() -> Any:
-    """Import ucxx, or raise a ``ConfigError`` that names the pip extra to install."""
+    """Import ucxx, or raise a ``ConfigError`` that names the pip extra to install. The first call loads
+    UCX's native libraries (~0.7 s): make it from a worker thread, the GIL is released meanwhile."""
     # UCX warns about variables that ucxx sets for CUDA builds and UCX 1.21 ignores.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if "ucxx" not in sys.modules:
+        _preload_wheel_ucx()
     try:
         ucxx = importlib.import_module("ucxx")  # untyped; imported lazily on purpose
     except ImportError as exc:

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
+import anyio.to_thread
 import msgpack
 import sniffio
 from aioembed.errors import ConfigError, TransportError
@@ -46,7 +47,7 @@ from aioembed.transports.base import (
 )
 
 from aioembed_ucx import _wire as w
-from aioembed_ucx._context import ensure_context
+from aioembed_ucx._context import ensure_context, load_ucxx
 from aioembed_ucx._options import UcxOptions
 from aioembed_ucx._progress import tag_recv, tag_send
 
@@ -215,6 +216,7 @@ class UcxTransport(Transport):
                 "or choose another transport"
             )
         opts = UcxOptions.parse(options)
+        await anyio.to_thread.run_sync(load_ucxx)  # off the loop: the first import loads UCX (~0.7 s)
         ucxx = ensure_context(opts)
         host = opts.host
         try:
