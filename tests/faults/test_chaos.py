@@ -88,15 +88,16 @@ async def kill_sender_round(seed: int) -> None:
 
 async def kill_receiver_round(seed: int) -> None:
     rng = random.Random(seed)
-    # Enough doomed rooms that the victim (4 at a time) cannot finish them all while this process, slowed
-    # by a loaded CI host, is still reading its first few results (30 once were not enough); the sender
-    # takes every room at once, so those never asked for time out together after one input_timeout.
+    # Enough doomed rooms, taken one at a time, that the victim cannot finish them all while this process,
+    # slowed by a loaded CI host, is still reading its first few results (30 at 4 at a time once were not
+    # enough, nor 60 at 4 at a time once the sides checked rows off their loop); the sender takes every
+    # room at once, so those never asked for time out together after one input_timeout.
     doomed = _rooms("d", 60, rng)
     spared = _rooms("k", 12, rng)
     async with spawn(SideSpec(role="send", config=CONFIG, rooms=doomed + spared,
                               concurrency=len(doomed) + len(spared))) as sender:
         ready = await sender.until("ready", timeout=60)
-        victim = SideSpec(role="receive", config=CONFIG, rooms=doomed, connect=ready["address"], concurrency=4)
+        victim = SideSpec(role="receive", config=CONFIG, rooms=doomed, connect=ready["address"], concurrency=1)
         survivor = SideSpec(role="receive", config=CONFIG, rooms=spared, connect=ready["address"], concurrency=2)
         async with spawn(victim) as v, spawn(survivor) as s:
             await v.until("ready", timeout=60)

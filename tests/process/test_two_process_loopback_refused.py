@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
-from aioembed.testing.processes import RoomSpec, SideSpec, spawn
+from aioembed.testing.processes import RoomSpec, SideSpec, side_logs, spawn
 
 pytestmark = pytest.mark.anyio
 
@@ -22,5 +23,10 @@ async def test_loopback_across_processes_is_refused_with_a_clear_error() -> None
         async with spawn(spec) as receiver:
             with pytest.raises(EOFError):
                 await receiver.until("ready", timeout=30)
-        # the receiver failed its handshake: the sender refused the loopback descriptor
-        assert receiver.process.returncode not in (0, None)
+            # the receiver failed its handshake: the sender refused the loopback descriptor
+            with anyio.fail_after(30):
+                assert await receiver.process.wait() != 0
+            # and its stderr, kept for the test, says so (with the side's name)
+            logs = side_logs(receiver)
+            assert logs.startswith(f"--- receive[0] (pid {receiver.pid}) stderr:"), logs
+            assert "loopback" in receiver.stderr_tail(), logs

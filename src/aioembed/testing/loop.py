@@ -60,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m aioembed.testing.loop TRANSPORT [OPTIONS_JSON]``: :func:`open_stalls` in this (fresh)
     process, printed as one JSON line."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if not 1 <= len(args) <= 2:
+        raise SystemExit("usage: python -m aioembed.testing.loop TRANSPORT [OPTIONS_JSON]")
     options = json.loads(args[1]) if len(args) > 1 else {}
     print(json.dumps(anyio.run(open_stalls, args[0], options)))
 

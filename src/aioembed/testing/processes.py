@@ -16,10 +16,12 @@ Run as ``python -m aioembed.testing.processes send|receive --spec JSON``; from a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
-import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -43,6 +45,7 @@ __all__ = [
     "SideSpec",
     "checksum",
     "deterministic_request",
+    "side_logs",
     "spawn",
     "standard_layout",
 ]
@@ -211,10 +214,23 @@ def _check_received(layout: Layout, room: RoomSpec, got: Received, parts: list[P
 class ProcessSide:
     """A running side process; read its JSON events with :meth:`next_event`."""
 
-    def __init__(self, process: anyio.abc.Process) -> None:
+    def __init__(self, process: anyio.abc.Process, stderr_path: str | None = None, name: str = "side") -> None:
         self.process = process
+        self.name = name
         self.events: list[dict[str, Any]] = []
         self._buffer = b""
+        self._stderr_path = stderr_path
+
+    def stderr_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines the process wrote to stderr (its warnings, with times), for a failing
+        test's message: what the side saw is otherwise lost with the process."""
+        if self._stderr_path is None:
+            return "(stderr not captured)"
+        try:
+            with open(self._stderr_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError as exc:
+            return f"(stderr unreadable: {exc})"
 
     @property
     def pid(self) -> int:
@@ -258,6 +274,11 @@ class ProcessSide:
         self.process.kill()
 
 
+def side_logs(*sides: ProcessSide, lines: int = 30) -> str:
+    """The stderr tails of ``sides``, each under its name: for the message of a failing assertion."""
+    return "\n".join(f"--- {side.name} (pid {side.pid}) stderr:\n{side.stderr_tail(lines)}" for side in sides)
+
+
 @asynccontextmanager
 async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
     """Start a side in a new Python process; killed on exit if still running."""
@@ -265,22 +286,26 @@ async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
     env.update(spec.env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     cmd: Sequence[str] = [sys.executable, "-m", "aioembed.testing.processes", "--spec", spec.to_json()]
-    process = await anyio.open_process(cmd, env=env, stderr=subprocess.DEVNULL if not spec.env.get(
-        "AIOEMBED_TEST_STDERR") else None)
-    side = ProcessSide(process)
-    try:
-        yield side
-    finally:
-        with anyio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.kill()
-            # Bounded: a child that is already reaped (or a lost SIGCHLD) must not hang the test run.
-            with anyio.move_on_after(10) as scope:
-                await process.wait()
-                await process.aclose()
-            if scope.cancelled_caught:
-                warnings.warn(f"side process {process.pid} did not report its exit within 10 s after kill",
-                              RuntimeWarning, stacklevel=2)
+    passthrough = bool(spec.env.get("AIOEMBED_TEST_STDERR"))
+    with contextlib.ExitStack() as files:
+        err: Any = None
+        if not passthrough:
+            err = files.enter_context(tempfile.NamedTemporaryFile(prefix="aioembed-side-", suffix=".stderr"))
+        process = await anyio.open_process(cmd, env=env, stderr=err)
+        side = ProcessSide(process, None if err is None else err.name, name=f"{spec.role}[{spec.rank}]")
+        try:
+            yield side
+        finally:
+            with anyio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.kill()
+                # Bounded: a child that is already reaped (or a lost SIGCHLD) must not hang the test run.
+                with anyio.move_on_after(10) as scope:
+                    await process.wait()
+                    await process.aclose()
+                if scope.cancelled_caught:
+                    warnings.warn(f"side process {process.pid} did not report its exit within 10 s after kill",
+                                  RuntimeWarning, stacklevel=2)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -289,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--spec", required=True, help="SideSpec as JSON")
     args = parser.parse_args(argv)
     spec = SideSpec.from_json(args.spec)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s {spec.role}[{spec.rank}] %(name)s %(levelname)s %(message)s")
     if spec.backend not in ("asyncio", "trio"):
         raise SystemExit(f"backend={spec.backend!r}: expected 'asyncio' or 'trio'")
     anyio.run(_run_side, spec, backend=spec.backend)

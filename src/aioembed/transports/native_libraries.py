@@ -16,8 +16,8 @@ from typing import Any
 
 __all__ = ["preload_shared_libraries"]
 
-_handles: list[int] = []
-"""Never closed: the engine's own ``dlopen`` of the same files shares these."""
+_handles: dict[str, int] = {}
+"""Path -> handle, never closed: the engine's own ``dlopen`` of the same files shares these."""
 
 
 def _dlopen() -> tuple[Any, Any]:
@@ -38,9 +38,11 @@ def preload_shared_libraries(paths: Sequence[str]) -> list[str]:
         return [f"no dlopen reachable through ctypes: {exc}"]
     problems = []
     for path in paths:
+        if path in _handles:
+            continue
         handle = dlopen(os.fsencode(path), os.RTLD_NOW | os.RTLD_LOCAL)
         if handle:
-            _handles.append(handle)
+            _handles[path] = handle
         else:
             why = dlerror()
             problems.append(f"{path}: {why.decode(errors='replace') if why else 'dlopen failed'}")

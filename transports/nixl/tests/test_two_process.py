@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
-from aioembed.testing.processes import ProcessSide, RoomSpec, SideSpec, spawn
+from aioembed.testing.processes import ProcessSide, RoomSpec, SideSpec, side_logs, spawn
 
 from .conftest import NIXL_TCP_OPTIONS
 
@@ -55,7 +55,7 @@ async def test_concurrent_rooms_several_ranks_two_processes_bit_for_bit() -> Non
         for rank, r in enumerate(receivers):
             results = await r.rooms(ROOMS, timeout=120)
             bad = [ev for ev in results if not ev["ok"]]
-            assert not bad, f"rank {rank}: {bad[:3]}"
+            assert not bad, f"rank {rank}: {bad[:3]}\n{side_logs(sender, *receivers)}"
             assert {ev["room"] for ev in results} == {s.room for s in rooms}
             assert all(ev["tokens"] == TOKENS and ev["rounds"] == 3 for ev in results)
             done = await r.until("done", timeout=30)
