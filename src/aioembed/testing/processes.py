@@ -122,8 +122,8 @@ async def _run_side(spec: SideSpec) -> None:
     limiter = anyio.Semaphore(spec.concurrency)
     results: dict[str, int] = {"ok": 0, "failed": 0}
     # Deriving and checking rows (tens of ms each for large rooms) runs in one worker thread: on the
-    # loop, a burst of rooms ending together held it for 0.5 s on an idle 2-core host and past the 5 s
-    # of heartbeat silence under load, and the sender failed this side's rooms as silent.
+    # loop, a burst of rooms ending together held it for 0.5 s on an idle 2-core host (longer under
+    # load), and the side's heartbeats waited that long.
     checker = anyio.CapacityLimiter(1)
 
     def report(room: RoomSpec, ok: bool, **extra: Any) -> None:
