@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import logging
 import os
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -45,6 +47,7 @@ __all__ = [
     "SideSpec",
     "checksum",
     "deterministic_request",
+    "loop_stops",
     "side_logs",
     "spawn",
     "standard_layout",
@@ -111,12 +114,37 @@ def _emit(**event: Any) -> None:
     sys.stdout.flush()
 
 
+LOOP_WATCHDOG_SECONDS = 3.0
+"""A side whose event loop stops this long writes every thread's stack to its stderr (kept for the test)."""
+
+
 async def _run_side(spec: SideSpec) -> None:
+    """The side's role, watched: :func:`faulthandler.dump_traceback_later` runs in a thread of its own that
+    needs neither the loop nor the GIL, so a loop stopped by a native call holding the GIL is caught too
+    (a receiver rank of a UCX test fell silent past 5 s that way, cause unknown)."""
+
+    async def rearm() -> None:
+        while True:
+            faulthandler.dump_traceback_later(LOOP_WATCHDOG_SECONDS, file=sys.stderr)
+            await anyio.sleep(1.0)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rearm)
+            await _run_role(spec)
+            tg.cancel_scope.cancel()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+async def _run_role(spec: SideSpec) -> None:
     from aioembed.session.receiver import EmbeddingReceiver
     from aioembed.session.sender import EmbeddingSender
 
     # A slow start-up on purpose (e.g. torch + CUDA + a native engine take 5-6 s on a GPU host).
     await anyio.sleep(float(os.environ.get("AIOEMBED_TEST_START_DELAY", "0")))
+    # A loop blocked on purpose (a long synchronous call), for the watchdog's own test.
+    time.sleep(float(os.environ.get("AIOEMBED_TEST_BLOCK_LOOP", "0")))  # noqa: ASYNC251 (on purpose)
     layout = standard_layout(spec.hidden)
     config = TransferConfig.from_mapping(spec.config, source="spec")
     limiter = anyio.Semaphore(spec.concurrency)
@@ -277,6 +305,13 @@ class ProcessSide:
 def side_logs(*sides: ProcessSide, lines: int = 30) -> str:
     """The stderr tails of ``sides``, each under its name: for the message of a failing assertion."""
     return "\n".join(f"--- {side.name} (pid {side.pid}) stderr:\n{side.stderr_tail(lines)}" for side in sides)
+
+
+def loop_stops(*sides: ProcessSide) -> str:
+    """The stderr of each side whose event loop stopped for :data:`LOOP_WATCHDOG_SECONDS` or more (its
+    threads' stacks, from the watchdog); empty if none did. For a passing test to report as a warning."""
+    stopped = [side for side in sides if "Timeout (" in side.stderr_tail(400)]
+    return side_logs(*stopped, lines=400) if stopped else ""
 
 
 @asynccontextmanager
