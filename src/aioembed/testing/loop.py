@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -11,7 +12,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["LoopStalls", "loop_stalls", "open_stalls"]
+__all__ = ["LoopStalls", "check_first_open_leaves_the_loop_running", "loop_stalls", "open_stalls"]
 
 
 class LoopStalls:
@@ -54,6 +55,17 @@ async def open_stalls(transport: str, options: Mapping[str, Any]) -> dict[str, f
         await anyio.sleep(0.02)  # the ticker's wake-up after the open records its stall
         await endpoint.aclose()
     return {"open": took, "longest": stalls.longest}
+
+
+def check_first_open_leaves_the_loop_running(transport: str, options: Mapping[str, Any]) -> None:
+    """For a plugin's tests: open ``transport`` in a fresh process (where its engine's native libraries
+    load) and assert that the loop stalled for less than a third of the open (a load that holds the GIL
+    stalls it for all of it)."""
+    run = subprocess.run([sys.executable, "-m", "aioembed.testing.loop", transport, json.dumps(dict(options))],
+                         capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["open"] > 0.1, f"the open loaded nothing slow in this fresh process, so it shows nothing: {got}"
+    assert got["longest"] < got["open"] / 3, got
 
 
 def main(argv: Sequence[str] | None = None) -> None:

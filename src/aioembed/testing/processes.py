@@ -302,16 +302,20 @@ class ProcessSide:
         self.process.kill()
 
 
+def _titled(side: ProcessSide, tail: str) -> str:
+    return f"--- {side.name} (pid {side.pid}) stderr:\n{tail}"
+
+
 def side_logs(*sides: ProcessSide, lines: int = 30) -> str:
     """The stderr tails of ``sides``, each under its name: for the message of a failing assertion."""
-    return "\n".join(f"--- {side.name} (pid {side.pid}) stderr:\n{side.stderr_tail(lines)}" for side in sides)
+    return "\n".join(_titled(side, side.stderr_tail(lines)) for side in sides)
 
 
 def loop_stops(*sides: ProcessSide) -> str:
     """The stderr of each side whose event loop stopped for :data:`LOOP_WATCHDOG_SECONDS` or more (its
     threads' stacks, from the watchdog); empty if none did. For a passing test to report as a warning."""
-    stopped = [side for side in sides if "Timeout (" in side.stderr_tail(400)]
-    return side_logs(*stopped, lines=400) if stopped else ""
+    tails = ((side, side.stderr_tail(400)) for side in sides)
+    return "\n".join(_titled(side, tail) for side, tail in tails if "Timeout (" in tail)
 
 
 @asynccontextmanager
@@ -322,10 +326,8 @@ async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     cmd: Sequence[str] = [sys.executable, "-m", "aioembed.testing.processes", "--spec", spec.to_json()]
     passthrough = bool(spec.env.get("AIOEMBED_TEST_STDERR"))
-    with contextlib.ExitStack() as files:
-        err: Any = None
-        if not passthrough:
-            err = files.enter_context(tempfile.NamedTemporaryFile(prefix="aioembed-side-", suffix=".stderr"))
+    with (contextlib.nullcontext() if passthrough
+          else tempfile.NamedTemporaryFile(prefix="aioembed-side-", suffix=".stderr")) as err:
         process = await anyio.open_process(cmd, env=env, stderr=err)
         side = ProcessSide(process, None if err is None else err.name, name=f"{spec.role}[{spec.rank}]")
         try:

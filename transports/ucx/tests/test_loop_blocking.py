@@ -4,16 +4,10 @@ loop stood still for the whole load: 0.45 s of a 0.47 s open on an idle host, 2-
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from aioembed.testing.loop import check_first_open_leaves_the_loop_running
 
 from .conftest import UCX_OPTIONS
 
 
 def test_the_first_open_in_a_process_leaves_the_loop_running() -> None:
-    run = subprocess.run([sys.executable, "-m", "aioembed.testing.loop", "ucx", json.dumps(UCX_OPTIONS)],
-                         capture_output=True, text=True, timeout=120, check=True)
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["open"] > 0.1, f"the open loaded nothing slow in this fresh process, so it shows nothing: {got}"
-    assert got["longest"] < got["open"] / 3, got
+    check_first_open_leaves_the_loop_running("ucx", UCX_OPTIONS)
