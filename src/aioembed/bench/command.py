@@ -246,9 +246,10 @@ def run(args: argparse.Namespace) -> int:
     if opts.process_model == "two":
         process_note = (
             "process model 'two': sender here, receiver (EmbeddingReceiver) in a child process "
-            "(python -m aioembed.bench.peer), started per workload; a transfer is timed from just before the "
-            "receive command goes to the child until send() here has returned and the child has the rows "
-            "(time.monotonic in both processes); workloads idle and memory still run both sides in one process"
+            "(python -m aioembed.bench.peer), started per workload; a transfer is timed from the first of the "
+            "calls send() here and receive() in the child until send() has returned and the child has the rows "
+            "(time.monotonic in both processes; the command's trip through the pipe to the child is not "
+            "counted); workloads idle and memory still run both sides in one process"
         )
     else:
         process_note = ("process model 'one': sender and receiver run in this process"

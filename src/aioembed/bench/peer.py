@@ -109,12 +109,13 @@ async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cm
 
 async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any]) -> None:
     cid = cmd["id"]
+    t0 = time.monotonic()  # the receive() call: a transfer starts at the first of it and send()
     try:
         t, rounds = await _receive(receiver, checker, cmd["room"], cmd)
     except Exception as exc:
         _emit(event="done", id=cid, error=f"{type(exc).__name__}: {exc}")
         return
-    _emit(event="done", id=cid, t=t, rounds=rounds)
+    _emit(event="done", id=cid, t0=t0, t=t, rounds=rounds)
 
 
 async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any]) -> None:
@@ -146,6 +147,7 @@ async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str,
 async def _stream(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
     cid = cmd["id"]
     chunks, t_first = 0, 0.0
+    t0 = time.monotonic()
     try:
         async with receiver.stream(cmd["room"], expected_tokens=cmd.get("expected"), sender=cmd.get("sender"),
                                    chunk_tokens=cmd.get("chunk_tokens")) as parts:
@@ -157,7 +159,7 @@ async def _stream(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
     except Exception as exc:
         _emit(event="done", id=cid, error=f"{type(exc).__name__}: {exc}")
         return
-    _emit(event="done", id=cid, t=t, t_first=t_first, chunks=chunks)
+    _emit(event="done", id=cid, t0=t0, t=t, t_first=t_first, chunks=chunks)
 
 
 async def _run(spec: dict[str, Any]) -> None:

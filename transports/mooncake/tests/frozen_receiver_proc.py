@@ -21,8 +21,11 @@ from aioembed.samples import deterministic_request, standard_layout
 LAYOUT = standard_layout(256)
 CONFIG = TransferConfig(
     transport="mooncake", transport_options={"protocol": "tcp", "hostname": "127.0.0.1"},
-    default_tokens=1024, pool_tokens=32768, resume_reserve_tokens=0, heartbeat_interval=0.2,
-    heartbeat_misses=3, handshake_timeout=5.0, input_timeout=60.0, round_timeout=60.0,
+    default_tokens=1024, pool_tokens=32768, resume_reserve_tokens=0,
+    # Declared dead after 2 s of silence: the frozen process is, and once resumed it must not be again.
+    # (With 0.6 s, a resumed receiver catching up on a loaded host was declared silent a second time, and
+    # room B's blocks were fenced and drained with A's.)
+    heartbeat_interval=0.25, heartbeat_misses=8, handshake_timeout=5.0, input_timeout=60.0, round_timeout=60.0,
     # One write for A's whole round, so the whole round lands late. (Chunked, the sender would post no
     # chunk after the room failed, and only the chunks already in flight would land.)
     copy_chunk_tokens=0,

@@ -69,7 +69,7 @@ async def test_frozen_receiver_resumed_after_being_declared_dead() -> None:
                     t0 = time.monotonic()
                     while sender.peers:  # declared dead while frozen, its write still in flight
                         await anyio.sleep(0.02)
-                    assert time.monotonic() - t0 < 5 and sender.writes_in_flight == 1
+                    assert time.monotonic() - t0 < 10 and sender.writes_in_flight == 1
                     os.kill(proc.pid, signal.SIGCONT)
                     tg.start_soon(send, "B", B_TOKENS)
                     a_ended = await event()
