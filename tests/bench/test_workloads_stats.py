@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from aioembed.bench.measure import transfer_start, transfer_time
 from aioembed.bench.stats import mbps, quantile, ratio, summarize
 from aioembed.bench.workloads import (
     IMAGE_TOKENS,
@@ -133,12 +134,11 @@ def test_mbps_and_ratio() -> None:
 
 
 def test_a_two_process_transfer_is_timed_from_the_first_call_to_both_ends() -> None:
-    from aioembed.bench.measure import transfer_time
-
     # The child's receive() began 0.4 s after send() (the command's trip through the pipe): not aioembed's.
     assert math.isclose(transfer_time([10.0, 12.0], {"t0": 10.4, "t": 12.5}), 2.5)
     # receive() first (the receiver waited for input), send() returning last.
     assert math.isclose(transfer_time([10.3, 13.0], {"t0": 10.0, "t": 12.9}), 3.0)
+    assert transfer_start([10.3, 13.0], {"t0": 10.0, "t": 12.9}) == 10.0
     # a missing start from the child is an error, not a silent zero
     with pytest.raises(KeyError):
         transfer_time([1.0, 2.0], {"t": 2.0})

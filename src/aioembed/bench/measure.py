@@ -512,18 +512,24 @@ class _RemotePair(_Pair):
         sending, sent = self._sending(room, data)
         ev = await self._ask({"op": "stream", "room": room, "expected": expected, "chunk_tokens": chunk_tokens},
                              sending)
-        t0 = min(sent[0], float(ev["t0"]))
-        return float(ev["t_first"]) - t0, max(sent[1], float(ev["t"])) - t0, int(ev["chunks"])
+        t0 = transfer_start(sent, ev)
+        return float(ev["t_first"]) - t0, transfer_time(sent, ev), int(ev["chunks"])
 
     async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                     via: int = 0) -> tuple[float, int]:
         return await self._transfer(room, data, expected, True, via)
 
 
+def transfer_start(sent: Sequence[float], answer: Mapping[str, Any]) -> float:
+    """When a two-process transfer began: the first of ``send()`` here (``sent[0]``) and the child's
+    ``receive()`` (its answer's ``t0``) being called."""
+    return min(sent[0], float(answer["t0"]))
+
+
 def transfer_time(sent: Sequence[float], answer: Mapping[str, Any]) -> float:
-    """One transfer's time: from the first of ``send()`` (``sent[0]``) and the child's ``receive()`` (its
-    ``t0``) being called until both are done (``sent[1]``, its ``t``)."""
-    return max(sent[1], float(answer["t"])) - min(sent[0], float(answer["t0"]))
+    """One transfer's time: from :func:`transfer_start` until both calls are done (``sent[1]``, the
+    answer's ``t``)."""
+    return max(sent[1], float(answer["t"])) - transfer_start(sent, answer)
 
 
 def _series_times(starts: Sequence[float], ends: Sequence[float], send_starts: Sequence[float],
