@@ -434,14 +434,13 @@ class _RemotePair(_Pair):
 
     async def _transfer(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                         lease: bool, via: int) -> tuple[float, int]:
-        sending, sent = self._sending(room, data, via)
-        ev = await self._ask({"op": "recv", "room": room, "expected": expected, "lease": lease}, sending, via)
+        sent, ev = await self._send_beside(room, data, {"op": "recv", "expected": expected, "lease": lease}, via)
         return transfer_time(sent, ev), int(ev.get("rounds") or 0)
 
-    def _sending(self, room: str, data: Mapping[str, torch.Tensor],
-                 via: int = 0) -> tuple[Callable[[], Coroutine[Any, Any, None]], list[float]]:
-        """A task sending ``data`` through sender ``via``, and the list it fills with that ``send()``'s
-        start and end (``time.monotonic``)."""
+    async def _send_beside(self, room: str, data: Mapping[str, torch.Tensor], cmd: dict[str, Any],
+                           via: int = 0) -> tuple[list[float], dict[str, Any]]:
+        """Send ``data`` as ``room`` through sender ``via`` while the child runs ``cmd`` for that room: the
+        ``send()``'s start and end (``time.monotonic``), and the child's answer."""
         sent = [0.0, 0.0]
         sender = self.senders[via]
 
@@ -450,7 +449,7 @@ class _RemotePair(_Pair):
             await sender.send(room, data)
             sent[1] = time.monotonic()
 
-        return sending, sent
+        return sent, await self._ask(dict(cmd, room=room), sending, via)
 
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                    via: int = 0) -> tuple[float, int]:
@@ -479,10 +478,9 @@ class _RemotePair(_Pair):
 
     async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
                   check: list[int] | None) -> tuple[float, int]:
-        sending, sent = self._sending(room, data)
         n = next(iter(data.values())).shape[0]
-        ev = await self._ask({"op": "recv", "room": room, "expected": expected, "mode": mode, "check": check,
-                              "out_tokens": n}, sending)
+        sent, ev = await self._send_beside(room, data, {"op": "recv", "expected": expected, "mode": mode,
+                                                        "check": check, "out_tokens": n})
         return transfer_time(sent, ev), int(ev.get("rounds") or 0)
 
     async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
@@ -509,9 +507,8 @@ class _RemotePair(_Pair):
 
     async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                      chunk_tokens: int) -> tuple[float, float, int]:
-        sending, sent = self._sending(room, data)
-        ev = await self._ask({"op": "stream", "room": room, "expected": expected, "chunk_tokens": chunk_tokens},
-                             sending)
+        sent, ev = await self._send_beside(room, data, {"op": "stream", "expected": expected,
+                                                        "chunk_tokens": chunk_tokens})
         t0 = transfer_start(sent, ev)
         return float(ev["t_first"]) - t0, transfer_time(sent, ev), int(ev["chunks"])
 

@@ -249,14 +249,14 @@ class ProcessSide:
         self._buffer = b""
         self._stderr_path = stderr_path
 
-    def stderr_tail(self, lines: int = 30) -> str:
-        """The last ``lines`` lines the process wrote to stderr (its warnings, with times), for a failing
-        test's message: what the side saw is otherwise lost with the process."""
+    def stderr_tail(self, lines: int | None = 30) -> str:
+        """The last ``lines`` lines (``None``: all) the process wrote to stderr (its warnings, with times),
+        for a failing test's message: what the side saw is otherwise lost with the process."""
         if self._stderr_path is None:
             return "(stderr not captured)"
         try:
             with open(self._stderr_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
+                return "".join(f.readlines()[-lines:] if lines is not None else f.readlines())
         except OSError as exc:
             return f"(stderr unreadable: {exc})"
 
@@ -314,7 +314,7 @@ def side_logs(*sides: ProcessSide, lines: int = 30) -> str:
 def loop_stops(*sides: ProcessSide) -> str:
     """The stderr of each side whose event loop stopped for :data:`LOOP_WATCHDOG_SECONDS` or more (its
     threads' stacks, from the watchdog); empty if none did. For a passing test to report as a warning."""
-    tails = ((side, side.stderr_tail(400)) for side in sides)
+    tails = ((side, side.stderr_tail(None)) for side in sides)  # all of it: a dump may precede many lines
     return "\n".join(_titled(side, tail) for side, tail in tails if "Timeout (" in tail)
 
 
