@@ -73,6 +73,10 @@ class TransferConfig:
     tokens (rounded up to whole blocks), and the receiver copies each chunk out while the next ones are
     still being written, so the copy overlaps the transfer instead of following it; 0: copy each round
     once it has landed."""
+    output_cache_bytes: int = 256 << 20
+    """Receiver: memory of ``receive()`` outputs the caller has dropped, kept (up to this many bytes)
+    for the next outputs, which then skip the page faults of new memory. Only fields of at least 8 MiB
+    are kept; 0: none."""
     max_senders: int = 64
     """Most senders one receiver keeps a connection to (idle ones are closed to make room)."""
     sender_idle_timeout: float = 300.0
@@ -117,6 +121,7 @@ class TransferConfig:
             _check_int("max_round_tokens", self.max_round_tokens, 1, _MAX_INT)
         _check_int("stream_chunk_tokens", self.stream_chunk_tokens, 0, _MAX_INT)
         _check_int("copy_chunk_tokens", self.copy_chunk_tokens, 0, _MAX_INT)
+        _check_int("output_cache_bytes", self.output_cache_bytes, 0, _MAX_INT)
         _check_int("staging_tokens", self.staging_tokens, 0, _MAX_INT)
         _check_int("staging_max_tokens", self.staging_max_tokens, 1, _MAX_INT)
         for name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeout",

@@ -90,6 +90,8 @@ class PrometheusMetrics(TransferObserver):
                                   namespace=namespace, registry=reg)
         self.fenced = prom.Gauge("fenced_blocks", "Blocks a peer may still write, kept from reuse", ["rank"],
                                  namespace=namespace, registry=reg)
+        self.output_cache = prom.Gauge("output_cache_bytes", "Memory of dropped receive() outputs a receiver "
+                                       "keeps for the next ones", ["rank"], namespace=namespace, registry=reg)
         self.rooms = prom.Gauge("rooms_in_flight", "Rooms in flight", ["side"], namespace=namespace,
                                 registry=reg)
         self.peers = prom.Gauge("peers_alive", "Receivers connected to a sender", namespace=namespace,
@@ -130,6 +132,7 @@ class PrometheusMetrics(TransferObserver):
         self.free_blocks.labels(rank=rank).set_function(lambda: receiver.allocator.stats.free)
         self.waiters.labels(rank=rank).set_function(lambda: receiver.allocator.stats.waiters)
         self.fenced.labels(rank=rank).set_function(lambda: receiver.allocator.stats.fenced)
+        self.output_cache.labels(rank=rank).set_function(lambda: receiver.outputs.stats.idle_bytes)
         self.rooms.labels(side="receiver").set_function(lambda: receiver.rooms_in_flight)
 
     def watch_sender(self, sender: EmbeddingSender) -> None:

@@ -10,7 +10,7 @@ import anyio
 import pytest
 import torch
 
-from aioembed import Field, Layout, TransferConfig, TransferStatus
+from aioembed import Field, Layout, Received, TransferConfig, TransferStatus
 from aioembed.memory.output import HUGE_PAGE_BYTES
 
 from .conftest import assert_pools_free, assert_same, make_request, running
@@ -239,3 +239,37 @@ async def test_a_large_copied_receive_lands_bit_for_bit_in_a_huge_page_output() 
         if sys.platform == "linux":
             assert got.tensors["embeddings"].data_ptr() % HUGE_PAGE_BYTES == 0
         assert_pools_free(sender, receiver)
+
+
+async def test_fresh_outputs_reuse_the_memory_of_dropped_ones_never_of_held_ones() -> None:
+    """``receive()``'s large fields come from the receiver's output cache: a dropped result's memory
+    makes the next output (no page faults), while a result still held keeps its rows."""
+    wide = Layout(embeddings=Field((4096,), torch.bfloat16), token_ids=Field((), torch.int32))
+    cfg = TransferConfig(default_tokens=2048, pool_tokens=4096, copy_chunk_tokens=512)
+
+    async with running(cfg, layout=wide) as (sender, [receiver]):
+
+        async def one(room: str, src: dict[str, torch.Tensor]) -> Received:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, room, src)
+                return await receiver.receive(room)
+
+        first_src, second_src, third_src = (make_request(1500, seed=s, layout=wide) for s in (1, 2, 3))
+        first = await one("a", first_src)
+        assert_same(first.tensors, first_src)
+        ptr = first.tensors["embeddings"].data_ptr()
+        held = await one("b", second_src)  # first is held: its rows stay
+        assert held.tensors["embeddings"].data_ptr() != ptr
+        assert_same(first.tensors, first_src)
+        assert_same(held.tensors, second_src)
+        del first
+        third = await one("c", third_src)
+        assert third.tensors["embeddings"].data_ptr() == ptr
+        assert_same(third.tensors, third_src)
+        assert_same(held.tensors, second_src)
+        stats = receiver.outputs.stats
+        assert (stats.hits, stats.misses, stats.lent) == (1, 2, 2)
+        del third, held
+        assert receiver.outputs.stats.lent == 0
+        assert_pools_free(sender, receiver)
+    assert receiver.outputs.stats.idle_bytes == 0  # closing the receiver freed them

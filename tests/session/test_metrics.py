@@ -5,8 +5,9 @@ from __future__ import annotations
 import anyio
 import prometheus_client
 import pytest
+import torch
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferTimeout
+from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig, TransferTimeout
 from aioembed.metrics import PrometheusMetrics, TransferObserver
 
 from .conftest import LAYOUT, assert_same, make_request
@@ -71,3 +72,24 @@ async def test_prometheus_exporter() -> None:
         assert value("aioembed_allocator_waiters", {"rank": "0"}) == 0
         assert value("aioembed_peers_alive") == 1
         assert "aioembed_fenced_blocks" in text
+
+
+async def test_prometheus_gauge_of_the_output_cache() -> None:
+    """The memory of a dropped large output, kept for the next ``receive()``, shows in the gauge."""
+    wide = Layout(embeddings=Field((4096,), torch.bfloat16), token_ids=Field((), torch.int32))
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    cfg = TransferConfig(default_tokens=2048, pool_tokens=4096)
+    async with EmbeddingSender(wide, cfg) as sender, \
+            EmbeddingReceiver(wide, cfg, connect=sender.address) as receiver:
+        metrics.watch_receiver(receiver)
+        src = make_request(1500, 3, layout=wide)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "w", src)
+            got = await receiver.receive("w")
+        assert_same(got.tensors, src)
+        assert registry.get_sample_value("aioembed_output_cache_bytes", {"rank": "0"}) == 0
+        del got
+        kept = receiver.outputs.stats.idle_bytes
+        assert kept >= 1500 * wide["embeddings"].row_bytes
+        assert registry.get_sample_value("aioembed_output_cache_bytes", {"rank": "0"}) == kept

@@ -20,13 +20,14 @@ import ctypes
 import logging
 import mmap
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from aioembed.layout import Layout
 
-__all__ = ["HUGE_PAGE_BYTES", "HUGE_PAGE_MIN_BYTES", "empty_output"]
+__all__ = ["HUGE_PAGE_BYTES", "HUGE_PAGE_MIN_BYTES", "empty_output", "huge_page_memory"]
 
 log = logging.getLogger("aioembed.memory.output")
 
@@ -71,18 +72,26 @@ class _HugePageAdvisor:
 _ADVISOR = _HugePageAdvisor()
 
 
-def empty_output(layout: Layout, num_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+def huge_page_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uninitialised CPU memory (a contiguous uint8 tensor): on huge pages where the OS
+    grants them (a view starting on a huge-page boundary), else ordinary."""
+    raw = _ADVISOR.tensor(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8) if raw is None else raw
+
+
+def empty_output(layout: Layout, num_tokens: int, device: torch.device, *,
+                 large: Callable[[int], torch.Tensor] = huge_page_memory) -> dict[str, torch.Tensor]:
     """Uninitialised tensors for ``num_tokens`` tokens of every field of ``layout`` on ``device``: a
-    CPU field of at least :data:`HUGE_PAGE_MIN_BYTES` on huge pages (see the module docstring), the
-    rest as :meth:`Layout.empty` makes them. Each tensor is contiguous; a huge-page one is a view into
-    a slightly larger allocation (its ``storage_offset`` is not 0), freed with the tensor."""
+    CPU field of at least :data:`HUGE_PAGE_MIN_BYTES` from ``large(nbytes)`` (a contiguous uint8
+    tensor; by default on huge pages, see the module docstring), the rest as :meth:`Layout.empty`
+    makes them. Each tensor is contiguous; a huge-page one is a view into a slightly larger
+    allocation (its ``storage_offset`` is not 0), freed with the tensor."""
     if device.type != "cpu":
         return layout.empty(num_tokens, device=device)
     out: dict[str, torch.Tensor] = {}
     for name, f in layout.items():
         shape = (num_tokens, *f.shape)
         nbytes = num_tokens * f.row_bytes
-        raw = _ADVISOR.tensor(nbytes) if nbytes >= HUGE_PAGE_MIN_BYTES else None
-        out[name] = (torch.empty(shape, dtype=f.dtype) if raw is None
-                     else raw.view(f.dtype).view(shape))
+        out[name] = (large(nbytes).view(f.dtype).view(shape) if nbytes >= HUGE_PAGE_MIN_BYTES
+                     else torch.empty(shape, dtype=f.dtype))
     return out

@@ -32,7 +32,7 @@ from aioembed.errors import (
     TransferTimeout,
 )
 from aioembed.layout import Layout
-from aioembed.memory.output import empty_output
+from aioembed.memory.output_cache import OutputCache
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
@@ -80,6 +80,7 @@ class RoomContext:
     observer: TransferObserver
     copier: RoundCopier
     returns: LeaseReturns
+    outputs: OutputCache
     rank: int
     forget: Callable[[ReceiveRoomDriver], None]
 
@@ -624,7 +625,7 @@ class ReceiveRoomDriver:
 
     def _make_output(self, total: int) -> dict[str, torch.Tensor]:
         if self.out is None:
-            return empty_output(self.ctx.layout, total, self.ctx.pool.device)
+            return self.ctx.outputs.empty(self.ctx.layout, total, self.ctx.pool.device)
         short = short_fields(self.out, total)
         if short:
             raise TransferFailed(f"room {self.room!r}: the request has {total} tokens but out= holds only "

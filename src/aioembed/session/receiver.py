@@ -32,7 +32,7 @@ from aioembed.config import TransferConfig
 from aioembed.errors import AioembedError, InvalidRequest, ProtocolError
 from aioembed.layout import Layout
 from aioembed.memory.allocator import BlockAllocator
-from aioembed.memory.output import empty_output
+from aioembed.memory.output_cache import OutputCache
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import RoomId, validate_room
@@ -97,6 +97,8 @@ class EmbeddingReceiver:
         self.allocator = BlockAllocator(num_blocks=cfg.pool_blocks, block_size=cfg.block_size)
         self.keeper = BlockKeeper(self.allocator, name=f"receiver[{rank}]", observer=self.observer,
                                   stall_tolerance=min(0.5, cfg.heartbeat_interval / 2))
+        self.outputs = OutputCache(cfg.output_cache_bytes)
+        """Makes ``receive()``'s fresh outputs, from the memory of dropped ones (``outputs.stats``)."""
         self._given_transport = transport
         self._transport: GuardedTransport | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -123,8 +125,8 @@ class EmbeddingReceiver:
             returns = LeaseReturns(self._give_back_grants, self._spawn)
             self._room_ctx = RoomContext(
                 keeper=self.keeper, pool=self.pool, layout=self.layout, config=cfg, observer=self.observer,
-                copier=RoundCopier(self.pool, threads=cfg.copy_threads), returns=returns, rank=self.rank,
-                forget=self._forget)
+                copier=RoundCopier(self.pool, threads=cfg.copy_threads), returns=returns, outputs=self.outputs,
+                rank=self.rank, forget=self._forget)
             await self._tasks.enter()
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -171,6 +173,7 @@ class EmbeddingReceiver:
             await self._tasks.exit()  # its tasks were cancelled (or never started): the host stops
         finally:
             self.keeper.close()
+            self.outputs.close()
         for c in self._conns.values():
             c.close()
         if self._ctx is not None:
@@ -435,7 +438,7 @@ class EmbeddingReceiver:
     def _output_for(self, room: RoomId, total: int, out: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The room's output: the caller's tensors (checked) or fresh ones, for ``total`` tokens."""
         if out is None:
-            return empty_output(self.layout, total, self.pool.device)
+            return self.outputs.empty(self.layout, total, self.pool.device)
         short = short_fields(out, total)
         if short:
             raise InvalidRequest(f"room {room!r}: its parts hold {total} tokens but out= holds only {short}")
