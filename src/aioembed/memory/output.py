@@ -84,8 +84,9 @@ def empty_output(layout: Layout, num_tokens: int, device: torch.device, *,
     """Uninitialised tensors for ``num_tokens`` tokens of every field of ``layout`` on ``device``: a
     CPU field of at least :data:`HUGE_PAGE_MIN_BYTES` from ``large(nbytes)`` (a contiguous uint8
     tensor; by default on huge pages, see the module docstring), the rest as :meth:`Layout.empty`
-    makes them. Each tensor is contiguous; a huge-page one is a view into a slightly larger
-    allocation (its ``storage_offset`` is not 0), freed with the tensor."""
+    makes them. Each tensor is contiguous; with the default ``large``, a huge-page one is a view into
+    a slightly larger allocation (its ``storage_offset`` is not 0), freed with the tensor
+    (:class:`~aioembed.memory.output_cache.OutputCache` passes its own, which lends kept memory)."""
     if device.type != "cpu":
         return layout.empty(num_tokens, device=device)
     out: dict[str, torch.Tensor] = {}
