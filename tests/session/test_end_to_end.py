@@ -273,3 +273,36 @@ async def test_fresh_outputs_reuse_the_memory_of_dropped_ones_never_of_held_ones
         assert receiver.outputs.stats.lent == 0
         assert_pools_free(sender, receiver)
     assert receiver.outputs.stats.idle_bytes == 0  # closing the receiver freed them
+
+
+async def test_outputs_held_among_many_concurrent_receives_keep_their_rows() -> None:
+    """Rooms four at a time, each result kept or dropped at random: the dropped ones' memory makes
+    later outputs while every kept result still holds its own rows, bit for bit, at the end."""
+    wide = Layout(embeddings=Field((4096,), torch.bfloat16), token_ids=Field((), torch.int32))
+    cfg = TransferConfig(default_tokens=2048, pool_tokens=8192, copy_chunk_tokens=512)
+    rng = random.Random(7)
+    sizes = [rng.choice((1024, 1100, 1500, 2000)) for _ in range(16)]
+    keep = [rng.random() < 0.5 for _ in sizes]
+    kept: dict[int, Received] = {}
+    async with running(cfg, layout=wide) as (sender, [receiver]):
+        limit = anyio.Semaphore(4)
+
+        async def one(i: int) -> None:
+            async with limit:
+                src = make_request(sizes[i], seed=100 + i, layout=wide)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(sender.send, f"r{i}", src)
+                    got = await receiver.receive(f"r{i}")
+                assert_same(got.tensors, src)
+                if keep[i]:
+                    kept[i] = got
+                del got, src
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(sizes)):
+                tg.start_soon(one, i)
+        for i, got in kept.items():
+            assert_same(got.tensors, make_request(sizes[i], seed=100 + i, layout=wide))
+        assert receiver.outputs.stats.hits > 0
+        assert receiver.outputs.stats.lent == len(kept)
+        assert_pools_free(sender, receiver)
