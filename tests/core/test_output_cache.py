@@ -180,3 +180,17 @@ def test_the_setting_is_checked(bad: object) -> None:
 
     with pytest.raises(ConfigError, match="output_cache_bytes"):
         TransferConfig(output_cache_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_a_failed_allocation_leaves_the_counts_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioembed.memory import output_cache
+
+    cache = OutputCache(64 << 20)
+
+    def no_memory(nbytes: int) -> torch.Tensor:
+        raise MemoryError(f"no {nbytes} bytes")
+
+    monkeypatch.setattr(output_cache, "huge_page_memory", no_memory)
+    with pytest.raises(MemoryError):
+        cache.empty(LAYOUT, BIG, CPU)
+    assert (cache.stats.lent, cache.stats.idle_bytes) == (0, 0)

@@ -115,6 +115,7 @@ class OutputCache:
         except BaseException:
             with self._lock:  # no tensor was made: the span (if any) is simply dropped
                 self.stats.lent -= 1
+            self._settle()
             raise
         returned = weakref.finalize(exporter, self._give_back, span)
         returned.atexit = False  # nothing to give back at interpreter exit
