@@ -59,7 +59,7 @@ def test_defaults() -> None:
     cfg = _Config({})
     assert cfg.protocol == ("rdma" if rdma_devices() else "tcp")  # auto
     assert cfg.metadata_server == "P2PHANDSHAKE"
-    assert cfg.threads == 4 and cfg.max_batch_ops == 256 and cfg.max_batch_bytes == 64 << 20
+    assert cfg.threads == 4 and cfg.max_batch_ops == 256 and cfg.max_batch_bytes == 16 << 20
     assert cfg.transfer_timeout is None
     assert cfg.hostname == default_hostname()
     assert _Config({"transfer_timeout": 7.2}).transfer_timeout == 8
