@@ -217,8 +217,8 @@ class MooncakeTransport(Transport):
     Options (``TransferConfig.transport_options``): ``protocol`` (``auto`` | ``rdma`` | ``tcp``),
     ``device_name`` (RDMA devices, comma separated), ``hostname`` (address peers reach this
     endpoint at), ``metadata_server`` (default ``P2PHANDSHAKE``), ``threads`` (worker threads for
-    registration and large submits, default 4), ``max_batch_bytes`` (largest single engine
-    transfer, default 16 MiB), ``max_batch_ops`` (transfers submitted at once per write, default
+    registration where it blocks: RDMA or a metadata server; default 4), ``max_batch_bytes``
+    (largest single engine transfer, default 16 MiB), ``max_batch_ops`` (transfers submitted at once per write, default
     ``1024 // threads``) and ``transfer_timeout`` (seconds, at least 5; engine default 30: a
     transfer that makes no progress for that long fails).
     """
@@ -333,9 +333,7 @@ class MooncakeTransport(Transport):
                 engine = self._engine
                 self._engine = None
                 if pieces:
-                    rc = await anyio.to_thread.run_sync(
-                        engine.batch_unregister_memory, [p.start for p in pieces]
-                    )
+                    rc = await self._register_call(engine.batch_unregister_memory, [p.start for p in pieces])
                     if rc != 0:
                         log.warning("mooncake transport: unregistering %d spans at close returned %d", len(pieces), rc)
                 self._reg.forget(pieces)
@@ -401,7 +399,7 @@ class MooncakeTransport(Transport):
         those calls stay in a worker thread."""
         if self._register_inline:
             return int(call(*args))
-        return int(await anyio.to_thread.run_sync(call, *args))
+        return int(await anyio.to_thread.run_sync(call, *args, limiter=self._limiter))
 
     # -- descriptor and links ------------------------------------------------------------
 
