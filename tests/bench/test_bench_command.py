@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from aioembed.bench.command import SCHEMA
-from aioembed.bench.measure import WORKLOADS
+from aioembed.bench.baselines import LoopbackBaseline
+from aioembed.bench.command import SCHEMA, choose_baseline
+from aioembed.bench.measure import WORKLOADS, BenchOptions
+from aioembed.config import TransferConfig
 
 RUN = "from aioembed.cli import main; main()"
 
@@ -128,3 +130,30 @@ def test_python_dash_m_aioembed_is_the_command() -> None:
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "room demo-0: 200 tokens" in proc.stdout
+
+
+class _GpuBaseline(LoopbackBaseline):
+    cuda = True
+
+
+def test_a_gpu_pool_is_compared_only_with_a_baseline_that_moves_gpu_memory() -> None:
+    """With the pool on a GPU the bench's sources are there too; a raw baseline that moves CPU memory only
+    would time another path, so it is left out with the reason in the notes and the JSON."""
+    cpu = BenchOptions(base_config=TransferConfig(transport="loopback"))
+    gpu = BenchOptions(base_config=TransferConfig(transport="loopback", device="cuda:0"))
+
+    factory, info, notes = choose_baseline(LoopbackBaseline, cpu)
+    assert factory is LoopbackBaseline and info["available"] is True and info["cuda"] is False
+    assert any(n.startswith("raw baseline (in this process)") for n in notes)
+
+    factory, info, notes = choose_baseline(LoopbackBaseline, gpu)
+    assert factory is None and info["available"] is False and "CPU memory only" in info["reason"]
+    assert any("moves CPU memory only" in n and "cuda:0" in n for n in notes)
+    assert any(n.startswith("pool on cuda:0") for n in notes)
+
+    factory, info, _ = choose_baseline(_GpuBaseline, gpu)
+    assert factory is _GpuBaseline and info["available"] is True and info["cuda"] is True
+
+    factory, info, notes = choose_baseline(None, cpu)
+    assert factory is None and "reason" not in info
+    assert any(n.startswith("no raw baseline for transport 'loopback'") for n in notes)

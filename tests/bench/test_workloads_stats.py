@@ -98,6 +98,17 @@ def test_make_source_matches_layout() -> None:
     assert standard_layout().bytes_per_token == 3584 * 2 + 4 + 3 * 8
 
 
+def test_make_source_on_a_device_holds_the_same_rows_there() -> None:
+    """A GPU pool is benched GPU to GPU: the sources are made on its device, with the rows a checker
+    regenerates on the CPU (``meta`` stands in for a device here: no data, only placement and shape)."""
+    layout = standard_layout(64)
+    on_cpu = make_source(layout, 100, seed=3, device="cpu")
+    elsewhere = make_source(layout, 100, seed=3, device="meta")
+    assert {t.device.type for t in elsewhere.values()} == {"meta"}
+    assert {n: (t.shape, t.dtype) for n, t in elsewhere.items()} == {n: (t.shape, t.dtype) for n, t in on_cpu.items()}
+    assert layout.validate(on_cpu) == 100
+
+
 # -- statistics -----------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "RawBaseline",
     "RawBaselineFactory",
     "available_baselines",
+    "moves_cuda",
     "resolve_baseline",
 ]
 
@@ -53,6 +54,11 @@ class RawBaseline(Protocol):
     cross_process: bool
     """True when the destination lives in another process (as aioembed's receiver would)."""
 
+    # Optional: ``cuda: bool = True`` on a baseline whose ``setup`` takes CUDA sources and places its
+    # destination on their device (GPU to GPU). A baseline without it moves CPU memory only, and the
+    # benchmark leaves it out when the pool is on a GPU rather than compare another path (see
+    # :func:`moves_cuda`).
+
     async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
         """Register ``sources`` (one tensor per layout field) and prepare a destination of
         ``capacity_tokens`` rows per field (preallocated and registered, as a receive pool)."""
@@ -70,6 +76,11 @@ class RawBaseline(Protocol):
 
 RawBaselineFactory = Callable[[Layout, TransferConfig], RawBaseline]
 """What an entry point of :data:`ENTRY_POINT_GROUP` resolves to (a class works)."""
+
+
+def moves_cuda(baseline: RawBaseline) -> bool:
+    """True when ``baseline`` declares (``cuda = True``) that it moves CUDA sources to a CUDA destination."""
+    return getattr(baseline, "cuda", False) is True
 
 
 class LoopbackBaseline:

@@ -17,7 +17,13 @@ from typing import Any
 
 import anyio
 
-from aioembed.bench.baselines import ENTRY_POINT_GROUP, available_baselines, resolve_baseline
+from aioembed.bench.baselines import (
+    ENTRY_POINT_GROUP,
+    RawBaselineFactory,
+    available_baselines,
+    moves_cuda,
+    resolve_baseline,
+)
 from aioembed.bench.measure import WORKLOADS, BenchOptions, Measurer, has_zero_copy, plan_steps
 from aioembed.bench.targets import evaluate_targets
 from aioembed.bench.workloads import (
@@ -31,7 +37,7 @@ from aioembed.config import TransferConfig
 from aioembed.errors import ConfigError
 from aioembed.samples import standard_layout
 
-__all__ = ["CLI_HINT", "SCHEMA", "add_arguments", "run"]
+__all__ = ["CLI_HINT", "SCHEMA", "add_arguments", "choose_baseline", "run"]
 
 SCHEMA = "aioembed-bench/1"
 CLI_HINT = "aioembed bench shows its tables with rich, an optional extra: pip install 'aioembed[cli]'"
@@ -155,7 +161,33 @@ def _process_model(choice: str, transport: str) -> str:
     return choice
 
 
-def _machine(transport: str) -> dict[str, Any]:
+def choose_baseline(factory: RawBaselineFactory | None,
+                    opts: BenchOptions) -> tuple[RawBaselineFactory | None, dict[str, Any], list[str]]:
+    """The raw baseline to measure against (or none), its JSON record and the notes to print. With the pool
+    on a GPU the sources are there too, and a baseline that moves CPU memory only is left out: its ratio
+    would compare another path."""
+    cfg, notes = opts.base_config, []
+    info: dict[str, Any] = {"available": False, "entry_point_group": ENTRY_POINT_GROUP}
+    if cfg.device.startswith("cuda"):
+        notes.append(f"pool on {cfg.device}: the sources are made there too, so every transfer (and the raw "
+                     "baseline's) moves GPU memory to GPU memory")
+    if factory is None:
+        notes.append(f"no raw baseline for transport {opts.transport!r}: a plugin adds one in the entry-point group "
+                     f"{ENTRY_POINT_GROUP!r}; raw and ratio columns are empty")
+        return None, info, notes
+    b = factory(standard_layout(opts.hidden), cfg)
+    if cfg.device.startswith("cuda") and not moves_cuda(b):
+        notes.append(f"the raw baseline of {opts.transport!r} moves CPU memory only; with the pool on {cfg.device} "
+                     "it would measure another path, so raw and ratio columns are empty")
+        return None, dict(info, reason="moves CPU memory only; the pool is on a GPU"), notes
+    info.update(available=True, description=b.description, methods=list(b.methods), cross_process=b.cross_process,
+                cuda=moves_cuda(b))
+    notes.append(f"raw baseline ({'destination in another process' if b.cross_process else 'in this process'}): "
+                 f"{b.description}")
+    return factory, info, notes
+
+
+def _machine(transport: str, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     import aioembed
@@ -165,7 +197,12 @@ def _machine(transport: str) -> dict[str, Any]:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         usable = os.cpu_count() or 0
+    gpu = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(torch.device(device))
     return {
+        "gpu": gpu,
+        "torch_cuda": torch.version.cuda,
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
         "platform": platform.platform(),
@@ -242,7 +279,6 @@ def run(args: argparse.Namespace) -> int:
     from aioembed.transports.registry import resolve_transport
 
     resolve_transport(opts.transport)  # unknown transport: a clear ConfigError before anything runs
-    factory = resolve_baseline(opts.transport)
     if opts.process_model == "two":
         process_note = (
             "process model 'two': sender here, receiver (EmbeddingReceiver) in a child process "
@@ -264,23 +300,12 @@ def run(args: argparse.Namespace) -> int:
         "the copying receive() moves every byte twice (transport write into the pool, copy-out into the output) "
         "where the raw baseline moves it once",
     ]
-    if factory is not None:
-        b = factory(standard_layout(opts.hidden), opts.base_config)
-        baseline_info: dict[str, Any] = {
-            "available": True, "entry_point_group": ENTRY_POINT_GROUP, "description": b.description,
-            "methods": list(b.methods), "cross_process": b.cross_process,
-        }
-        notes.append(f"raw baseline ({'destination in another process' if b.cross_process else 'in this process'}): "
-                     f"{b.description}")
-    else:
-        baseline_info = {"available": False, "entry_point_group": ENTRY_POINT_GROUP}
-    if factory is None:
-        notes.append(f"no raw baseline for transport {opts.transport!r}: a plugin adds one in the entry-point group "
-                     f"{ENTRY_POINT_GROUP!r}; raw and ratio columns are empty")
+    factory, baseline_info, baseline_notes = choose_baseline(resolve_baseline(opts.transport), opts)
+    notes.extend(baseline_notes)
     zero_copy = has_zero_copy()
     if not zero_copy:
         notes.append("zero-copy column omitted: this aioembed's EmbeddingReceiver has no receive_leased()")
-    machine = _machine(opts.transport)
+    machine = _machine(opts.transport, opts.base_config.device)
     started = time.time()
     t0 = time.perf_counter()
     workloads: dict[str, Any] = {}

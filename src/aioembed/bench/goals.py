@@ -29,7 +29,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aioembed.bench.stats import ratio, summarize
-from aioembed.bench.workloads import make_source
 
 if TYPE_CHECKING:
     from aioembed.bench.baselines import RawBaseline
@@ -55,7 +54,7 @@ def _rotations(variants: Sequence[str], reps: int) -> list[list[str]]:
 async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, *, n: int, reps: int,
                        variants: Sequence[tuple[str, str, int | None]]) -> dict[str, list[float]]:
     """Seconds per transfer of each ``(name, mode, expected_tokens)`` variant and each raw method."""
-    src = make_source(m.layout, n, seed=m.opts.seed)
+    src = m.source(n)
     check = [m.opts.seed, n]
     names = [v[0] for v in variants] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     by_name = {v[0]: v for v in variants}
@@ -134,7 +133,7 @@ async def _w2(m: Measurer, pair: _Pair, baseline: RawBaseline | None, reps: int)
 async def _w3(m: Measurer, pair: _Pair, baseline: RawBaseline | None, reps: int, *, concurrency: int,
               rooms: int) -> dict[str, Any]:
     n = W3_TOKENS
-    src = make_source(m.layout, n, seed=m.opts.seed)
+    src = m.source(n)
     check = [m.opts.seed, n]
     names = [name for name, _ in MODES] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     modes = dict(MODES)
@@ -196,7 +195,7 @@ async def run_goals(m: Measurer) -> dict[str, Any]:
     reps_w3 = 1 if opts.quick else opts.repeat
     rooms1, rooms32 = (40, 96) if opts.quick else (200, 512)
     top = max(W1_TOKENS, W2_TOKENS)
-    src = make_source(m.layout, top, seed=opts.seed)
+    src = m.source(top)
     points: list[dict[str, Any]] = []
     goals: list[dict[str, Any]] = []
     async with m._session(cfg) as pair, m._baseline(cfg, src, top) as baseline:

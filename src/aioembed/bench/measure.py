@@ -305,7 +305,7 @@ class _LocalPair(_Pair):
         else:
             n = next(iter(data.values())).shape[0]
             if mode == "out" and (self._out is None or next(iter(self._out.values())).shape[0] < n):
-                self._out = self.receiver.layout.empty(n)
+                self._out = self.receiver.layout.empty(n, device=self.receiver.config.device)
             got = await self.receiver.receive(room, expected_tokens=expected,
                                               out=self._out if mode == "out" else None)
             t = time.perf_counter()
@@ -560,6 +560,11 @@ class Measurer:
 
     # -- plumbing ------------------------------------------------------------------------
 
+    def source(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        """The rows a workload sends, on the pool's device: a GPU pool is measured GPU to GPU, as an
+        encoder and a language model on GPUs move them (a raw baseline gets the same tensors)."""
+        return make_source(self.layout, num_tokens, seed=self.opts.seed, device=self.opts.base_config.device)
+
     def _next_room(self, prefix: str) -> str:
         self._room += 1
         return f"bench-{prefix}-{self._room}"
@@ -671,7 +676,7 @@ class Measurer:
     async def run_sizes(self) -> dict[str, Any]:
         opts, cfg = self.opts, self.sizes_config()
         top = max(opts.sizes)
-        src = make_source(self.layout, top, seed=opts.seed)
+        src = self.source(top)
         bpt = self.layout.bytes_per_token
         points = []
         async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
@@ -721,7 +726,7 @@ class Measurer:
         # No resume reserve: the pool is exactly the request, so the expected_tokens run fits in one round.
         cfg = opts.base_config.replace(block_size=128, default_tokens=default, pool_tokens=_round_up(n, 128),
                                        max_round_tokens=None, resume_reserve_tokens=0)
-        src = make_source(self.layout, n, seed=opts.seed)
+        src = self.source(n)
         nbytes = n * self.layout.bytes_per_token
         self.tick(f"resume: {n} tokens")
         series = _Series()
@@ -830,7 +835,7 @@ class Measurer:
     async def run_concurrency(self) -> dict[str, Any]:
         opts, cfg = self.opts, self.concurrency_config()
         top = max(REQUEST_MIXES[m][1] for m in opts.mixes)
-        src = make_source(self.layout, top, seed=opts.seed)
+        src = self.source(top)
         bpt = self.layout.bytes_per_token
         points = []
         async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
@@ -891,7 +896,7 @@ class Measurer:
         cfg = self.opts.base_config.replace(block_size=128, default_tokens=8192, pool_tokens=65536,
                                             max_round_tokens=None)
         chunk = cfg.stream_chunk_tokens or 2048
-        src = make_source(self.layout, n, seed=opts.seed)
+        src = self.source(n)
         nbytes = n * self.layout.bytes_per_token
         self.tick(f"stream: {n} tokens")
         variants = ["receive", "stream", "stream_per_round", "receive_expected", "stream_expected"]
@@ -957,7 +962,7 @@ class Measurer:
         count = k * (4 if opts.quick else 8)
         concurrency = k * 2
         sizes = [tokens] * count
-        src = make_source(self.layout, tokens, seed=opts.seed)
+        src = self.source(tokens)
         self.tick(f"senders: {k} encoders x {count // k} rooms of {tokens} tokens")
         async with self._session(cfg, senders=k) as pair, self._baseline(cfg, src, tokens) as baseline:
             series, lat, _zlat, _rounds = await self._batch_point(pair, baseline, src=src, sizes=sizes,
@@ -1006,7 +1011,7 @@ class Measurer:
             return {"description": "empty trace", "config": config_dict(cfg), "points": [],
                     "trace": trace_summary(trace)}
         top = max(sizes)
-        src = make_source(self.layout, top, seed=opts.seed)
+        src = self.source(top)
         nbytes = sum(sizes) * self.layout.bytes_per_token
         async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
             series, lat, zlat, _rounds = await self._batch_point(

@@ -59,16 +59,17 @@ class _Checker:
     """The rows a room must hold (regenerated from the source's seed, as the sender made them), and the
     reused ``out=`` buffers; checks run after the clock stopped."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, device: str = "cpu") -> None:
         self.layout = layout
+        self.device = device
         self._sources: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._out: dict[int, dict[str, torch.Tensor]] = {}
 
     def out(self, tokens: int) -> dict[str, torch.Tensor]:
-        """Preallocated output of at least ``tokens`` rows, reused from room to room."""
+        """Preallocated output of at least ``tokens`` rows on the pool's device, reused from room to room."""
         have = max((n for n in self._out if n >= tokens), default=None)
         if have is None:
-            self._out[tokens] = self.layout.empty(tokens)
+            self._out[tokens] = self.layout.empty(tokens, device=self.device)
             have = tokens
         return self._out[have]
 
@@ -169,7 +170,7 @@ async def _run(spec: dict[str, Any]) -> None:
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     tasks: set[asyncio.Task[None]] = set()
-    checker = _Checker(layout)
+    checker = _Checker(layout, config.device)
     async with EmbeddingReceiver(layout, config, connect=spec["connect"]) as receiver:
         for address in spec.get("senders") or [spec["connect"]]:
             await receiver.wait_connected(timeout=config.handshake_timeout * 3, sender=address)

@@ -180,7 +180,8 @@ def render(result: Mapping[str, Any], console: Console) -> None:
     m = result["machine"]
     console.print(f"machine: {m['cpu_count']} CPUs ({m['cpus_usable']} usable), load avg at start "
                   f"{m['loadavg_start']}, at end {m.get('loadavg_end')}; python {m['python']}, torch {m['torch']} "
-                  f"({m['torch_threads']} threads), aioembed {m['aioembed']}", highlight=False)
+                  f"({m['torch_threads']} threads), aioembed {m['aioembed']}"
+                  + (f"; GPU {m['gpu']} (torch CUDA {m.get('torch_cuda')})" if m.get("gpu") else ""), highlight=False)
     for note in result.get("notes", []):
         console.print(f"note: {note}", highlight=False, markup=False)
 

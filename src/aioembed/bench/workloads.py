@@ -63,11 +63,13 @@ MULTI_IMAGE_COUNT = (2, 6)
 VIDEO_TOKENS = (10_000, 50_000)
 
 
-def make_source(layout: Layout, num_tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Source rows for ``num_tokens`` tokens, every page touched, cheap to make.
+def make_source(layout: Layout, num_tokens: int, seed: int = 0,
+                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Source rows for ``num_tokens`` tokens on ``device``, every page touched, cheap to make.
 
     Contents are pseudo-random bytes from one small random block tiled over the tensor (random
-    per byte would cost seconds for 65536 tokens; the copies do not look at the values).
+    per byte would cost seconds for 65536 tokens; the copies do not look at the values). They do not
+    depend on ``device``: a checker regenerates them on the CPU.
     """
     g = torch.Generator().manual_seed(seed)
     block = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
@@ -75,7 +77,7 @@ def make_source(layout: Layout, num_tokens: int, seed: int = 0) -> dict[str, tor
     for name, f in layout.items():
         nbytes = num_tokens * f.row_bytes
         raw = block.repeat(-(-nbytes // block.numel()))[:nbytes]
-        out[name] = raw.view(f.dtype).reshape(num_tokens, *f.shape)
+        out[name] = raw.view(f.dtype).reshape(num_tokens, *f.shape).to(device)
     return out
 
 

@@ -154,6 +154,27 @@ class CudaSuite:
             assert same_rows(_to_cpu(again.to_tensors()), _to_cpu(second))
             again.release()
 
+    async def test_a_copying_receive_from_a_cuda_pool_copies_each_round_whole(self) -> None:
+        """``copy_chunk_tokens`` pipelines copies out of CPU pools; a CUDA pool's device copy is far faster
+        than the writes into it, so its rounds are copied whole, once each (no chunk writes)."""
+        want = deterministic_request(LAYOUT, 1000, "whole")
+        async with self.pair(copy_chunk_tokens=256) as (sender, receiver):
+            assert receiver._room_ctx is not None
+            copier = receiver._room_ctx.copier
+            inner = copier.copy
+            copies: list[tuple[int, int]] = []
+
+            async def spy(blocks: Any, out: dict[str, torch.Tensor], start: int, count: int, **kw: Any) -> None:
+                copies.append((start, count))
+                await inner(blocks, out, start, count, **kw)
+
+            copier.copy = spy  # type: ignore[method-assign]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "whole", _on_gpu(want))
+                got = await receiver.receive("whole")
+            assert same_rows(_to_cpu(got.tensors), want)
+            assert copies == [(0, 1000)], f"one copy of the whole round expected, got {copies}"
+
     # -- every receive mode ------------------------------------------------------------------------
 
     @pytest.mark.parametrize("mode", ["receive", "out_gpu", "out_cpu", "leased"])

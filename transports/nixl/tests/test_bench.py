@@ -4,18 +4,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aioembed.bench.baselines import resolve_baseline
+import torch
+from aioembed.bench.baselines import moves_cuda, resolve_baseline
+from aioembed.config import TransferConfig
+from aioembed.samples import standard_layout
 from aioembed.testing.bench import run_quick_bench
 
-from aioembed_nixl.bench import NixlBaseline
+from aioembed_nixl.bench import NixlBaseline, _memory, _rows
 
 
 def test_baseline_entry_point() -> None:
     assert resolve_baseline("nixl") is NixlBaseline
 
 
+def test_baseline_moves_gpu_memory_as_vram_of_the_sources_device() -> None:
+    """With a GPU pool the bench hands CUDA sources; the raw NIXL baseline registers them and its peer's
+    destination as VRAM of that device (run GPU to GPU on an H200: see the plugin's README)."""
+    assert moves_cuda(NixlBaseline(standard_layout(64), TransferConfig(transport="nixl")))
+    assert _memory(torch.device("cpu")) == ("DRAM", 0)
+    assert _memory(torch.device("cuda", 0)) == ("VRAM", 0)
+    assert _memory(torch.device("cuda", 3)) == ("VRAM", 3)
+    rows = _rows(0x1000, 3, 16, dev=3)
+    assert rows.tolist() == [[0x1000, 16, 3], [0x1010, 16, 3], [0x1020, 16, 3]]
+
+
 def test_bench_quick_runs_aioembed_and_raw_baseline(tmp_path: Path) -> None:
     result = run_quick_bench(tmp_path, "nixl", {"write_timeout": 20.0})
     raw = result["raw_baseline"]
-    assert raw["methods"] == ["prepped", "initialize_xfer"]
+    assert raw["methods"] == ["prepped", "initialize_xfer"] and raw["cuda"] is True
     assert "check_xfer_state" in raw["description"]

@@ -4,10 +4,12 @@ Registered in the entry-point group ``aioembed.bench_baselines`` as ``nixl``. A 
 (``python -m aioembed_nixl.bench SPEC``) creates a NIXL agent exactly as the transport does
 (:func:`aioembed_nixl._native.create_agent`, same ``transport_options``: backend, ``ucx_tls``,
 ``ucx_options``, ``progress_delay``), registers one zero-filled destination tensor per layout field of
-``capacity_tokens`` rows and prints its agent metadata. The benchmark process creates its own agent,
-registers the source tensors and loads that metadata. Per transfer of ``n`` tokens it writes rows
-``[0, n)`` of every field as **one** NIXL transfer and waits in a tight ``check_xfer_state`` loop on
-the calling thread (NIXL's examples do the same; nothing else runs during a raw measurement). Methods:
+``capacity_tokens`` rows and prints its agent metadata; with CUDA sources the destination is on their
+device and both sides register ``VRAM`` (GPU to GPU, as the transport moves a GPU pool's rows). The
+benchmark process creates its own agent, registers the source tensors and loads that metadata. Per
+transfer of ``n`` tokens it writes rows ``[0, n)`` of every field as **one** NIXL transfer and waits in
+a tight ``check_xfer_state`` loop on the calling thread (NIXL's examples do the same; nothing else runs
+during a raw measurement). Methods:
 
 * ``prepped``: local and remote lists of one descriptor per row, prepared once at setup (what a
   NIXL user with a row or block pool does); a transfer is ``make_prepped_xfer`` with the row indices;
@@ -46,15 +48,20 @@ _CHECK_TOKENS = 64
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
-def _rows(base: int, rows: int, row_bytes: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    """``rows x 3`` descriptors (address, length, device 0): one per row."""
+def _memory(device: torch.device) -> tuple[str, int]:
+    """NIXL's memory type and device id of tensors on ``device``."""
+    return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
+
+
+def _rows(base: int, rows: int, row_bytes: int, dev: int = 0) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """``rows x 3`` descriptors (address, length, device id): one per row."""
     arr = np.empty((rows, 3), dtype=np.uint64)
     arr[:, 0] = np.uint64(base) + np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes)
     arr[:, 1] = row_bytes
-    arr[:, 2] = 0
+    arr[:, 2] = dev
     return arr
 
 
@@ -79,6 +86,7 @@ class NixlBaseline:
     )
     methods: tuple[str, ...] = ("prepped", "initialize_xfer")
     cross_process = True
+    cuda = True
 
     def __init__(self, layout: Layout, config: TransferConfig) -> None:
         self.layout = layout
@@ -92,12 +100,15 @@ class NixlBaseline:
         self._local: Any = None
         self._remote: Any = None
         self._bases: dict[str, int] = {}
+        self._mem, self._dev = "DRAM", 0
 
     async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
-        spec = {"options": self.options, "capacity": capacity_tokens,
+        self._src = {name: sources[name].contiguous() for name in self.layout}
+        device = next(iter(self._src.values())).device
+        self._mem, self._dev = _memory(device)
+        spec = {"options": self.options, "capacity": capacity_tokens, "device": str(device),
                 "fields": [[name, f.row_bytes] for name, f in self.layout.items()]}
         ready = await self._peer_process.start("aioembed_nixl.bench", spec)
-        self._src = {name: sources[name].contiguous() for name in self.layout}
         self._dst = {str(k): int(v) for k, v in ready["addresses"].items()}
         await asyncio.to_thread(self._prepare, bytes.fromhex(ready["metadata"]), capacity_tokens)
         n = min(_CHECK_TOKENS, capacity_tokens)
@@ -110,18 +121,19 @@ class NixlBaseline:
     def _prepare(self, metadata: bytes, capacity: int) -> None:
         nixl = load_nixl()
         self._agent = agent = create_agent(nixl, f"aioembed-bench-{uuid.uuid4().hex[:12]}", self._opts)
+        mem, dev = self._mem, self._dev
         for t in self._src.values():
-            agent.register_memory([(t.data_ptr(), t.numel() * t.element_size(), 0, "")], "DRAM")
+            agent.register_memory([(t.data_ptr(), t.numel() * t.element_size(), dev, "")], mem)
         loaded = agent.add_remote_agent(metadata)
         self._peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         agent.make_connection(self._peer)
         local, remote = [], []
         for i, (name, f) in enumerate(self.layout.items()):
-            local.append(_rows(self._src[name].data_ptr(), capacity, f.row_bytes))
-            remote.append(_rows(self._dst[name], capacity, f.row_bytes))
+            local.append(_rows(self._src[name].data_ptr(), capacity, f.row_bytes, dev))
+            remote.append(_rows(self._dst[name], capacity, f.row_bytes, dev))
             self._bases[name] = i * capacity  # field i's rows start here in both lists
-        self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.concatenate(local), "DRAM")
-        self._remote = agent.prep_xfer_dlist(self._peer, np.concatenate(remote), "DRAM")
+        self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.concatenate(local), mem)
+        self._remote = agent.prep_xfer_dlist(self._peer, np.concatenate(remote), mem)
 
     def _transfer(self, method: str, num_tokens: int) -> None:
         agent = self._agent
@@ -132,8 +144,9 @@ class NixlBaseline:
             xfer = agent.make_prepped_xfer("WRITE", self._local, indices, self._remote, indices)
         elif method == "initialize_xfer":
             spans = [(self._src[n].data_ptr(), self._dst[n], num_tokens * f.row_bytes) for n, f in self.layout.items()]
-            ld = agent.get_xfer_descs([(s, k, 0) for s, _, k in spans], "DRAM")
-            rd = agent.get_xfer_descs([(d, k, 0) for _, d, k in spans], "DRAM")
+            mem, dev = self._mem, self._dev
+            ld = agent.get_xfer_descs([(s, k, dev) for s, _, k in spans], mem)
+            rd = agent.get_xfer_descs([(d, k, dev) for _, d, k in spans], mem)
             xfer = agent.initialize_xfer("WRITE", ld, rd, self._peer)
         else:
             raise ValueError(f"unknown nixl baseline method {method!r}; known: {self.methods}")
@@ -173,9 +186,11 @@ def _peer(spec: dict[str, Any]) -> None:
     agent = create_agent(load_nixl(), f"aioembed-bench-peer-{uuid.uuid4().hex[:12]}", opts)
     capacity = int(spec["capacity"])
     rows = {str(name): int(row) for name, row in spec["fields"]}
-    dst = {name: torch.zeros(capacity * row, dtype=torch.uint8) for name, row in rows.items()}
+    device = torch.device(spec.get("device", "cpu"))
+    mem, dev = _memory(device)
+    dst = {name: torch.zeros(capacity * row, dtype=torch.uint8, device=device) for name, row in rows.items()}
     for t in dst.values():
-        agent.register_memory([(t.data_ptr(), t.numel(), 0, "")], "DRAM")
+        agent.register_memory([(t.data_ptr(), t.numel(), dev, "")], mem)
 
     def emit(**event: Any) -> None:
         out.write(json.dumps(event) + "\n")
