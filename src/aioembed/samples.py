@@ -57,7 +57,7 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
 def same_rows(got: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], want: Mapping[str, torch.Tensor]) -> bool:
     """True if every field of ``want`` has the same rows (dtype and bytes) in ``got``, where a field of
     ``got`` is one tensor or its pieces in row order (a :class:`~aioembed.Lease`'s ``views``), on any
-    device (rows on another device than ``want``'s are copied there to compare).
+    device (rows on different devices are compared on the GPU that holds one of them).
 
     CPU tensors are compared with ``memcmp`` on the calling thread: ``torch.equal`` (or a ``torch.cat``
     of the pieces) hands a few hundred KB to torch's intra-op threads, whose spin-waiting afterwards
@@ -78,6 +78,8 @@ def same_rows(got: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], want: Ma
                 nbytes = part.numel() * part.element_size()
                 if nbytes and _memcmp(p.data_ptr(), part.data_ptr(), nbytes) != 0:
                     return False
-            elif not torch.equal(p.contiguous().view(torch.uint8).to(part.device), part.contiguous().view(torch.uint8)):
-                return False
+            else:
+                on = p.device if p.device.type == "cuda" else part.device  # compare on the GPU when one holds rows
+                if not torch.equal(p.contiguous().view(torch.uint8).to(on), part.contiguous().view(torch.uint8).to(on)):
+                    return False
     return True

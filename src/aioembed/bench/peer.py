@@ -80,7 +80,9 @@ class _Checker:
         seed, top = int(check[0]), int(check[1])
         src = self._sources.get((seed, top))
         if src is None:
-            src = self._sources[seed, top] = make_source(self.layout, top, seed=seed)
+            # Made on the pool's device: a GPU's rows are compared there, not copied out to CPU threads that
+            # spin afterwards on the cores the next transfer needs.
+            src = self._sources[seed, top] = make_source(self.layout, top, seed=seed, device=self.device)
         first = next(iter(rows.values()))
         n = int(first.shape[0]) if isinstance(first, torch.Tensor) else sum(int(p.shape[0]) for p in first)
         return same_rows(rows, {k: v[:n] for k, v in src.items()})

@@ -1,0 +1,42 @@
+"""``aioembed.samples.same_rows``: the bit-for-bit check of the tests, the GPU suite and the bench."""
+
+from __future__ import annotations
+
+import torch
+
+from aioembed.samples import same_rows
+
+
+def _want() -> dict[str, torch.Tensor]:
+    return {"emb": torch.arange(60, dtype=torch.float32).reshape(10, 6),
+            "ids": torch.arange(10, dtype=torch.int32)}
+
+
+def test_equal_rows_whole_and_in_pieces() -> None:
+    want = _want()
+    assert same_rows({k: v.clone() for k, v in want.items()}, want)
+    pieces = {k: [v[:3].clone(), v[3:4].clone(), v[4:].clone()] for k, v in want.items()}
+    assert same_rows(pieces, want)
+
+
+def test_a_changed_byte_a_short_field_or_another_dtype_differs() -> None:
+    want = _want()
+    got = {k: v.clone() for k, v in want.items()}
+    got["emb"].view(torch.uint8)[-1, -1] ^= 1
+    assert not same_rows(got, want)
+    assert not same_rows({k: v[:9].clone() for k, v in want.items()}, want)
+    assert not same_rows(dict(want, ids=want["ids"].to(torch.int64)), want)
+    assert not same_rows({k: [v[:5].clone()] for k, v in want.items()}, want)
+
+
+def test_non_contiguous_rows_are_compared_by_value() -> None:
+    """Not the memcmp path: a strided view (and, on a GPU host, a tensor on another device) goes through
+    ``torch.equal`` of the bytes."""
+    want = _want()
+    wide = torch.zeros(20, 6)
+    wide[::2] = want["emb"]
+    got = {"emb": wide[::2], "ids": want["ids"].clone()}
+    assert not got["emb"].is_contiguous()
+    assert same_rows(got, want)
+    wide[4, 0] += 1
+    assert not same_rows(got, want)
