@@ -69,7 +69,7 @@ def make_source(layout: Layout, num_tokens: int, seed: int = 0,
 
     Contents are pseudo-random bytes from one small random block tiled over the tensor (random
     per byte would cost seconds for 65536 tokens; the copies do not look at the values). They do not
-    depend on ``device``: a checker regenerates them on the CPU.
+    depend on ``device``, so a checker can regenerate them on whichever device holds the rows it checks.
     """
     g = torch.Generator().manual_seed(seed)
     block = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
