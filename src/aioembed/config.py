@@ -72,8 +72,9 @@ class TransferConfig:
     """Copying receive (``receive()``, ``out=``): the sender announces rows within a round every this many
     tokens (rounded up to whole blocks), and the receiver copies each chunk out while the next ones are
     still being written, so the copy overlaps the transfer instead of following it; 0: copy each round
-    once it has landed. CPU pools only: a CUDA pool copies each round once it has landed (its device
-    copy is much faster than the writes, so chunks would only add per-write costs)."""
+    once it has landed. Not for copies that stay on the GPU (a CUDA pool into CUDA memory): those copy
+    each round once it has landed (a device copy is much faster than the writes, so chunks would only
+    add per-write costs); a CUDA pool's ``out=`` on the CPU is still copied chunk by chunk."""
     output_cache_bytes: int = 256 << 20
     """Receiver: memory of ``receive()`` outputs the caller has dropped, kept (up to this many bytes)
     for the next outputs, which then skip the page faults of new memory. Only fields of at least 8 MiB

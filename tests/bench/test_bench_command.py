@@ -151,8 +151,9 @@ def test_a_gpu_pool_is_compared_only_with_a_baseline_that_moves_gpu_memory() -> 
     assert any("moves CPU memory only" in n and "cuda:0" in n for n in notes)
     assert any(n.startswith("pool on cuda:0") for n in notes)
 
-    factory, info, _ = choose_baseline(_GpuBaseline, gpu)
+    factory, info, notes = choose_baseline(_GpuBaseline, gpu)
     assert factory is _GpuBaseline and info["available"] is True and info["cuda"] is True
+    assert any(n.startswith("raw baseline (in this process, GPU memory to GPU memory on cuda:0)") for n in notes)
 
     factory, info, notes = choose_baseline(None, cpu)
     assert factory is None and "reason" not in info

@@ -98,9 +98,10 @@ def test_make_source_matches_layout() -> None:
     assert standard_layout().bytes_per_token == 3584 * 2 + 4 + 3 * 8
 
 
-def test_make_source_on_a_device_holds_the_same_rows_there() -> None:
-    """A GPU pool is benched GPU to GPU: the sources are made on its device, with the rows a checker
-    regenerates on the CPU (``meta`` stands in for a device here: no data, only placement and shape)."""
+def test_make_source_places_the_rows_on_the_device_it_is_given() -> None:
+    """A GPU pool is benched GPU to GPU: the sources are made on its device (``meta`` stands in for a
+    device here: it holds no data, so only placement, shapes and dtypes are checked; the bytes are the
+    CPU ones moved there, checked on a GPU by the bench's own row checks)."""
     layout = standard_layout(64)
     on_cpu = make_source(layout, 100, seed=3, device="cpu")
     elsewhere = make_source(layout, 100, seed=3, device="meta")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from aioembed.samples import same_rows
@@ -40,3 +41,16 @@ def test_non_contiguous_rows_are_compared_by_value() -> None:
     assert same_rows(got, want)
     wide[4, 0] += 1
     assert not same_rows(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_on_a_gpu_are_compared_with_rows_on_the_cpu() -> None:
+    """Either side may be on the GPU (the bench's checks, a lease's views); the comparison runs there."""
+    want = _want()
+    on_gpu = {k: v.to("cuda:0") for k, v in want.items()}
+    assert same_rows(on_gpu, want)
+    assert same_rows(want, on_gpu)
+    on_gpu["ids"][3] += 1
+    assert not same_rows(on_gpu, want)
+    assert not same_rows(want, on_gpu)

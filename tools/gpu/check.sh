@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
 # The GPU checks, on a host with a CUDA device and the plugins installed with their CUDA builds
-# (e.g. pip install -e '.[test]' 'transports/nixl[cu13]' 'transports/ucx[cu13]' 'transports/mooncake[cuda13]').
-# For each installed plugin: the shared CUDA suite, then its race tests without the stream fences (they
-# must FAIL), then a GPU-to-GPU bench line. Output goes to stdout; nothing is changed.
+# (e.g. pip install -e '.[test,cli]' 'transports/nixl[cu13]' 'transports/ucx[cu13]' 'transports/mooncake[cuda13]').
+# For each installed plugin: the shared CUDA suite (must pass, nothing skipped), then its race tests
+# without the stream fences (they must fail); then a GPU-to-GPU bench line over NIXL. Exits non-zero
+# if any of that does not hold. Changes nothing.
 set -u
-cd "$(dirname "$0")/../.."
-PY=$(command -v "${PY:-python3}" || realpath "${PY:-python3}")
+PY=${PY:-python3}
+case "$PY" in */*) PY=$(realpath "$PY") ;; *) PY=$(command -v "$PY") ;; esac
+[ -x "$PY" ] || { echo "tools/gpu/check.sh: no Python interpreter at '${PY}'" >&2; exit 2; }
+cd "$(dirname "$0")/../.." || exit 2
 here=$PWD
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
-  || { echo "tools/gpu/check.sh: this host has no CUDA device; nothing to check" >&2; exit 1; }
+  || { echo "tools/gpu/check.sh: $PY sees no CUDA device (or has no torch); nothing to check" >&2; exit 1; }
+failed=0
 for plugin in nixl ucx mooncake; do
   "$PY" -c "import aioembed_$plugin" 2>/dev/null || { echo "== $plugin: not installed, skipped"; continue; }
-  echo "== $plugin: CudaSuite"
-  (cd "transports/$plugin" && "$PY" -m pytest tests/test_gpu.py -p no:cacheprovider -q -rA 2>&1 | tail -12)
-  echo "== $plugin: race tests without the stream fences (expected to fail)"
-  (cd "transports/$plugin" && PYTHONPATH="$here/tools/gpu${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/test_gpu.py \
-    -p without_fences -p no:cacheprovider -q -rA -k "producing_kernel or non_contiguous or released_lease" 2>&1 | tail -6)
+  echo "== $plugin: CudaSuite (must pass, none skipped)"
+  out=$(cd "transports/$plugin" && "$PY" -m pytest tests/test_gpu.py -p no:cacheprovider -q -rA 2>&1)
+  status=$?
+  echo "$out" | tail -14
+  if [ "$status" -ne 0 ] || echo "$out" | tail -1 | grep -q skipped; then echo "== $plugin: FAILED"; failed=1; fi
+  echo "== $plugin: race tests without the stream fences (at least one must fail)"
+  out=$(cd "transports/$plugin" && PYTHONPATH="$here/tools/gpu${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest \
+    tests/test_gpu.py -p without_fences -p no:cacheprovider -q -rA \
+    -k "producing_kernel or non_contiguous or released_lease" 2>&1)
+  status=$?
+  echo "$out" | tail -6
+  if [ "$status" -eq 0 ]; then echo "== $plugin: the race tests passed without the fences: they catch nothing"; failed=1; fi
 done
 if "$PY" -c "import aioembed_nixl" 2>/dev/null; then
   cfg=$(mktemp --suffix=.toml)
-  printf '[aioembed]\ntransport = "nixl"\ndevice = "cuda:0"\n' > "$cfg"
+  printf '[aioembed]\ntransport = "nixl"\ndevice = "cuda:0"\ntransport_options = { write_timeout = 20.0 }\n' > "$cfg"
   echo "== nixl: GPU to GPU bench (raw NIXL moves the same GPU bytes)"
-  "$PY" -m aioembed bench --config "$cfg" --workloads sizes,resume --sizes 8192,20000,100000 --repeat 5
+  "$PY" -m aioembed bench --config "$cfg" --workloads sizes,resume --sizes 8192,20000,100000 --repeat 5 || failed=1
   rm -f "$cfg"
 fi
+exit "$failed"

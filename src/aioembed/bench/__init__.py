@@ -30,6 +30,9 @@ protocol:
 * ``methods: tuple[str, ...]``: raw variants measured side by side (e.g. ``("batch_write",)``);
   the one with the smallest median time counts as "raw";
 * ``cross_process: bool``: whether the destination lives in another process;
+* optionally ``cuda: bool``: ``True`` when ``setup`` takes CUDA sources (the benchmark makes its sources
+  on the pool's device) and puts the destination on their device; a baseline without it moves CPU
+  memory only and is left out when the pool is on a GPU;
 * ``async setup(sources, capacity_tokens)``: register the source tensors (one per layout
   field; rows ``[0, capacity_tokens)``) and prepare a registered destination of
   ``capacity_tokens`` rows per field (in a peer process if the transport allows);

@@ -169,8 +169,8 @@ def choose_baseline(factory: RawBaselineFactory | None,
     cfg, notes = opts.base_config, []
     info: dict[str, Any] = {"available": False, "entry_point_group": ENTRY_POINT_GROUP}
     if cfg.device.startswith("cuda"):
-        notes.append(f"pool on {cfg.device}: the sources are made there too, so every transfer (and the raw "
-                     "baseline's) moves GPU memory to GPU memory")
+        notes.append(f"pool on {cfg.device}: the sources are made there too, so aioembed moves GPU memory to GPU "
+                     "memory")
     if factory is None:
         notes.append(f"no raw baseline for transport {opts.transport!r}: a plugin adds one in the entry-point group "
                      f"{ENTRY_POINT_GROUP!r}; raw and ratio columns are empty")
@@ -182,8 +182,9 @@ def choose_baseline(factory: RawBaselineFactory | None,
         return None, dict(info, reason="moves CPU memory only; the pool is on a GPU"), notes
     info.update(available=True, description=b.description, methods=list(b.methods), cross_process=b.cross_process,
                 cuda=moves_cuda(b))
-    notes.append(f"raw baseline ({'destination in another process' if b.cross_process else 'in this process'}): "
-                 f"{b.description}")
+    where = "destination in another process" if b.cross_process else "in this process"
+    gpu = f", GPU memory to GPU memory on {cfg.device}" if cfg.device.startswith("cuda") else ""
+    notes.append(f"raw baseline ({where}{gpu}): {b.description}")
     return factory, info, notes
 
 

@@ -10,8 +10,9 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
 * stdin ``{"op": "recv", "id": i, "room": r, "expected": n | null, "mode": m, "sender": a, "check":
   [seed, top], "out_tokens": k}``: start the room from the sender at ``a`` (default ``connect``) with
   ``receive()`` (``mode`` copy), ``receive(out=...)`` into reused buffers of ``k`` rows (out) or
-  ``receive_leased()`` (lease); with ``check``, the rows are compared with the source the parent made
-  (``make_source(layout, top, seed)``) after the clock stopped; stdout
+  ``receive_leased()`` (lease); the ``out=`` buffers and the reference rows live on the pool's device;
+  with ``check``, the rows are compared with the source the parent made (``make_source(layout, top,
+  seed)``, regenerated here on the pool's device) after the clock stopped; stdout
   ``{"event": "done", "id": i, "t": T, "rounds": k}`` when the rows are in hand, where ``T`` is
   ``time.monotonic()`` at that moment (one system-wide clock on Linux, so the parent times the
   transfer from its own start to ``max(send returned, T)``); a lease is released after ``T``

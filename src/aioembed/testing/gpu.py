@@ -154,10 +154,12 @@ class CudaSuite:
             assert same_rows(_to_cpu(again.to_tensors()), _to_cpu(second))
             again.release()
 
-    async def test_a_copying_receive_from_a_cuda_pool_copies_each_round_whole(self) -> None:
-        """``copy_chunk_tokens`` pipelines copies out of CPU pools; a CUDA pool's device copy is far faster
-        than the writes into it, so its rounds are copied whole, once each (no chunk writes)."""
-        want = deterministic_request(LAYOUT, 1000, "whole")
+    @pytest.mark.parametrize("out_device", [None, "cuda:0", "cpu"])
+    async def test_a_copying_receive_chunks_only_copies_that_leave_the_gpu(self, out_device: str | None) -> None:
+        """``copy_chunk_tokens`` overlaps the copy-out with the writes. A copy from a CUDA pool into GPU memory
+        is far faster than the writes into the pool, so its round is copied whole, once; ``out=`` on the CPU
+        (a slow device-to-host copy) is still copied chunk by chunk."""
+        want = deterministic_request(LAYOUT, 1000, f"whole-{out_device}")
         async with self.pair(copy_chunk_tokens=256) as (sender, receiver):
             assert receiver._room_ctx is not None
             copier = receiver._room_ctx.copier
@@ -169,11 +171,17 @@ class CudaSuite:
                 await inner(blocks, out, start, count, **kw)
 
             copier.copy = spy  # type: ignore[method-assign]
+            out = LAYOUT.empty(1000, device=out_device) if out_device else None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(sender.send, "whole", _on_gpu(want))
-                got = await receiver.receive("whole")
+                got = await receiver.receive("whole", out=out)
             assert same_rows(_to_cpu(got.tensors), want)
-            assert copies == [(0, 1000)], f"one copy of the whole round expected, got {copies}"
+            if out_device == "cpu":
+                assert len(copies) > 1, f"chunked copies expected into out= on the CPU, got {copies}"
+                assert [s for s, _ in copies] == [sum(c for _, c in copies[:i]) for i in range(len(copies))]
+                assert sum(c for _, c in copies) == 1000
+            else:
+                assert copies == [(0, 1000)], f"one copy of the whole round expected, got {copies}"
 
     # -- every receive mode ------------------------------------------------------------------------
 

@@ -65,6 +65,13 @@ def _rows(base: int, rows: int, row_bytes: int, dev: int = 0) -> np.ndarray[Any,
     return arr
 
 
+def _settle(device: torch.device) -> None:
+    """Wait until the work queued on ``device``'s current stream (the copies or fills that made a baseline's
+    tensors) has completed: NIXL moves GPU memory outside torch's stream order."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _wait(agent: Any, xfer: Any, timeout: float) -> None:
     state = agent.transfer(xfer)
     deadline = time.monotonic() + timeout
@@ -106,6 +113,7 @@ class NixlBaseline:
         self._src = {name: sources[name].contiguous() for name in self.layout}
         device = next(iter(self._src.values())).device
         self._mem, self._dev = _memory(device)
+        _settle(device)  # NIXL reads the sources with no regard for torch's streams
         spec = {"options": self.options, "capacity": capacity_tokens, "device": str(device),
                 "fields": [[name, f.row_bytes] for name, f in self.layout.items()]}
         ready = await self._peer_process.start("aioembed_nixl.bench", spec)
@@ -189,6 +197,7 @@ def _peer(spec: dict[str, Any]) -> None:
     device = torch.device(spec.get("device", "cpu"))
     mem, dev = _memory(device)
     dst = {name: torch.zeros(capacity * row, dtype=torch.uint8, device=device) for name, row in rows.items()}
+    _settle(device)  # the zero fill lands before any write, not after it
     for t in dst.values():
         agent.register_memory([(t.data_ptr(), t.numel(), dev, "")], mem)
 
