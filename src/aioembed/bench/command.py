@@ -167,8 +167,9 @@ def choose_baseline(factory: RawBaselineFactory | None,
     on a GPU the sources are there too, and a baseline that moves CPU memory only is left out: its ratio
     would compare another path."""
     cfg, notes = opts.base_config, []
+    on_gpu = cfg.device.startswith("cuda")
     info: dict[str, Any] = {"available": False, "entry_point_group": ENTRY_POINT_GROUP}
-    if cfg.device.startswith("cuda"):
+    if on_gpu:
         notes.append(f"pool on {cfg.device}: the sources are made there too, so aioembed moves GPU memory to GPU "
                      "memory")
     if factory is None:
@@ -176,14 +177,15 @@ def choose_baseline(factory: RawBaselineFactory | None,
                      f"{ENTRY_POINT_GROUP!r}; raw and ratio columns are empty")
         return None, info, notes
     b = factory(standard_layout(opts.hidden), cfg)
-    if cfg.device.startswith("cuda") and not moves_cuda(b):
+    cuda = moves_cuda(b)
+    if on_gpu and not cuda:
         notes.append(f"the raw baseline of {opts.transport!r} moves CPU memory only; with the pool on {cfg.device} "
                      "it would measure another path, so raw and ratio columns are empty")
         return None, dict(info, reason="moves CPU memory only; the pool is on a GPU"), notes
     info.update(available=True, description=b.description, methods=list(b.methods), cross_process=b.cross_process,
-                cuda=moves_cuda(b))
+                cuda=cuda)
     where = "destination in another process" if b.cross_process else "in this process"
-    gpu = f", GPU memory to GPU memory on {cfg.device}" if cfg.device.startswith("cuda") else ""
+    gpu = f", GPU memory to GPU memory on {cfg.device}" if on_gpu else ""
     notes.append(f"raw baseline ({where}{gpu}): {b.description}")
     return factory, info, notes
 

@@ -10,7 +10,8 @@ from aioembed.config import TransferConfig
 from aioembed.samples import standard_layout
 from aioembed.testing.bench import run_quick_bench
 
-from aioembed_nixl.bench import NixlBaseline, _memory, _rows
+from aioembed_nixl._dlists import device_id, mem_type
+from aioembed_nixl.bench import NixlBaseline, _rows
 
 
 def test_baseline_entry_point() -> None:
@@ -21,9 +22,9 @@ def test_baseline_moves_gpu_memory_as_vram_of_the_sources_device() -> None:
     """With a GPU pool the bench hands CUDA sources; the raw NIXL baseline registers them and its peer's
     destination as VRAM of that device (run GPU to GPU on an H200: see the plugin's README)."""
     assert moves_cuda(NixlBaseline(standard_layout(64), TransferConfig(transport="nixl")))
-    assert _memory(torch.device("cpu")) == ("DRAM", 0)
-    assert _memory(torch.device("cuda", 0)) == ("VRAM", 0)
-    assert _memory(torch.device("cuda", 3)) == ("VRAM", 3)
+    for device, want in (("cpu", ("DRAM", 0)), ("cuda:0", ("VRAM", 0)), ("cuda:3", ("VRAM", 3))):
+        name = str(torch.device(device))  # how the baseline names its sources' device
+        assert (mem_type(name), device_id(name)) == want
     rows = _rows(0x1000, 3, 16, dev=3)
     assert rows.tolist() == [[0x1000, 16, 3], [0x1010, 16, 3], [0x1020, 16, 3]]
 

@@ -39,6 +39,7 @@ from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
 
+from aioembed_nixl._dlists import device_id, mem_type
 from aioembed_nixl._native import create_agent, load_nixl
 from aioembed_nixl._options import NixlOptions
 
@@ -49,11 +50,6 @@ _CHECK_TOKENS = 64
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-
-
-def _memory(device: torch.device) -> tuple[str, int]:
-    """NIXL's memory type and device id of tensors on ``device``."""
-    return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
 
 
 def _rows(base: int, rows: int, row_bytes: int, dev: int = 0) -> np.ndarray[Any, np.dtype[np.uint64]]:
@@ -112,7 +108,7 @@ class NixlBaseline:
     async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
         self._src = {name: sources[name].contiguous() for name in self.layout}
         device = next(iter(self._src.values())).device
-        self._mem, self._dev = _memory(device)
+        self._mem, self._dev = mem_type(str(device)), device_id(str(device))
         _settle(device)  # NIXL reads the sources with no regard for torch's streams
         spec = {"options": self.options, "capacity": capacity_tokens, "device": str(device),
                 "fields": [[name, f.row_bytes] for name, f in self.layout.items()]}
@@ -195,7 +191,7 @@ def _peer(spec: dict[str, Any]) -> None:
     capacity = int(spec["capacity"])
     rows = {str(name): int(row) for name, row in spec["fields"]}
     device = torch.device(spec.get("device", "cpu"))
-    mem, dev = _memory(device)
+    mem, dev = mem_type(str(device)), device_id(str(device))
     dst = {name: torch.zeros(capacity * row, dtype=torch.uint8, device=device) for name, row in rows.items()}
     _settle(device)  # the zero fill lands before any write, not after it
     for t in dst.values():
