@@ -16,7 +16,10 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
   ``{"event": "done", "id": i, "t": T, "rounds": k}`` when the rows are in hand, where ``T`` is
   ``time.monotonic()`` at that moment (one system-wide clock on Linux, so the parent times the
   transfer from its own start to ``max(send returned, T)``); a lease is released after ``T``
-  was taken; ``{"event": "done", "id": i, "error": "..."}`` on failure;
+  was taken; ``{"event": "done", "id": i, "error": "..."}`` on failure. With ``"hold": true`` the rows
+  are kept (a lease unreleased) and checked only on the parent's next command about them;
+* stdin ``{"op": "check", "id": j, "of": i}``: check and let go of the rows that command ``i`` holds;
+  stdout ``{"event": "done", "id": j, "checked": true}`` or ``{"event": "done", "id": j, "error": "..."}``;
 * stdin ``{"op": "stream", "id": i, "room": r, "expected": n | null, "chunk_tokens": c, "sender": a}``:
   receive the room with ``receiver.stream()``; stdout ``{"event": "done", "id": i, "t_first": T1,
   "t": T, "chunks": k}`` (the first chunk in hand at ``T1``, the last at ``T``);
@@ -36,7 +39,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -89,37 +92,77 @@ class _Checker:
         return same_rows(rows, {k: v[:n] for k, v in src.items()})
 
 
-async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cmd: dict[str, Any]) -> tuple[float, int]:
-    """One room as ``cmd`` says (``mode``: copy, out or lease); returns (``time.monotonic()`` once the rows
-    were in hand, rounds). Raises if the rows differ from the source (checked after the clock)."""
+async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
+                cmd: dict[str, Any]) -> tuple[float, int, Callable[[], None]]:
+    """One room as ``cmd`` says (``mode``: copy, out or lease): (``time.monotonic()`` once the rows were in
+    hand, rounds, ``finish``). ``finish()`` compares the rows with the source and lets them go (a lease is
+    released); it raises if they differ."""
     expected, sender, mode = cmd.get("expected"), cmd.get("sender"), cmd.get("mode") or (
         "lease" if cmd.get("lease") else "copy")
+    check = cmd.get("check")
     if mode == "lease":
         lease = await receiver.receive_leased(room, expected_tokens=expected, sender=sender)
         t = time.monotonic()
-        ok = checker.same(cmd.get("check"), lease.views)  # in the pool, before the release
-        rounds = lease.rounds
-        lease.release()
-        if not ok:
-            raise RuntimeError(f"room {room!r}: the rows differ from the source")
-        return t, rounds
+
+        def release() -> None:
+            try:
+                ok = checker.same(check, lease.views)  # in the pool, before the release
+            finally:
+                lease.release()
+            if not ok:
+                raise RuntimeError(f"room {room!r}: the rows differ from the source")
+
+        return t, lease.rounds, release
     out = checker.out(int(cmd["out_tokens"])) if mode == "out" else None
     got = await receiver.receive(room, expected_tokens=expected, sender=sender, out=out)
     t = time.monotonic()
-    if not checker.same(cmd.get("check"), got.tensors):
-        raise RuntimeError(f"room {room!r}: the rows differ from the source")
-    return t, got.rounds
+
+    def drop() -> None:
+        if not checker.same(check, got.tensors):
+            raise RuntimeError(f"room {room!r}: the rows differ from the source")
+
+    return t, got.rounds, drop
 
 
-async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any]) -> None:
+async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cmd: dict[str, Any]) -> tuple[float, int]:
+    """One room, checked at once (after its clock stopped); returns (when the rows were in hand, rounds)."""
+    t, rounds, finish = await _take(receiver, checker, room, cmd)
+    finish()
+    return t, rounds
+
+
+class _Held:
+    """A room kept unchecked until the parent's ``check`` command (``answer``: that command's id)."""
+
+    def __init__(self) -> None:
+        self.go = anyio.Event()
+        self.answer = 0
+
+
+async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any], held: dict[int, _Held]) -> None:
+    """One room. With ``hold``, its rows are kept unchecked until the parent's ``check`` command names it:
+    the parent's clock stops only once its ``send()`` has returned too, and a check running before that
+    would take the cores that the sender's last steps need (it reads the request twice, on a small host)."""
     cid = cmd["id"]
     t0 = time.monotonic()  # the receive() call: a transfer starts at the first of it and send()
+    hold = None
+    if cmd.get("hold"):
+        hold = held[cid] = _Held()
     try:
-        t, rounds = await _receive(receiver, checker, cmd["room"], cmd)
+        t, rounds, finish = await _take(receiver, checker, cmd["room"], cmd)
+        if hold is None:
+            finish()
+        _emit(event="done", id=cid, t0=t0, t=t, rounds=rounds)
+        if hold is None:
+            return
+        await hold.go.wait()
+        cid = hold.answer
+        finish()
+        _emit(event="done", id=cid, checked=True)
     except Exception as exc:
         _emit(event="done", id=cid, error=f"{type(exc).__name__}: {exc}")
-        return
-    _emit(event="done", id=cid, t0=t0, t=t, rounds=rounds)
+    finally:
+        held.pop(cmd["id"], None)
 
 
 async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any]) -> None:
@@ -173,6 +216,7 @@ async def _run(spec: dict[str, Any]) -> None:
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     tasks: set[asyncio.Task[None]] = set()
+    held: dict[int, _Held] = {}
     checker = _Checker(layout, config.device)
     async with EmbeddingReceiver(layout, config, connect=spec["connect"]) as receiver:
         for address in spec.get("senders") or [spec["connect"]]:
@@ -185,9 +229,18 @@ async def _run(spec: dict[str, Any]) -> None:
             cmd = json.loads(line)
             if cmd.get("op") == "exit":
                 break
-            if cmd.get("op") in ("recv", "stream", "series"):
-                run = {"recv": _one, "series": _series}.get(cmd["op"])
-                task = asyncio.create_task(run(receiver, checker, cmd) if run else _stream(receiver, cmd))
+            if cmd.get("op") == "check":
+                hold = held.get(int(cmd["of"]))
+                if hold is None:
+                    _emit(event="done", id=cmd["id"], error=f"no room held for command {cmd['of']}")
+                else:
+                    hold.answer = cmd["id"]
+                    hold.go.set()
+            elif cmd.get("op") in ("recv", "stream", "series"):
+                op = cmd["op"]
+                task = asyncio.create_task(_one(receiver, checker, cmd, held) if op == "recv" else
+                                           _series(receiver, checker, cmd) if op == "series" else
+                                           _stream(receiver, cmd))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         for task in list(tasks):

@@ -1,7 +1,9 @@
-"""A shared check for transport plugins: ``aioembed bench --quick`` runs with their raw baseline.
+"""Shared checks for transport plugins: ``aioembed bench --quick`` runs with their raw baseline, and the
+two-process benchmark checks every transfer's rows only once its clock stopped.
 
 Each plugin's test calls :func:`run_quick_bench` and then asserts what is its own (the baseline's
-method names and description). Only the shape of the output is checked, never a timing.
+method names and description), and :func:`check_rows_after_the_clock`. Only the shape of the output
+and the rows are checked, never a timing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_quick_bench"]
+import anyio
+import pytest
+
+from aioembed.bench.measure import BenchOptions, Measurer, PeerProcessError
+from aioembed.config import TransferConfig
+
+__all__ = ["check_rows_after_the_clock", "run_quick_bench"]
 
 _RUN = "from aioembed.cli import main; main()"
 
@@ -50,3 +58,34 @@ def run_quick_bench(tmp_path: Path, transport: str, options: Mapping[str, str | 
     assert [p["tokens"] for p in result["workloads"]["sizes"]["points"]] == [16, 8192]
     assert any("process model 'two'" in n for n in result["notes"])
     return result
+
+
+def check_rows_after_the_clock(transport: str, options: Mapping[str, Any]) -> None:
+    """The two-process benchmark (receiver in a child) over ``transport``: each receive mode's rows are held
+    by the child until the parent's clock has stopped, then checked bit for bit; rows that differ from the
+    source fail the transfer with the room named, and their lease is released all the same (the pool holds
+    one request zero-copy, so a lease left behind would fail the next one)."""
+    n = 1024
+
+    async def main() -> None:
+        base = TransferConfig(transport=transport, transport_options=dict(options))
+        cfg = base.replace(block_size=128, default_tokens=512, pool_tokens=n, max_round_tokens=None,
+                           resume_reserve_tokens=0)
+        m = Measurer(BenchOptions(base_config=base, process_model="two"), None, lambda _step: None)
+        src = m.source(n)
+        async with m._session(cfg) as pair:
+            for mode in ("lease", "out", "copy", "lease"):
+                seconds, rounds = await pair.one(m._next_room("t"), src, expected=None, mode=mode,
+                                                 check=[m.opts.seed, n])
+                assert seconds > 0 and rounds == 2, (mode, seconds, rounds)
+            for mode in ("lease", "out", "copy"):
+                room = m._next_room("bad")
+                with pytest.raises(PeerProcessError, match=f"room {room!r}: the rows differ from the source"):
+                    await pair.one(room, src, expected=None, mode=mode, check=[m.opts.seed + 1, n])
+            seconds, rounds = await pair.one(m._next_room("after"), src, expected=n, mode="lease",
+                                             check=[m.opts.seed, n])
+            assert seconds > 0 and rounds == 1
+            with pytest.raises(PeerProcessError, match="no room held for command"):
+                await pair._ask({"op": "check", "of": 10**9})  # type: ignore[attr-defined]
+
+    anyio.run(main)

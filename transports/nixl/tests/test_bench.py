@@ -8,7 +8,7 @@ import torch
 from aioembed.bench.baselines import moves_cuda, resolve_baseline
 from aioembed.config import TransferConfig
 from aioembed.samples import standard_layout
-from aioembed.testing.bench import run_quick_bench
+from aioembed.testing.bench import check_rows_after_the_clock, run_quick_bench
 
 from aioembed_nixl._dlists import device_id, mem_type
 from aioembed_nixl.bench import NixlBaseline, _rows
@@ -34,3 +34,7 @@ def test_bench_quick_runs_aioembed_and_raw_baseline(tmp_path: Path) -> None:
     raw = result["raw_baseline"]
     assert raw["methods"] == ["prepped", "initialize_xfer"] and raw["cuda"] is True
     assert "check_xfer_state" in raw["description"]
+
+
+def test_the_two_process_bench_checks_rows_after_its_clock_stopped() -> None:
+    check_rows_after_the_clock("nixl", {"write_timeout": 20.0})

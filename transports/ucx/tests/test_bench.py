@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aioembed.bench.baselines import resolve_baseline
-from aioembed.testing.bench import run_quick_bench
+from aioembed.testing.bench import check_rows_after_the_clock, run_quick_bench
 
 from aioembed_ucx.bench import UcxBaseline
 
@@ -19,3 +19,7 @@ def test_bench_quick_runs_aioembed_and_raw_baseline(tmp_path: Path) -> None:
     raw = result["raw_baseline"]
     assert raw["methods"] == ["send_recv"]
     assert "ep.send" in raw["description"]
+
+
+def test_the_two_process_bench_checks_rows_after_its_clock_stopped() -> None:
+    check_rows_after_the_clock("ucx", {"tls": "tcp"})
