@@ -14,14 +14,14 @@ W3     64-token requests, 32 in flight: requests/s, p99 latency     >= 0.5 x raw
 
 Receive modes: ``leased`` (``receive_leased()``, released after the clock stops), ``out``
 (``receive(out=...)`` into buffers reused from room to room), ``receive`` (``receive()`` into a
-fresh output). Every aioembed transfer is checked bit for bit against the source after its clock
-stopped (in the receiving process): in W1 and W2 only once *both* sides are done (the child holds the
-rows until then), in W3 as each room's rows are in hand, so there the checks share the cores with the
-rooms still in flight and count in the requests/s; the raw baseline checks one write at its setup. Variants run
-interleaved (order rotated each repetition, after an untimed warm-up). W3 runs a series of rooms
-that both processes walk in the same order: latency is from the later of a room's two starts
-(``send()`` called, receive started) to both sides done, so no harness round trip is inside it.
-Raw W3 moves the same 64 tokens one transfer after another.
+fresh output). Every aioembed transfer is checked bit for bit against the source in the receiving
+process, outside its timing: in W1 and W2 with the receiver in a child process, only once *both* sides
+are done (the child holds the rows until then); in W3 as each room's rows are in hand, so there the
+checks share the cores with the rooms still in flight and count in the requests/s. The raw baseline
+checks one write at its setup. Variants run interleaved (order rotated each repetition, after an
+untimed warm-up). W3 runs a series of rooms that both processes walk in the same order: latency is
+from the later of a room's two starts (``send()`` called, receive started) to both sides done, so no
+harness round trip is inside it. Raw W3 moves the same 64 tokens one transfer after another.
 """
 
 from __future__ import annotations

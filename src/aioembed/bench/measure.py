@@ -23,6 +23,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -64,6 +65,8 @@ __all__ = [
     "has_zero_copy",
     "plan_steps",
 ]
+
+log = logging.getLogger("aioembed.bench")
 
 WORKLOADS: tuple[str, ...] = ("goals", "sizes", "concurrency", "resume", "trace", "senders", "stream", "idle",
                               "memory")
@@ -438,7 +441,7 @@ class _RemotePair(_Pair):
         return transfer_time(sent, ev), int(ev.get("rounds") or 0)
 
     async def _send_beside(self, room: str, data: Mapping[str, torch.Tensor], cmd: dict[str, Any],
-                           via: int = 0) -> tuple[list[float], dict[str, Any]]:
+                           via: int = 0, cid: int | None = None) -> tuple[list[float], dict[str, Any]]:
         """Send ``data`` as ``room`` through sender ``via`` while the child runs ``cmd`` for that room: the
         ``send()``'s start and end (``time.monotonic``), and the child's answer."""
         sent = [0.0, 0.0]
@@ -449,19 +452,20 @@ class _RemotePair(_Pair):
             await sender.send(room, data)
             sent[1] = time.monotonic()
 
-        return sent, await self._ask(dict(cmd, room=room), sending, via)
+        return sent, await self._ask(dict(cmd, room=room), sending, via, cid)
 
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                    via: int = 0) -> tuple[float, int]:
         return await self._transfer(room, data, expected, False, via)
 
     async def _ask(self, cmd: dict[str, Any], sending: Callable[[], Coroutine[Any, Any, None]] | None = None,
-                   via: int = 0) -> dict[str, Any]:
-        """Send ``cmd`` to the child (receiving from sender ``via``), run ``sending`` here meanwhile (if
-        given); the child's answer, once ``sending`` returned too."""
+                   via: int = 0, cid: int | None = None) -> dict[str, Any]:
+        """Send ``cmd`` to the child (receiving from sender ``via``) as command ``cid`` (default: the next
+        id), run ``sending`` here meanwhile (if given); the child's answer, once ``sending`` returned too."""
         if self._ended is not None:
             await self._fail(self._ended)
-        cid = next(self._ids)
+        if cid is None:
+            cid = next(self._ids)
         done = anyio.Event()
         box: list[dict[str, Any]] = []
         self._waiting[cid] = (done, box)
@@ -483,11 +487,28 @@ class _RemotePair(_Pair):
         the rows were in hand would share the cores with this process's ``send()`` still finishing (and
         on 2 cores measurably slow it: W1 ``out=`` 36.7 -> 41.5 ms)."""
         n = next(iter(data.values())).shape[0]
-        sent, ev = await self._send_beside(room, data, {"op": "recv", "expected": expected, "mode": mode,
-                                                        "check": check, "out_tokens": n, "hold": bool(check)})
+        cid = next(self._ids)
+        try:
+            sent, ev = await self._send_beside(room, data, {"op": "recv", "expected": expected, "mode": mode,
+                                                            "check": check, "out_tokens": n, "hold": bool(check)},
+                                               cid=cid)
+        except BaseException:
+            if check:
+                await self._let_go(cid)
+            raise
         if check:
-            await self._ask({"op": "check", "of": ev["id"]})
+            await self._ask({"op": "check", "of": cid})
         return transfer_time(sent, ev), int(ev.get("rounds") or 0)
+
+    async def _let_go(self, of: int) -> None:
+        """After a failed transfer, have the child let go of rows it may hold for command ``of`` (a lease would
+        otherwise keep the pool's blocks for the rest of the session). Best effort, bounded: the transfer's
+        own error is what the caller sees."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            try:
+                await self._ask({"op": "check", "of": of})
+            except PeerProcessError as exc:  # nothing was held (the receive failed too), or the rows differ
+                log.debug("bench child, after a failed transfer: %s", exc)
 
     async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
                      mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:

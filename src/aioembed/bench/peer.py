@@ -12,12 +12,14 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
   ``receive()`` (``mode`` copy), ``receive(out=...)`` into reused buffers of ``k`` rows (out) or
   ``receive_leased()`` (lease); the ``out=`` buffers and the reference rows live on the pool's device;
   with ``check``, the rows are compared with the source the parent made (``make_source(layout, top,
-  seed)``, regenerated here on the pool's device) after the clock stopped; stdout
-  ``{"event": "done", "id": i, "t": T, "rounds": k}`` when the rows are in hand, where ``T`` is
-  ``time.monotonic()`` at that moment (one system-wide clock on Linux, so the parent times the
-  transfer from its own start to ``max(send returned, T)``); a lease is released after ``T``
-  was taken; ``{"event": "done", "id": i, "error": "..."}`` on failure. With ``"hold": true`` the rows
-  are kept (a lease unreleased) and checked only on the parent's next command about them;
+  seed)``, regenerated here on the pool's device) once they are in hand (``T`` taken); stdout
+  ``{"event": "done", "id": i, "t0": T0, "t": T, "rounds": k}`` when the rows are in hand (``T0``: when
+  the receive was called), where ``T`` is ``time.monotonic()`` at that moment (one system-wide clock on
+  Linux, so the parent times the transfer from its own start to ``max(send returned, T)``); a lease is
+  released after ``T`` was taken; ``{"event": "done", "id": i, "error": "..."}`` on failure. With
+  ``"hold": true`` the rows are kept (a lease unreleased) and checked only on the parent's ``check``
+  command naming ``i``; that ``done`` then carries no verdict (rows that differ are reported under the
+  check's id);
 * stdin ``{"op": "check", "id": j, "of": i}``: check and let go of the rows that command ``i`` holds;
   stdout ``{"event": "done", "id": j, "checked": true}`` or ``{"event": "done", "id": j, "error": "..."}``;
 * stdin ``{"op": "stream", "id": i, "room": r, "expected": n | null, "chunk_tokens": c, "sender": a}``:
@@ -61,7 +63,7 @@ def _emit(**event: Any) -> None:
 
 class _Checker:
     """The rows a room must hold (regenerated from the source's seed, as the sender made them), and the
-    reused ``out=`` buffers; checks run after the clock stopped."""
+    reused ``out=`` buffers; checks run once the child's own clock stopped (with ``hold``, the parent's too)."""
 
     def __init__(self, layout: Layout, device: str = "cpu") -> None:
         self.layout = layout
@@ -125,7 +127,8 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
 
 
 async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cmd: dict[str, Any]) -> tuple[float, int]:
-    """One room, checked at once (after its clock stopped); returns (when the rows were in hand, rounds)."""
+    """One room, checked as soon as its rows are in hand (the sender may still be finishing); returns (when the
+    rows were in hand, rounds)."""
     t, rounds, finish = await _take(receiver, checker, room, cmd)
     finish()
     return t, rounds
@@ -142,27 +145,46 @@ class _Held:
 async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any], held: dict[int, _Held]) -> None:
     """One room. With ``hold``, its rows are kept unchecked until the parent's ``check`` command names it:
     the parent's clock stops only once its ``send()`` has returned too, and a check running before that
-    would take the cores that the sender's last steps need (it reads the request twice, on a small host)."""
+    would take the cores that the sender's last steps need (it reads the request twice, on a small host).
+    Then the ``done`` of the command carries no verdict: the check's answer does."""
     cid = cmd["id"]
     t0 = time.monotonic()  # the receive() call: a transfer starts at the first of it and send()
     hold = None
     if cmd.get("hold"):
         hold = held[cid] = _Held()
     try:
-        t, rounds, finish = await _take(receiver, checker, cmd["room"], cmd)
-        if hold is None:
-            finish()
+        try:
+            t, rounds, finish = await _take(receiver, checker, cmd["room"], cmd)
+            if hold is None:
+                finish()
+        except Exception as exc:
+            _emit(event="done", id=cid, error=f"{type(exc).__name__}: {exc}")
+            if hold is not None and hold.go.is_set():  # a check already asked about these rows
+                _emit(event="done", id=hold.answer, error=f"command {cid} received no rows: {type(exc).__name__}")
+            return
         _emit(event="done", id=cid, t0=t0, t=t, rounds=rounds)
         if hold is None:
             return
         await hold.go.wait()
-        cid = hold.answer
-        finish()
-        _emit(event="done", id=cid, checked=True)
-    except Exception as exc:
-        _emit(event="done", id=cid, error=f"{type(exc).__name__}: {exc}")
+        try:
+            finish()
+        except Exception as exc:
+            _emit(event="done", id=hold.answer, error=f"{type(exc).__name__}: {exc}")
+            return
+        _emit(event="done", id=hold.answer, checked=True)
     finally:
-        held.pop(cmd["id"], None)
+        held.pop(cid, None)
+
+
+def _check(cmd: dict[str, Any], held: dict[int, _Held]) -> None:
+    """The parent's ``check`` command: the held rows of command ``of`` may be checked and let go (once)."""
+    of = cmd.get("of")
+    hold = held.pop(of, None) if isinstance(of, int) else None
+    if hold is None:
+        _emit(event="done", id=cmd["id"], error=f"no room held for command {of!r}")
+        return
+    hold.answer = cmd["id"]
+    hold.go.set()
 
 
 async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any]) -> None:
@@ -230,12 +252,7 @@ async def _run(spec: dict[str, Any]) -> None:
             if cmd.get("op") == "exit":
                 break
             if cmd.get("op") == "check":
-                hold = held.get(int(cmd["of"]))
-                if hold is None:
-                    _emit(event="done", id=cmd["id"], error=f"no room held for command {cmd['of']}")
-                else:
-                    hold.answer = cmd["id"]
-                    hold.go.set()
+                _check(cmd, held)
             elif cmd.get("op") in ("recv", "stream", "series"):
                 op = cmd["op"]
                 task = asyncio.create_task(_one(receiver, checker, cmd, held) if op == "recv" else

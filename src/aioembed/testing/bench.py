@@ -9,6 +9,7 @@ and the rows are checked, never a timing.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -61,31 +62,38 @@ def run_quick_bench(tmp_path: Path, transport: str, options: Mapping[str, str | 
 
 
 def check_rows_after_the_clock(transport: str, options: Mapping[str, Any]) -> None:
-    """The two-process benchmark (receiver in a child) over ``transport``: each receive mode's rows are held
-    by the child until the parent's clock has stopped, then checked bit for bit; rows that differ from the
-    source fail the transfer with the room named, and their lease is released all the same (the pool holds
-    one request zero-copy, so a lease left behind would fail the next one)."""
+    """The two-process benchmark (receiver in a child) over ``transport``, each receive mode: rows held by the
+    child until the parent asks, then checked bit for bit; rows that differ fail the transfer at that check,
+    naming the room, and a bad lease is released all the same (the pool holds one request zero-copy, so a
+    lease left behind would stop the next one at once); a transfer without a check is not held."""
     n = 1024
 
     async def main() -> None:
         base = TransferConfig(transport=transport, transport_options=dict(options))
         cfg = base.replace(block_size=128, default_tokens=512, pool_tokens=n, max_round_tokens=None,
-                           resume_reserve_tokens=0)
+                           resume_reserve_tokens=0, round_timeout=10.0)
         m = Measurer(BenchOptions(base_config=base, process_model="two"), None, lambda _step: None)
         src = m.source(n)
+        good = [m.opts.seed, n]
         async with m._session(cfg) as pair:
             for mode in ("lease", "out", "copy", "lease"):
-                seconds, rounds = await pair.one(m._next_room("t"), src, expected=None, mode=mode,
-                                                 check=[m.opts.seed, n])
+                seconds, rounds = await pair.one(m._next_room("t"), src, expected=None, mode=mode, check=good)
                 assert seconds > 0 and rounds == 2, (mode, seconds, rounds)
+            seconds, rounds = await pair.one(m._next_room("unchecked"), src, expected=n, mode="lease", check=None)
+            assert seconds > 0 and rounds == 1
             for mode in ("lease", "out", "copy"):
                 room = m._next_room("bad")
-                with pytest.raises(PeerProcessError, match=f"room {room!r}: the rows differ from the source"):
+                with pytest.raises(PeerProcessError, match=re.escape(
+                        f"check failed in the receiver child process: RuntimeError: room {room!r}: the rows "
+                        "differ from the source")):
                     await pair.one(room, src, expected=None, mode=mode, check=[m.opts.seed + 1, n])
-            seconds, rounds = await pair.one(m._next_room("after"), src, expected=n, mode="lease",
-                                             check=[m.opts.seed, n])
-            assert seconds > 0 and rounds == 1
-            with pytest.raises(PeerProcessError, match="no room held for command"):
+                seconds, rounds = await pair.one(m._next_room("after"), src, expected=n, mode="lease", check=good)
+                assert seconds > 0 and rounds == 1
+            with pytest.raises(PeerProcessError, match="no room held for command 1000000000"):
                 await pair._ask({"op": "check", "of": 10**9})  # type: ignore[attr-defined]
 
-    anyio.run(main)
+    async def bounded() -> None:
+        with anyio.fail_after(120):
+            await main()
+
+    anyio.run(bounded)
