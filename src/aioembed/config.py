@@ -77,8 +77,8 @@ class TransferConfig:
     add per-write costs); a CUDA pool's ``out=`` on the CPU is still copied chunk by chunk."""
     output_cache_bytes: int = 256 << 20
     """Receiver: memory of ``receive()`` outputs the caller has dropped, kept (up to this many bytes)
-    for the next outputs, which then skip the page faults of new memory. Only fields of at least 8 MiB
-    are kept; 0: none."""
+    for the next outputs, which then skip the page faults of new memory. Only fields of at least 64 KiB
+    are kept (in spans of the next power of two below 8 MiB); 0: none."""
     max_senders: int = 64
     """Most senders one receiver keeps a connection to (idle ones are closed to make room)."""
     sender_idle_timeout: float = 300.0

@@ -194,3 +194,56 @@ def test_a_failed_allocation_leaves_the_counts_as_they_were(monkeypatch: pytest.
     with pytest.raises(MemoryError):
         cache.empty(LAYOUT, BIG, CPU)
     assert (cache.stats.lent, cache.stats.idle_bytes) == (0, 0)
+
+
+def test_a_small_field_is_lent_from_a_power_of_two_span_and_reused_once_dropped() -> None:
+    from aioembed.memory.output_cache import SPAN_MIN_BYTES, span_bytes
+
+    cache = OutputCache(64 << 20)
+    tokens = 57  # 456 KiB of embeddings: a 512 KiB span; token ids (228 bytes) stay ordinary
+    assert span_bytes(tokens * ROW) == 512 << 10 and tokens * 4 < SPAN_MIN_BYTES
+    out = cache.empty(LAYOUT, tokens, CPU)
+    emb = out["embeddings"]
+    assert emb.shape == (tokens, 4096) and emb.dtype == torch.bfloat16 and emb.is_contiguous()
+    assert emb.untyped_storage().nbytes() == emb.nbytes  # the caller sees exactly its field
+    src = torch.randn(tokens, 4096).to(torch.bfloat16)
+    emb.copy_(src)
+    assert torch.equal(emb, src)
+    ptr = emb.data_ptr()
+    held = cache.empty(LAYOUT, tokens, CPU)["embeddings"]  # the first is still held: new memory
+    assert held.data_ptr() != ptr
+    held.fill_(7)
+    assert (cache.stats.misses, cache.stats.lent) == (2, 2)
+    del out, emb
+    assert (cache.stats.lent, cache.stats.idle_bytes) == (1, 512 << 10)
+    smaller = cache.empty(LAYOUT, 40, CPU)["embeddings"]  # 320 KiB: its 512 KiB class, the same span
+    assert smaller.data_ptr() == ptr and cache.stats.hits == 1
+    smaller.copy_(src[:40].flip(0))
+    assert torch.equal(smaller, src[:40].flip(0)) and bool((held == 7).all())
+    del smaller
+    tiny = cache.empty(LAYOUT, 16, CPU)  # 128 KiB: a span of up to 256 KiB only, not the idle 512 KiB
+    assert tiny["embeddings"].data_ptr() != ptr and cache.stats.misses == 3
+    below = cache.empty(LAYOUT, 7, CPU)["embeddings"]  # 56 KiB: below the threshold, not counted
+    assert below.untyped_storage().nbytes() == below.nbytes and cache.stats.misses == 3
+
+
+def test_spans_of_each_size_are_found_among_many_idle_ones_and_evicted_oldest_first() -> None:
+    cache = OutputCache(4 << 20)
+    sizes = [8, 16, 32, 64, 8, 16]  # tokens: 64, 128, 256, 512 KiB; two each of the first sizes
+    outs = [cache.empty(LAYOUT, n, CPU)["embeddings"] for n in sizes]
+    ptrs = [t.data_ptr() for t in outs]
+    while outs:
+        outs.pop(0)  # given back in this order (a list drops its items last first)
+    assert cache.stats.idle_bytes == (64 + 128 + 256 + 512 + 64 + 128) << 10
+    again = cache.empty(LAYOUT, 16, CPU)["embeddings"]  # the 128 KiB span given back last
+    assert again.data_ptr() == ptrs[5]
+    big = [cache.empty(LAYOUT, 256, CPU)["embeddings"] for _ in range(2)]  # 2 MiB each: new memory
+    freed = cache.stats.freed
+    while big:
+        big.pop(0)
+    # 4 MiB more idle against a 4 MiB bound: the five smaller spans went, oldest first, leaving the two new.
+    assert cache.stats.idle_bytes == 4 << 20 and cache.stats.freed == freed + 5
+    misses = cache.stats.misses
+    cache.empty(LAYOUT, 8, CPU)  # no 64 or 128 KiB span is left idle
+    assert cache.stats.misses == misses + 1
+    del again

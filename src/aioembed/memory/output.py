@@ -80,19 +80,21 @@ def huge_page_memory(nbytes: int) -> torch.Tensor:
 
 
 def empty_output(layout: Layout, num_tokens: int, device: torch.device, *,
-                 large: Callable[[int], torch.Tensor] = huge_page_memory) -> dict[str, torch.Tensor]:
+                 large: Callable[[int], torch.Tensor] = huge_page_memory,
+                 min_bytes: int = HUGE_PAGE_MIN_BYTES) -> dict[str, torch.Tensor]:
     """Uninitialised tensors for ``num_tokens`` tokens of every field of ``layout`` on ``device``: a
-    CPU field of at least :data:`HUGE_PAGE_MIN_BYTES` from ``large(nbytes)`` (a contiguous uint8
-    tensor; by default on huge pages, see the module docstring), the rest as :meth:`Layout.empty`
-    makes them. Each tensor is contiguous; with the default ``large``, a huge-page one is a view into
-    a slightly larger allocation (its ``storage_offset`` is not 0), freed with the tensor
-    (:class:`~aioembed.memory.output_cache.OutputCache` passes its own, which lends kept memory)."""
+    CPU field of at least ``min_bytes`` from ``large(nbytes)`` (a contiguous uint8 tensor; by default
+    on huge pages, see the module docstring), the rest as :meth:`Layout.empty` makes them. Each tensor
+    is contiguous; with the default ``large``, a huge-page one is a view into a slightly larger
+    allocation (its ``storage_offset`` is not 0), freed with the tensor
+    (:class:`~aioembed.memory.output_cache.OutputCache` passes its own, which lends kept memory, and a
+    smaller ``min_bytes``)."""
     if device.type != "cpu":
         return layout.empty(num_tokens, device=device)
     out: dict[str, torch.Tensor] = {}
     for name, f in layout.items():
         shape = (num_tokens, *f.shape)
         nbytes = num_tokens * f.row_bytes
-        out[name] = (large(nbytes).view(f.dtype).view(shape) if nbytes >= HUGE_PAGE_MIN_BYTES
+        out[name] = (large(nbytes).view(f.dtype).view(shape) if nbytes >= min_bytes
                      else torch.empty(shape, dtype=f.dtype))
     return out
