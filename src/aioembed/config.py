@@ -78,7 +78,7 @@ class TransferConfig:
     output_cache_bytes: int = 256 << 20
     """Receiver: memory of ``receive()`` outputs the caller has dropped, kept (up to this many bytes)
     for the next outputs, which then skip the page faults of new memory. Only fields of at least 64 KiB
-    are kept (in spans of the next power of two below 8 MiB); 0: none."""
+    are kept; 0: none."""
     max_senders: int = 64
     """Most senders one receiver keeps a connection to (idle ones are closed to make room)."""
     sender_idle_timeout: float = 300.0

@@ -1,4 +1,4 @@
-"""OutputCache: large fields of fresh outputs reuse the memory of dropped outputs, never of held ones."""
+"""OutputCache: fields of fresh outputs reuse the memory of dropped outputs, never of held ones."""
 
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ def test_capacity_zero_keeps_nothing() -> None:
     assert cache.stats == type(cache.stats)()
 
 
-def test_outputs_dropped_on_other_threads_come_back_and_none_is_lent_twice() -> None:
+@pytest.mark.parametrize(("base", "step"), [(BIG, 1024), (40, 8)], ids=["large", "small"])
+def test_outputs_dropped_on_other_threads_come_back_and_none_is_lent_twice(base: int, step: int) -> None:
     cache = OutputCache(128 << 20)
     handed: queue.Queue[dict[str, torch.Tensor] | None] = queue.Queue()
     live: set[int] = set()
@@ -128,7 +129,7 @@ def test_outputs_dropped_on_other_threads_come_back_and_none_is_lent_twice() -> 
         t.start()
     try:
         for i in range(300):
-            out = cache.empty(LAYOUT, BIG + (i % 3) * 1024, CPU)
+            out = cache.empty(LAYOUT, base + (i % 3) * step, CPU)
             out["embeddings"].view(torch.uint8)[:8].fill_(i % 251)
             with lock:
                 assert out["embeddings"].data_ptr() not in live, "memory lent twice"
@@ -144,7 +145,8 @@ def test_outputs_dropped_on_other_threads_come_back_and_none_is_lent_twice() -> 
     cache._settle()
     assert cache.stats.lent == 0
     assert cache.stats.hits > 0
-    assert cache.stats.idle_bytes == sum(s.nbytes for s in cache._idle) <= cache.capacity
+    assert cache.stats.idle_bytes <= cache.capacity
+    _consistent(cache)
 
 
 def test_a_return_during_the_cache_own_critical_section_is_settled_after_it() -> None:
@@ -227,23 +229,50 @@ def test_a_small_field_is_lent_from_a_power_of_two_span_and_reused_once_dropped(
     assert below.untyped_storage().nbytes() == below.nbytes and cache.stats.misses == 3
 
 
-def test_spans_of_each_size_are_found_among_many_idle_ones_and_evicted_oldest_first() -> None:
-    cache = OutputCache(4 << 20)
-    sizes = [8, 16, 32, 64, 8, 16]  # tokens: 64, 128, 256, 512 KiB; two each of the first sizes
-    outs = [cache.empty(LAYOUT, n, CPU)["embeddings"] for n in sizes]
-    ptrs = [t.data_ptr() for t in outs]
-    while outs:
-        outs.pop(0)  # given back in this order (a list drops its items last first)
-    assert cache.stats.idle_bytes == (64 + 128 + 256 + 512 + 64 + 128) << 10
-    again = cache.empty(LAYOUT, 16, CPU)["embeddings"]  # the 128 KiB span given back last
-    assert again.data_ptr() == ptrs[5]
-    big = [cache.empty(LAYOUT, 256, CPU)["embeddings"] for _ in range(2)]  # 2 MiB each: new memory
-    freed = cache.stats.freed
-    while big:
-        big.pop(0)
-    # 4 MiB more idle against a 4 MiB bound: the five smaller spans went, oldest first, leaving the two new.
-    assert cache.stats.idle_bytes == 4 << 20 and cache.stats.freed == freed + 5
-    misses = cache.stats.misses
-    cache.empty(LAYOUT, 8, CPU)  # no 64 or 128 KiB span is left idle
-    assert cache.stats.misses == misses + 1
-    del again
+def _consistent(cache: OutputCache) -> None:
+    """The idle spans by age and by size are the same spans, and add up to the idle bytes."""
+    by_size = [span for spans in cache._by_size.values() for span in spans]
+    assert sorted(map(id, by_size)) == sorted(map(id, cache._idle))
+    assert sum(span.nbytes for span in cache._idle) == cache.stats.idle_bytes
+
+
+def test_span_sizes_are_few_and_at_most_twice_the_field() -> None:
+    from aioembed.memory.output_cache import span_bytes
+
+    kib, mib = 1 << 10, 1 << 20
+    assert [span_bytes(n) for n in (64 * kib, 64 * kib + 1, 458 * kib, 4 * mib)] == [64 * kib, 128 * kib,
+                                                                                     512 * kib, 4 * mib]
+    assert [span_bytes(n) for n in (4 * mib + 1, 5 * mib, 8 * mib, 8 * mib + 1)] == [6 * mib, 6 * mib,
+                                                                                     8 * mib, 10 * mib]
+    # Reuse is bounded by the field, not by its new span: a 65 KiB field (a new span would be 128 KiB)
+    # is not lent an idle 256 KiB span.
+    cache = OutputCache(64 << 20)
+    wide = cache.empty(LAYOUT, 32, CPU)  # 256 KiB
+    del wide
+    narrow = cache.empty(Layout(x=Field((65 * kib,), torch.uint8)), 1, CPU)["x"]
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.idle_bytes) == (0, 2, 256 * kib)
+    del narrow
+    _consistent(cache)
+
+
+def test_idle_spans_are_found_by_size_and_evicted_oldest_first() -> None:
+    cache = OutputCache(256 << 10)
+    a, b, c, d = (cache.empty(LAYOUT, 8, CPU)["embeddings"] for _ in range(4))  # 64 KiB each
+    ptrs = {name: t.data_ptr() for name, t in zip("abcd", (a, b, c, d), strict=True)}
+    del a, b, c, d  # given back in this order: 256 KiB idle, the bound
+    _consistent(cache)
+    e = cache.empty(LAYOUT, 16, CPU)["embeddings"]  # 128 KiB: no idle span of that size (64 KiB is too small)
+    assert cache.stats.misses == 5
+    ptrs["e"] = e.data_ptr()
+    del e  # 384 KiB idle: the two oldest (a, b) go
+    assert (cache.stats.idle_bytes, cache.stats.freed) == (256 << 10, 2)
+    _consistent(cache)
+    first, second = (cache.empty(LAYOUT, 8, CPU)["embeddings"] for _ in range(2))
+    assert (first.data_ptr(), second.data_ptr()) == (ptrs["d"], ptrs["c"])  # last given back first
+    assert cache.stats.hits == 2
+    third = cache.empty(LAYOUT, 8, CPU)["embeddings"]  # a and b are gone: e's span, exactly twice the field
+    assert third.data_ptr() == ptrs["e"] and (cache.stats.hits, cache.stats.misses) == (3, 5)
+    fourth = cache.empty(LAYOUT, 8, CPU)["embeddings"]  # nothing idle is left
+    assert cache.stats.misses == 6 and cache.stats.idle_bytes == 0
+    _consistent(cache)
+    del first, second, third, fourth

@@ -16,8 +16,9 @@ and go).
 So a receiver keeps that memory itself. A field of at least :data:`SPAN_MIN_BYTES` is lent from a
 *span*, through a small exporter object that the tensor's storage holds (``torch.frombuffer``): a
 large field (at least :data:`HUGE_PAGE_MIN_BYTES`) from a span of a multiple of the huge page size,
-on huge pages; a smaller one from a span of the next power of two, on ordinary pages (so size
-classes stay few, and a span is at most twice its field). When the caller lets go of the tensor and
+on huge pages; a smaller one on ordinary pages, from a span of the next power of two up to 4 MiB and
+of a multiple of 2 MiB above (so span sizes stay few, and a field is never lent a span of more than
+twice its size). When the caller lets go of the tensor and
 of every view of it, the storage releases the exporter, and a finalizer gives the span back for the
 next output. A span is thus never handed out while any tensor can still reach its memory. Idle spans
 are bounded by ``output_cache_bytes`` (the oldest are freed first; a span larger than the bound is
@@ -47,10 +48,13 @@ SPAN_MIN_BYTES = 64 << 10
 """Fields smaller than this are ordinary allocations: the C allocator reuses such blocks without faults."""
 
 
+_POWER_OF_TWO_MAX = 4 << 20
+
+
 def span_bytes(nbytes: int) -> int:
-    """The span a field of ``nbytes`` is lent from: a multiple of the huge page size for a large field,
-    else the next power of two."""
-    if nbytes >= HUGE_PAGE_MIN_BYTES:
+    """The size of a new span for a field of ``nbytes``: the next power of two up to 4 MiB, else the next
+    multiple of the huge page size."""
+    if nbytes > _POWER_OF_TWO_MAX:
         return -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     return 1 << max(0, nbytes - 1).bit_length()
 
@@ -68,7 +72,7 @@ class OutputCacheStats:
     idle_bytes: int = 0
     """Bytes of idle spans kept for the next outputs (at most the capacity)."""
     freed: int = 0
-    """Spans given back to the OS: beyond the capacity, larger than it, or after close."""
+    """Spans let go of (to the C allocator or the OS): beyond the capacity, larger than it, or after close."""
 
 
 class _Span:
@@ -119,7 +123,7 @@ class OutputCache:
         freed: list[_Span] = []
         with self._lock:
             self._settle_locked(freed)
-            span = self._best_fit(need)
+            span = self._best_fit(need, nbytes)
             if span is None:
                 self.stats.misses += 1
             else:
@@ -129,7 +133,7 @@ class OutputCache:
         del freed  # unmapped here, outside the lock
         try:
             if span is None:
-                span = _Span(huge_page_memory(need) if need >= HUGE_PAGE_MIN_BYTES
+                span = _Span(huge_page_memory(need) if nbytes >= HUGE_PAGE_MIN_BYTES
                              else torch.empty(need, dtype=torch.uint8))
             # An exporter the size of the span, not of the field: ctypes keeps every array type it
             # ever made, and spans come in far fewer sizes (multiples of the huge page, powers of two)
@@ -145,11 +149,12 @@ class OutputCache:
         returned.atexit = False  # nothing to give back at interpreter exit
         return tensor
 
-    def _best_fit(self, need: int) -> _Span | None:
-        """Take an idle span of the smallest size from ``need`` bytes up to twice that (a much larger one
-        would sit mostly unused while lent; it stays for a request of its size), the one given back last
-        (its memory is likeliest still in cache). Lock held."""
-        size = min((n for n in self._by_size if need <= n <= 2 * need), default=None)
+    def _best_fit(self, need: int, nbytes: int) -> _Span | None:
+        """For a field of ``nbytes``: take an idle span of the smallest size from ``need`` bytes (its new
+        span's size) up to twice the field (a much larger one would sit mostly unused while lent; it stays
+        for a request of its size), the one given back last (its memory is likeliest still in cache).
+        Lock held."""
+        size = min((n for n in self._by_size if need <= n <= 2 * nbytes), default=None)
         if size is None:
             return None
         same = self._by_size[size]
