@@ -251,15 +251,21 @@ async def _run(spec: dict[str, Any]) -> None:
             cmd = json.loads(line)
             if cmd.get("op") == "exit":
                 break
-            if cmd.get("op") == "check":
+            op = cmd.get("op")
+            if op == "check":
                 _check(cmd, held)
-            elif cmd.get("op") in ("recv", "stream", "series"):
-                op = cmd["op"]
-                task = asyncio.create_task(_one(receiver, checker, cmd, held) if op == "recv" else
-                                           _series(receiver, checker, cmd) if op == "series" else
-                                           _stream(receiver, cmd))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                continue
+            if op == "recv":
+                work = _one(receiver, checker, cmd, held)
+            elif op == "series":
+                work = _series(receiver, checker, cmd)
+            elif op == "stream":
+                work = _stream(receiver, cmd)
+            else:
+                continue
+            task = asyncio.create_task(work)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
         for task in list(tasks):
             task.cancel()
         if tasks:

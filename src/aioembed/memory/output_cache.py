@@ -18,11 +18,11 @@ So a receiver keeps that memory itself. A field of at least :data:`SPAN_MIN_BYTE
 large field (at least :data:`HUGE_PAGE_MIN_BYTES`) from a span of a multiple of the huge page size,
 on huge pages; a smaller one on ordinary pages, from a span of the next power of two up to 4 MiB and
 of a multiple of 2 MiB above (so span sizes stay few, and a field is never lent a span of more than
-twice its size). When the caller lets go of the tensor and
-of every view of it, the storage releases the exporter, and a finalizer gives the span back for the
-next output. A span is thus never handed out while any tensor can still reach its memory. Idle spans
-are bounded by ``output_cache_bytes`` (the oldest are freed first; a span larger than the bound is
-never kept), and closing the receiver frees them.
+twice its size). When the caller lets go of the tensor and of every view of it, the storage releases
+the exporter, and a finalizer gives the span back for the next output. A span is thus never handed
+out while any tensor can still reach its memory. Idle spans are bounded by ``output_cache_bytes``
+(the oldest are freed first; a span larger than the bound is never kept), and closing the receiver
+frees them.
 
 Finalizers run on whatever thread drops the last reference, possibly inside a garbage collection
 that interrupts this module on its own thread. So a finalizer only queues its span; the queue is
