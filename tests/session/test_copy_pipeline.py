@@ -2,8 +2,9 @@
 
 ``copy_chunk_tokens`` makes a copying receive (``receive()``, ``out=``) ask for ``PROGRESS`` within a
 round; the sender posts the chunk writes two at a time and announces each in order; the receiver
-copies each announced chunk while the next ones are still being written. A MockTransport with a fixed
-delay per write makes the timeline observable: when each write was posted, when each copy ran.
+copies each announced chunk while the next ones are still being written, and chunks announced together
+in one go. A MockTransport with a fixed delay per write makes the timeline observable: when each write
+was posted, when each copy ran.
 """
 
 from __future__ import annotations
@@ -15,7 +16,18 @@ import anyio
 import pytest
 import torch
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferError, TransferFailed, TransferStatus
+from aioembed import (
+    EmbeddingReceiver,
+    EmbeddingSender,
+    PeerDead,
+    TransferConfig,
+    TransferError,
+    TransferFailed,
+    TransferStatus,
+)
+from aioembed.protocol.messages import Status
+from aioembed.session import receive_room
+from aioembed.session.connection import LossKind, SessionLost
 from aioembed.session.send_room import SendRoomDriver
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 
@@ -35,6 +47,8 @@ class Timeline:
     def __init__(self, fail_src: int | None = None) -> None:
         self.posted: list[tuple[float, int]] = []
         self.copies: list[tuple[float, float, int, int]] = []
+        self.spread: list[bool] = []
+        """Per copy: whether it could take every copy thread (a round's end) or one (a chunk within it)."""
         self.fail_src = fail_src
         """The write reading from this source address fails (the order in which the chunk writes reach
         the transport is the scheduler's)."""
@@ -53,8 +67,16 @@ class Timeline:
             t0 = time.monotonic()
             await inner(blocks, out, start, count, **kw)
             self.copies.append((t0, time.monotonic(), start, count))
+            self.spread.append(kw.get("spread", True))
 
         copier.copy = copy
+
+
+def spans(line: Timeline) -> list[tuple[int, int]]:
+    """``(start, count)`` of each copy-out, in order; checked to cover the request from token 0, gap-free."""
+    got = [(s, c) for _, _, s, c in line.copies]
+    assert all(s == (p + n) for (p, n), (s, _) in zip([(0, 0), *got], got, strict=False)), got
+    return got
 
 
 async def receive_failing(receiver: EmbeddingReceiver, errors: dict[str, BaseException]) -> None:
@@ -94,9 +116,11 @@ async def test_a_copied_round_is_written_two_chunks_at_a_time_and_copied_as_it_l
         t = [at for at, _ in line.posted]
         assert t[1] - t[0] < DELAY / 2, "the second chunk waits for the first: not pipelined"
         assert t[2] - t[0] >= DELAY - 0.01, "three chunk writes were on the link at once"
-        # One copy per chunk, in token order, and the first ran while the last chunk was still being written.
-        assert [(s, c) for _, _, s, c in line.copies] == [(0, 64), (64, 64), (128, 32)]
-        assert line.copies[0][1] < t[2] + DELAY
+        # Chunks 0 and 1 land together: copied one after the other or, announced together, in one go; either
+        # way in token order, and before the last chunk (still being written) landed.
+        assert spans(line) in ([(0, 64), (64, 64), (128, 32)], [(0, 128), (128, 32)])
+        assert line.copies[-2][1] < t[2] + DELAY
+        assert line.spread == [False] * (len(line.copies) - 1) + [True]  # only the round's end takes every thread
         await wait_pools_free(sender, receiver)
 
 
@@ -112,7 +136,9 @@ async def test_out_and_resumed_rounds_are_copied_chunk_by_chunk() -> None:
         assert got.rounds == 2
         assert_same(got.tensors, want)
         assert_same({n: t[:200] for n, t in out.items()}, want)
-        assert [(s, c) for _, _, s, c in line.copies] == [(0, 64), (64, 64), (128, 64), (192, 8)]
+        # Each round's chunks land two at a time: copied one by one or together, never across a round's end.
+        assert spans(line) in [first + second for first in ([(0, 64), (64, 64)], [(0, 128)])
+                               for second in ([(128, 64), (192, 8)], [(128, 72)])]
         await wait_pools_free(sender, receiver)
 
 
@@ -210,4 +236,102 @@ async def test_copy_chunk_tokens_zero_copies_each_round_whole() -> None:
         assert_same(got.tensors, want)
         assert len(line.posted) == 1
         assert [(s, c) for _, _, s, c in line.copies] == [(0, 160)]
+        await wait_pools_free(sender, receiver)
+
+
+async def test_rows_landing_during_a_chunk_copy_join_it_and_the_rest_takes_every_copy_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk is copied a part at a time on one thread; between parts the receiver looks for rows that landed
+    meanwhile. Here the round's STATUS reaches the room while the chunk's first part is being copied: the rest
+    of that chunk and the round's last rows are copied in one go, spread over the copy threads (copied one by
+    one, the round's end would wait for the whole chunk on one thread)."""
+    part = BS  # one block per part
+    monkeypatch.setattr(receive_room, "CHUNK_PART_BYTES", part * LAYOUT.bytes_per_token)
+    status_in = anyio.Event()
+    deliver = receive_room.ReceiveRoomDriver.deliver
+
+    def spy_deliver(self: receive_room.ReceiveRoomDriver, event: Any) -> None:
+        deliver(self, event)
+        if isinstance(event, Status):
+            status_in.set()
+
+    monkeypatch.setattr(receive_room.ReceiveRoomDriver, "deliver", spy_deliver)
+
+    want = make_request(8 * BS, 7)  # one round, two chunks of 64 tokens
+    first = want["embeddings"].data_ptr()
+
+    def faults(call: WriteCall) -> WriteFault:  # chunk 0 lands at once, the round's end later
+        return WriteFault(delay=0.01 if any(op.src == first for op in call.ops) else 1.0)
+
+    line = Timeline()
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        line.spy_copies(receiver)
+        copier = receiver._room_ctx.copier  # type: ignore[union-attr]
+        timed = copier.copy
+
+        async def copy(blocks: Any, out: dict[str, torch.Tensor], start: int, count: int, **kw: Any) -> None:
+            await timed(blocks, out, start, count, **kw)
+            if start == 0:  # the chunk's first part: the round's STATUS arrives meanwhile
+                with anyio.fail_after(10):
+                    await status_in.wait()
+
+        copier.copy = copy
+        got = await transfer(sender, receiver, want)
+        assert_same(got.tensors, want)
+        assert spans(line) == [(0, part), (part, 8 * BS - part)]
+        assert line.spread == [False, True]
+        await wait_pools_free(sender, receiver)
+
+
+async def test_an_event_queued_behind_a_landed_chunk_waits_for_its_copy_and_nothing_is_folded_past_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's session is lost (gone silent) while a chunk that landed is being copied: the chunk's
+    announced rows are still copied, part by part, the round's STATUS queued behind the loss is not folded in
+    ahead of it, and then the loss ends the room, its blocks fenced until that STATUS, handed over as a late
+    answer, proves the sender's writes over."""
+    part = BS
+    monkeypatch.setattr(receive_room, "CHUNK_PART_BYTES", part * LAYOUT.bytes_per_token)
+    status_in = anyio.Event()
+    deliver = receive_room.ReceiveRoomDriver.deliver
+
+    def spy_deliver(self: receive_room.ReceiveRoomDriver, event: Any) -> None:
+        deliver(self, event)
+        if isinstance(event, Status):
+            status_in.set()
+
+    monkeypatch.setattr(receive_room.ReceiveRoomDriver, "deliver", spy_deliver)
+
+    want = make_request(8 * BS, 8)  # one round, two chunks of 64 tokens
+    first = want["embeddings"].data_ptr()
+
+    def faults(call: WriteCall) -> WriteFault:  # chunk 0 lands at once, the round's end later
+        return WriteFault(delay=0.01 if any(op.src == first for op in call.ops) else 1.0)
+
+    line = Timeline()
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        line.spy_copies(receiver)
+        copier = receiver._room_ctx.copier  # type: ignore[union-attr]
+        timed = copier.copy
+
+        async def copy(blocks: Any, out: dict[str, torch.Tensor], start: int, count: int, **kw: Any) -> None:
+            await timed(blocks, out, start, count, **kw)
+            if start == 0:
+                driver = receiver._rooms["r"]
+                assert isinstance(driver, receive_room.ReceiveRoomDriver) and driver.writer is not None
+                driver.deliver(SessionLost(kind=LossKind.SILENT, reason="test: the sender went silent",
+                                           writer=driver.writer))
+                with anyio.fail_after(10):
+                    await status_in.wait()  # the round's STATUS is now queued behind the loss
+
+        copier.copy = copy
+        errors: dict[str, BaseException] = {}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive_failing, receiver, errors)
+            with anyio.fail_after(10):
+                await sender.send("r", want)  # the sender never learns: its writes and STATUS went out
+        assert isinstance(errors["receive"], PeerDead) and "went silent" in str(errors["receive"])
+        assert spans(line) == [(0, part), (part, part), (2 * part, part), (3 * part, part)]
+        assert line.spread == [False] * 4
         await wait_pools_free(sender, receiver)

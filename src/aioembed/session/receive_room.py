@@ -10,6 +10,7 @@ with its grant fenced: the sender's late ``ABORT_ACK`` releases it without the r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -62,6 +63,9 @@ log = logging.getLogger("aioembed.session.receiver")
 
 _INBOX = 16
 _REOPENS = 3
+CHUNK_PART_BYTES = 8 << 20
+"""A copied room copies a chunk that landed within its round in parts of about this size, one thread,
+looking for newly landed rows between parts (see ``ReceiveRoomDriver._copy_landing``)."""
 
 
 def short_fields(out: Mapping[str, torch.Tensor], total: int) -> dict[str, int]:
@@ -120,6 +124,7 @@ class ReceiveRoomDriver:
         send, recv = anyio.create_memory_object_stream[RoomEvent](inbox)
         self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
         self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
+        self._held: RoomEvent | None = None  # taken from the inbox ahead of its turn (see _landed_behind)
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
         self._split = 0  # zero-copy stream: blocks of the round's grant already handed out in chunks
@@ -202,7 +207,59 @@ class ReceiveRoomDriver:
     async def step(self) -> bool:
         """Wait for the next event and act on it; True once every token is in."""
         arrived = await self.next_round()
-        return arrived is not None and await self.take_round(*arrived)
+        if arrived is None:
+            return False
+        rows, grant = arrived
+        if rows.partial and self.stream is None:  # only copied rooms and streams ask for PROGRESS
+            rest = await self._copy_landing(rows, grant)
+            if rest is None:
+                return False
+            rows = rest
+        return await self.take_round(rows, grant)
+
+    async def _copy_landing(self, arrived: Arrived, grant: int) -> Arrived | None:
+        """A copied room's chunk landed (``PROGRESS``) while the rest of its round is still being written:
+        copy it out on one thread, a part at a time, folding in the rows that frames queued meanwhile
+        announce. Returns the rows not yet copied once the round's ``STATUS`` is among them (the round's
+        end copies them, spread over the copy threads), or ``None`` once every announced row is copied.
+
+        Chunks written at once end together: copied one by one, the first would take one thread while its
+        round's end waited behind it; checking between parts lets the end take the copy threads at once."""
+        self.handle._set_status(TransferStatus.TRANSFERRING)
+        bs, bpt = self.ctx.config.block_size, self.ctx.layout.bytes_per_token
+        part = max(1, CHUNK_PART_BYTES // (bs * bpt)) * bs
+        while True:
+            arrived = self._fold_landed(arrived)
+            if arrived.metadata is not None:
+                self._metadata = dict(arrived.metadata)
+            if not arrived.partial:
+                return arrived
+            if arrived.count == 0:
+                return None
+            n = min(part, arrived.count)
+            await self._copy(grant, dataclasses.replace(arrived, count=n), consume=False)
+            arrived = Arrived(start=arrived.start + n, count=arrived.count - n, total=arrived.total, complete=False,
+                              metadata=None, partial=True, offset=arrived.offset + n)
+
+    def _fold_landed(self, arrived: Arrived) -> Arrived:
+        """``arrived`` extended by the rows that the ``PROGRESS`` / ``STATUS`` frames already in the inbox
+        announce, up to the round's end. Any other event stays first in line for :meth:`next_round`, and
+        nothing is folded in past it (the rows already announced are still copied, as before it came)."""
+        while arrived.partial and self._held is None:
+            try:
+                event = self._inbox.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+            if not isinstance(event, Progress | Status):
+                self._held = event
+                break
+            folded = self._on_frame(event)  # a failed STATUS raises: the room ends as it would next step
+            assert folded is not None
+            more = folded[0]
+            arrived = Arrived(start=arrived.start, count=arrived.count + more.count, total=more.total,
+                              complete=more.complete, metadata=arrived.metadata or more.metadata,
+                              partial=more.partial, offset=arrived.offset)
+        return arrived
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -244,7 +301,10 @@ class ReceiveRoomDriver:
         when the room had to be opened again."""
         t0 = time.perf_counter()
         try:
-            event = self._inbox.receive_nowait()
+            if self._held is not None:
+                event, self._held = self._held, None
+            else:
+                event = self._inbox.receive_nowait()
         except anyio.WouldBlock:
             cfg, scope = self.ctx.config, self.handle._scope
             assert scope is not None
@@ -266,8 +326,9 @@ class ReceiveRoomDriver:
         self.handle._set_status(TransferStatus.TRANSFERRING)
         if arrived.metadata is not None:
             self._metadata = dict(arrived.metadata)
-        if arrived.partial:
-            await self._take_chunk(arrived, grant)
+        if arrived.partial:  # a stream's chunk (a copied room's go through _copy_landing)
+            assert self.stream is not None
+            await self._deliver(arrived, grant)
             return False
         self.ctx.observer.round_finished(side="receiver", seconds=time.perf_counter() - self._round_started)
         if self.zero_copy and self.stream is None:  # a whole-room lease keeps every round
@@ -292,14 +353,6 @@ class ReceiveRoomDriver:
             if late is not None:
                 self.resume(late, tokens)
         return False
-
-    async def _take_chunk(self, arrived: Arrived, grant: int) -> None:
-        """Rows within a round landed (``PROGRESS``): a stream hands them out; a copied room copies them out
-        now, while the rest of the round is written (its grant stays announced until the round's STATUS)."""
-        if self.stream is not None:
-            await self._deliver(arrived, grant)
-        else:
-            await self._copy(grant, arrived, consume=False)
 
     def _admit_zero_copy(self, arrived: Arrived, first_grant: int) -> None:
         """A zero-copy room keeps every round until its lease is released, so once its total is known
@@ -382,7 +435,10 @@ class ReceiveRoomDriver:
         late answers, like frames arriving after the end. Dropping them could fence blocks for ever."""
         while True:
             try:
-                event = self._inbox.receive_nowait()
+                if self._held is not None:
+                    event, self._held = self._held, None
+                else:
+                    event = self._inbox.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
             if not isinstance(event, SessionLost):
