@@ -72,8 +72,8 @@ class TransferConfig:
     """Copying receive (``receive()``, ``out=``): the sender announces rows within a round every this many
     tokens (rounded up to whole blocks), and the receiver copies each chunk out while the next ones are
     still being written, so the copy overlaps the transfer instead of following it (rows announced while
-    a chunk is copied join that copy; a round's end is copied over ``copy_threads``); 0: copy each round
-    once it has landed. Not for copies that stay on the GPU (a CUDA pool into CUDA memory): those copy
+    a chunk is copied join that copy; a CPU pool copies a round's end over ``copy_threads``); 0: copy
+    each round once it has landed. Not for copies that stay on the GPU (a CUDA pool into CUDA memory): those copy
     each round once it has landed (a device copy is much faster than the writes, so chunks would only
     add per-write costs); a CUDA pool's ``out=`` on the CPU is still copied chunk by chunk."""
     output_cache_bytes: int = 256 << 20

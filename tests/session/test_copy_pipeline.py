@@ -9,7 +9,9 @@ was posted, when each copy ran.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -239,48 +241,99 @@ async def test_copy_chunk_tokens_zero_copies_each_round_whole() -> None:
         await wait_pools_free(sender, receiver)
 
 
+def parts_of_one_block(monkeypatch: pytest.MonkeyPatch) -> int:
+    """A chunk that landed within its round is copied a block at a time (so a test sees the parts); the part
+    size in tokens."""
+    monkeypatch.setattr(receive_room, "CHUNK_PART_BYTES", BS * LAYOUT.bytes_per_token)
+    return BS
+
+
+def status_arrivals(monkeypatch: pytest.MonkeyPatch) -> anyio.Event:
+    """Set once a STATUS is in a room's inbox."""
+    arrived = anyio.Event()
+    deliver = receive_room.ReceiveRoomDriver.deliver
+
+    def spy_deliver(self: receive_room.ReceiveRoomDriver, event: Any) -> None:
+        deliver(self, event)
+        if isinstance(event, Status):
+            arrived.set()
+
+    monkeypatch.setattr(receive_room.ReceiveRoomDriver, "deliver", spy_deliver)
+    return arrived
+
+
+def slow_from(src: int) -> Callable[[WriteCall], WriteFault]:
+    """Faults: the write reading from source address ``src`` (a round's last chunk) lands after a second,
+    every other one at once (the order in which chunk writes reach the transport is the scheduler's)."""
+    def faults(call: WriteCall) -> WriteFault:
+        return WriteFault(delay=1.0 if any(op.src == src for op in call.ops) else 0.01)
+    return faults
+
+
+@contextlib.asynccontextmanager
+async def pair_slow_from(src: int, cfg: TransferConfig = CFG) -> AsyncIterator[
+        tuple[EmbeddingSender, EmbeddingReceiver, Timeline]]:
+    """A sender whose write from ``src`` lands after a second (:func:`slow_from`), its receiver, and the
+    receiver's copy-outs."""
+    line = Timeline()
+    async with EmbeddingSender(LAYOUT, cfg, transport=MockTransport(faults=slow_from(src))) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(), connect=sender.address) as receiver:
+        line.spy_copies(receiver)
+        yield sender, receiver, line
+
+
+def after_each_copy(receiver: EmbeddingReceiver, hook: Callable[[int], Awaitable[None]]) -> None:
+    """``await hook(start)`` after each copy-out (``start``: its first token), inside the copy's await."""
+    copier = receiver._room_ctx.copier  # type: ignore[union-attr]
+    inner = copier.copy
+
+    async def copy(blocks: Any, out: dict[str, torch.Tensor], start: int, count: int, **kw: Any) -> None:
+        await inner(blocks, out, start, count, **kw)
+        await hook(start)
+
+    copier.copy = copy
+
+
 async def test_rows_landing_during_a_chunk_copy_join_it_and_the_rest_takes_every_copy_thread(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk is copied a part at a time on one thread; between parts the receiver looks for rows that landed
     meanwhile. Here the round's STATUS reaches the room while the chunk's first part is being copied: the rest
     of that chunk and the round's last rows are copied in one go, spread over the copy threads (copied one by
     one, the round's end would wait for the whole chunk on one thread)."""
-    part = BS  # one block per part
-    monkeypatch.setattr(receive_room, "CHUNK_PART_BYTES", part * LAYOUT.bytes_per_token)
-    status_in = anyio.Event()
-    deliver = receive_room.ReceiveRoomDriver.deliver
-
-    def spy_deliver(self: receive_room.ReceiveRoomDriver, event: Any) -> None:
-        deliver(self, event)
-        if isinstance(event, Status):
-            status_in.set()
-
-    monkeypatch.setattr(receive_room.ReceiveRoomDriver, "deliver", spy_deliver)
-
+    part = parts_of_one_block(monkeypatch)
+    status_in = status_arrivals(monkeypatch)
     want = make_request(8 * BS, 7)  # one round, two chunks of 64 tokens
-    first = want["embeddings"].data_ptr()
+    async with pair_slow_from(want["embeddings"][4 * BS].data_ptr()) as (sender, receiver, line):
 
-    def faults(call: WriteCall) -> WriteFault:  # chunk 0 lands at once, the round's end later
-        return WriteFault(delay=0.01 if any(op.src == first for op in call.ops) else 1.0)
-
-    line = Timeline()
-    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=faults)) as sender, \
-            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
-        line.spy_copies(receiver)
-        copier = receiver._room_ctx.copier  # type: ignore[union-attr]
-        timed = copier.copy
-
-        async def copy(blocks: Any, out: dict[str, torch.Tensor], start: int, count: int, **kw: Any) -> None:
-            await timed(blocks, out, start, count, **kw)
-            if start == 0:  # the chunk's first part: the round's STATUS arrives meanwhile
+        async def first_part_waits_for_the_status(start: int) -> None:
+            if start == 0:
                 with anyio.fail_after(10):
                     await status_in.wait()
 
-        copier.copy = copy
+        after_each_copy(receiver, first_part_waits_for_the_status)
         got = await transfer(sender, receiver, want)
         assert_same(got.tensors, want)
         assert spans(line) == [(0, part), (part, 8 * BS - part)]
         assert line.spread == [False, True]
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_resumed_rounds_chunk_is_copied_in_parts_at_its_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second round's first chunk lands long before the round's end: its parts go to the output rows of
+    that round (offsets within the round's blocks, not the request's), then the round's end over every
+    copy thread."""
+    part = parts_of_one_block(monkeypatch)
+    cfg = CFG.replace(default_tokens=8 * BS)  # 200 tokens: a 128-token round, then a RESUME for 72
+    want = make_request(200, 9)
+    out = LAYOUT.empty(256)
+    async with pair_slow_from(want["embeddings"][192].data_ptr(), cfg) as (sender, receiver, line):
+        got = await transfer(sender, receiver, want, out=out)
+        assert got.rounds == 2
+        assert_same(got.tensors, want)
+        assert_same({n: t[:200] for n, t in out.items()}, want)
+        second = [(s, c) for s, c in spans(line) if s >= 128]
+        assert second == [(128 + i * part, part) for i in range(4)] + [(192, 8)]
+        assert line.spread[-5:] == [False] * 4 + [True]
         await wait_pools_free(sender, receiver)
 
 
@@ -290,33 +343,12 @@ async def test_an_event_queued_behind_a_landed_chunk_waits_for_its_copy_and_noth
     announced rows are still copied, part by part, the round's STATUS queued behind the loss is not folded in
     ahead of it, and then the loss ends the room, its blocks fenced until that STATUS, handed over as a late
     answer, proves the sender's writes over."""
-    part = BS
-    monkeypatch.setattr(receive_room, "CHUNK_PART_BYTES", part * LAYOUT.bytes_per_token)
-    status_in = anyio.Event()
-    deliver = receive_room.ReceiveRoomDriver.deliver
-
-    def spy_deliver(self: receive_room.ReceiveRoomDriver, event: Any) -> None:
-        deliver(self, event)
-        if isinstance(event, Status):
-            status_in.set()
-
-    monkeypatch.setattr(receive_room.ReceiveRoomDriver, "deliver", spy_deliver)
-
+    part = parts_of_one_block(monkeypatch)
+    status_in = status_arrivals(monkeypatch)
     want = make_request(8 * BS, 8)  # one round, two chunks of 64 tokens
-    first = want["embeddings"].data_ptr()
+    async with pair_slow_from(want["embeddings"][4 * BS].data_ptr()) as (sender, receiver, line):
 
-    def faults(call: WriteCall) -> WriteFault:  # chunk 0 lands at once, the round's end later
-        return WriteFault(delay=0.01 if any(op.src == first for op in call.ops) else 1.0)
-
-    line = Timeline()
-    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=faults)) as sender, \
-            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
-        line.spy_copies(receiver)
-        copier = receiver._room_ctx.copier  # type: ignore[union-attr]
-        timed = copier.copy
-
-        async def copy(blocks: Any, out: dict[str, torch.Tensor], start: int, count: int, **kw: Any) -> None:
-            await timed(blocks, out, start, count, **kw)
+        async def lose_the_session_after_the_first_part(start: int) -> None:
             if start == 0:
                 driver = receiver._rooms["r"]
                 assert isinstance(driver, receive_room.ReceiveRoomDriver) and driver.writer is not None
@@ -325,7 +357,7 @@ async def test_an_event_queued_behind_a_landed_chunk_waits_for_its_copy_and_noth
                 with anyio.fail_after(10):
                     await status_in.wait()  # the round's STATUS is now queued behind the loss
 
-        copier.copy = copy
+        after_each_copy(receiver, lose_the_session_after_the_first_part)
         errors: dict[str, BaseException] = {}
         async with anyio.create_task_group() as tg:
             tg.start_soon(receive_failing, receiver, errors)

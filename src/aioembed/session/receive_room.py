@@ -124,7 +124,7 @@ class ReceiveRoomDriver:
         send, recv = anyio.create_memory_object_stream[RoomEvent](inbox)
         self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
         self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
-        self._held: RoomEvent | None = None  # taken from the inbox ahead of its turn (see _landed_behind)
+        self._held: RoomEvent | None = None  # taken from the inbox ahead of its turn (see _fold_landed)
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
         self._split = 0  # zero-copy stream: blocks of the round's grant already handed out in chunks
@@ -224,10 +224,13 @@ class ReceiveRoomDriver:
         end copies them, spread over the copy threads), or ``None`` once every announced row is copied.
 
         Chunks written at once end together: copied one by one, the first would take one thread while its
-        round's end waited behind it; checking between parts lets the end take the copy threads at once."""
+        round's end waited behind it; checking between parts lets the end take the copy threads at once.
+        A CUDA pool copies each chunk whole (a device-to-host copy per part would cost a thread hop and an
+        event wait each; its copies take one thread anyway)."""
         self.handle._set_status(TransferStatus.TRANSFERRING)
         bs, bpt = self.ctx.config.block_size, self.ctx.layout.bytes_per_token
         part = max(1, CHUNK_PART_BYTES // (bs * bpt)) * bs
+        whole = self.ctx.pool.device.type == "cuda"
         while True:
             arrived = self._fold_landed(arrived)
             if arrived.metadata is not None:
@@ -236,7 +239,8 @@ class ReceiveRoomDriver:
                 return arrived
             if arrived.count == 0:
                 return None
-            n = min(part, arrived.count)
+            # Up to 1.5 parts go whole, so a last part is never small enough to be copied on the loop.
+            n = arrived.count if whole or arrived.count <= part * 3 // 2 else part
             await self._copy(grant, dataclasses.replace(arrived, count=n), consume=False)
             arrived = Arrived(start=arrived.start + n, count=arrived.count - n, total=arrived.total, complete=False,
                               metadata=None, partial=True, offset=arrived.offset + n)

@@ -158,7 +158,8 @@ class CudaSuite:
     async def test_a_copying_receive_chunks_only_copies_that_leave_the_gpu(self, out_device: str | None) -> None:
         """``copy_chunk_tokens`` overlaps the copy-out with the writes. A copy from a CUDA pool into GPU memory
         is far faster than the writes into the pool, so its round is copied whole, once; ``out=`` on the CPU
-        (a slow device-to-host copy) is still copied chunk by chunk."""
+        (a slow device-to-host copy) still asks for chunks, each copied whole as it lands (chunks that have
+        landed together in one go)."""
         want = deterministic_request(LAYOUT, 1000, f"whole-{out_device}")
         async with self.pair(copy_chunk_tokens=256) as (sender, receiver):
             assert receiver._room_ctx is not None
@@ -171,16 +172,27 @@ class CudaSuite:
                 await inner(blocks, out, start, count, **kw)
 
             copier.copy = spy  # type: ignore[method-assign]
+            new_driver = receiver._new_driver
+            chunk_tokens: list[int] = []
+
+            def spy_driver(*args: Any, **kwargs: Any) -> Any:
+                driver = new_driver(*args, **kwargs)
+                chunk_tokens.append(driver.progress_tokens)
+                return driver
+
+            receiver._new_driver = spy_driver  # type: ignore[method-assign]
             out = LAYOUT.empty(1000, device=out_device) if out_device else None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(sender.send, "whole", _on_gpu(want))
                 got = await receiver.receive("whole", out=out)
             assert same_rows(_to_cpu(got.tensors), want)
             if out_device == "cpu":
-                assert len(copies) > 1, f"chunked copies expected into out= on the CPU, got {copies}"
+                assert len(chunk_tokens) == 1 and chunk_tokens[0] >= 256, chunk_tokens  # the room asked for chunks
                 assert [s for s, _ in copies] == [sum(c for _, c in copies[:i]) for i in range(len(copies))]
                 assert sum(c for _, c in copies) == 1000
+                assert all(s % chunk_tokens[0] == 0 for s, _ in copies), f"a chunk copied in parts: {copies}"
             else:
+                assert chunk_tokens == [0], chunk_tokens
                 assert copies == [(0, 1000)], f"one copy of the whole round expected, got {copies}"
 
     # -- every receive mode ------------------------------------------------------------------------
