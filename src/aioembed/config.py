@@ -73,9 +73,9 @@ class TransferConfig:
     tokens (rounded up to whole blocks), and the receiver copies each chunk out while the next ones are
     still being written, so the copy overlaps the transfer instead of following it (rows announced while
     a chunk is copied join that copy; a CPU pool copies a round's end over ``copy_threads``); 0: copy
-    each round once it has landed. Not for copies that stay on the GPU (a CUDA pool into CUDA memory): those copy
-    each round once it has landed (a device copy is much faster than the writes, so chunks would only
-    add per-write costs); a CUDA pool's ``out=`` on the CPU is still copied chunk by chunk."""
+    each round once it has landed. Not for copies that stay on the GPU (a CUDA pool into CUDA memory):
+    those copy each round once it has landed (a device copy is much faster than the writes, so chunks
+    would only add per-write costs); a CUDA pool's ``out=`` on the CPU is still copied chunk by chunk."""
     output_cache_bytes: int = 256 << 20
     """Receiver: memory of ``receive()`` outputs the caller has dropped, kept (up to this many bytes)
     for the next outputs, which then skip the page faults of new memory. Only fields of at least 64 KiB
