@@ -537,6 +537,7 @@ class ReceiveRoomDriver:
     def _interrupted(self) -> None:
         """A wait of :meth:`open` was cut short by the sender's session ending: try the next session if
         the sender may still serve the room, else fail now (not after an allocation timeout)."""
+        assert self._held is None  # events are held only while a chunk is copied, after INIT
         try:
             event = self._inbox.receive_nowait()
         except anyio.WouldBlock:
