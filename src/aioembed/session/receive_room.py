@@ -233,17 +233,17 @@ class ReceiveRoomDriver:
         whole = self.ctx.pool.device.type == "cuda"
         while True:
             arrived = self._fold_landed(arrived)
+            if not arrived.partial:
+                return arrived  # take_round keeps its metadata
             if arrived.metadata is not None:
                 self._metadata = dict(arrived.metadata)
-            if not arrived.partial:
-                return arrived
             if arrived.count == 0:
                 return None
             # Up to 1.5 parts go whole, so a last part is never small enough to be copied on the loop.
             n = arrived.count if whole or arrived.count <= part * 3 // 2 else part
             await self._copy(grant, dataclasses.replace(arrived, count=n), consume=False)
-            arrived = Arrived(start=arrived.start + n, count=arrived.count - n, total=arrived.total, complete=False,
-                              metadata=None, partial=True, offset=arrived.offset + n)
+            arrived = dataclasses.replace(arrived, start=arrived.start + n, count=arrived.count - n, metadata=None,
+                                          offset=arrived.offset + n)
 
     def _fold_landed(self, arrived: Arrived) -> Arrived:
         """``arrived`` extended by the rows that the ``PROGRESS`` / ``STATUS`` frames already in the inbox
@@ -260,9 +260,9 @@ class ReceiveRoomDriver:
             folded = self._on_frame(event)  # a failed STATUS raises: the room ends as it would next step
             assert folded is not None
             more = folded[0]
-            arrived = Arrived(start=arrived.start, count=arrived.count + more.count, total=more.total,
-                              complete=more.complete, metadata=arrived.metadata or more.metadata,
-                              partial=more.partial, offset=arrived.offset)
+            arrived = dataclasses.replace(arrived, count=arrived.count + more.count, total=more.total,
+                                          complete=more.complete, metadata=arrived.metadata or more.metadata,
+                                          partial=more.partial)
         return arrived
 
     # -- steps ---------------------------------------------------------------------------------
