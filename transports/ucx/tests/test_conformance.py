@@ -26,3 +26,13 @@ class TestUcxConformanceInline(TransportConformance):
     backends = ("asyncio",)
     large_bytes = 8 << 20
     peer_gone_timeout = 10.0
+
+
+class TestUcxConformanceGoAhead(TransportConformance):
+    """Every write waits for the owner's go-ahead (no eager writes, which the default uses for small ones)."""
+
+    transport_name = "ucx"
+    transport_options: ClassVar[Mapping[str, Any]] = dict(UCX_OPTIONS, eager_bytes=0)
+    backends = ("asyncio",)
+    large_bytes = 8 << 20
+    peer_gone_timeout = 10.0

@@ -113,9 +113,12 @@ async def test_frozen_owner_fails_within_write_timeout() -> None:
             await link.write([WriteOp(src.data_ptr(), info["address"], 4096)])
 
 
-async def test_owner_refuses_memory_it_no_longer_registers() -> None:
-    """The owning side checks its *current* registrations before receiving a byte."""
-    async with await open_transport("ucx", UCX_OPTIONS) as owner, writer() as (t, src):
+@pytest.mark.parametrize("eager_bytes", [0, SIZE])
+async def test_owner_refuses_memory_it_no_longer_registers(eager_bytes: int) -> None:
+    """The owning side checks its *current* registrations before receiving a byte into its memory: with the
+    go-ahead before any data is sent, and for an eager write (data already on its way) by taking the data
+    into scratch memory."""
+    async with await open_transport("ucx", UCX_OPTIONS) as owner, writer(eager_bytes=eager_bytes) as (t, src):
         dst = torch.zeros(SIZE, dtype=torch.uint8)
         await owner.register([region_of(dst)])
         link = await t.connect(owner.descriptor())
@@ -128,9 +131,10 @@ async def test_owner_refuses_memory_it_no_longer_registers() -> None:
         assert torch.equal(dst, src)
 
 
-async def test_forged_descriptor_cannot_reach_outside_registered_memory() -> None:
+@pytest.mark.parametrize("eager_bytes", [0, SIZE])
+async def test_forged_descriptor_cannot_reach_outside_registered_memory(eager_bytes: int) -> None:
     """A writer that lies about the owner's regions is refused by the owner, not trusted."""
-    async with await open_transport("ucx", UCX_OPTIONS) as owner, writer() as (t, src):
+    async with await open_transport("ucx", UCX_OPTIONS) as owner, writer(eager_bytes=eager_bytes) as (t, src):
         dst = torch.zeros(2 * SIZE, dtype=torch.uint8)
         await owner.register([region_of(dst[:SIZE])])
         desc = msgpack.unpackb(owner.descriptor())

@@ -45,6 +45,9 @@ def test_entry_point_resolves_to_the_plugin() -> None:
         ({"write_timeout": float("nan")}, "write_timeout"),
         ({"connect_timeout": -1.0}, "connect_timeout"),
         ({"inline_bytes": -1}, "inline_bytes"),
+        ({"eager_bytes": -1}, "eager_bytes"),
+        ({"eager_bytes": (64 << 20) + 1}, "eager_bytes"),
+        ({"eager_bytes": 1.5}, "eager_bytes"),
         ({"ucx_options": {"UCX_TLS": "tcp"}}, "ucx_options"),
         ({"ucx_options": {"TLS": "tcp"}}, "tls"),
         ({"ucx_options": {"rndv_scheme": "put_zcopy"}}, "ucx_options"),
@@ -62,6 +65,7 @@ def test_good_options_parse() -> None:
     assert o.tls == "tcp,cuda_copy" and o.write_timeout == 2.0
     assert o.ucx_options == {"RNDV_SCHEME": "put_zcopy", "TCP_KEEPIDLE": "5"}
     assert UcxOptions.parse({}).tls is None  # leave UCX_TLS to UCX by default
+    assert UcxOptions.parse({}).eager_bytes == 1 << 20 and UcxOptions.parse({"eager_bytes": 0}).eager_bytes == 0
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

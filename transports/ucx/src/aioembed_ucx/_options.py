@@ -11,7 +11,7 @@ from typing import Any
 
 from aioembed.errors import ConfigError
 
-__all__ = ["PROGRESS_MODES", "UcxOptions"]
+__all__ = ["EAGER_BYTES", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions"]
 
 PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
 
@@ -27,7 +27,13 @@ _KNOWN_TLS = frozenset({
 _UCX_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 _KNOWN = ("tls", "host", "port", "progress_mode", "write_timeout", "connect_timeout", "inline_bytes",
-          "ucx_options")
+          "eager_bytes", "ucx_options")
+
+
+EAGER_BYTES = 1 << 20
+"""Default ``eager_bytes``: a 64-token request (460 KB) goes eagerly, a large chunk waits for the go-ahead
+(whose round trip is small against its transfer)."""
+MAX_EAGER_BYTES = 64 << 20
 
 
 def _seconds(name: str, value: object) -> float:
@@ -57,6 +63,10 @@ class UcxOptions:
     inline_bytes: int = 0
     """Ops of at most this many bytes (CPU to CPU) travel together in one message that the owning
     side copies into place; 0 sends every op as its own message straight into the pool."""
+    eager_bytes: int = EAGER_BYTES
+    """CPU-to-CPU writes of at most this many bytes go without the owner's go-ahead (one round trip
+    instead of two); as the owning side, the most such a write may carry (announced in the
+    descriptor; the writer uses the smaller of both). 0: every write waits for the go-ahead."""
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     """Extra UCX settings without the ``UCX_`` prefix, e.g. ``{"RNDV_SCHEME": "put_zcopy"}``."""
 
@@ -118,6 +128,13 @@ class UcxOptions:
             if not isinstance(ib, int) or isinstance(ib, bool) or not 0 <= ib <= 1 << 20:
                 raise ConfigError(f"transport_options.inline_bytes must be an integer in [0, 1048576], got {ib!r}")
             kw["inline_bytes"] = ib
+
+        if "eager_bytes" in options:
+            eb = options["eager_bytes"]
+            if not isinstance(eb, int) or isinstance(eb, bool) or not 0 <= eb <= MAX_EAGER_BYTES:
+                raise ConfigError(f"transport_options.eager_bytes must be an integer in [0, {MAX_EAGER_BYTES}], "
+                                  f"got {eb!r}")
+            kw["eager_bytes"] = eb
 
         if "ucx_options" in options:
             extra = options["ucx_options"]

@@ -16,6 +16,14 @@ A write ``wid`` on a link, writer -> owner unless marked <-:
    copies into place (small ops only: one message instead of many).
 5. <- ``ACK`` (tag ``(4, wid, 0)``): every byte has landed (``OK``) or why not.
 
+Kind ``EAGER`` is the same write without step 3: the writer sends ``PREFIX``, ``BODY`` and every
+``DATA`` message at once and waits only for the ``ACK``, one round trip instead of two. The owner
+still checks every destination before it posts a receive into its memory; data that arrives first
+waits inside UCX (a rendezvous request, or a small eager message UCX buffers). If it refuses, it
+receives the data into scratch buffers, drops it, and answers ``REFUSED`` in the ``ACK``. The writer
+uses it only for CPU-to-CPU writes of at most the owner's announced ``eager`` bytes (its descriptor),
+which bounds that scratch memory; a larger one is a protocol error that ends the connection.
+
 Kind ``HELLO`` (wid 0) checks, once per UCX endpoint, that the listener is the endpoint the
 descriptor named (not another process that reused the port); its body is msgpack.
 """
@@ -28,6 +36,7 @@ from collections.abc import Sequence
 __all__ = [
     "BODY_HEAD",
     "FAILED",
+    "KIND_EAGER",
     "KIND_HELLO",
     "KIND_WRITE",
     "MAGIC",
@@ -53,6 +62,7 @@ MAGIC = b"AEUX"
 VERSION = 1
 KIND_HELLO = 1
 KIND_WRITE = 2
+KIND_EAGER = 3
 
 PREFIX = struct.Struct("<4sHHQQ")  # magic, version, kind, wid, body length
 BODY_HEAD = struct.Struct("<II")  # n_direct, n_inline

@@ -48,7 +48,7 @@ from aioembed.transports.base import (
 
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import ensure_context, load_ucxx
-from aioembed_ucx._options import UcxOptions
+from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
 from aioembed_ucx._progress import tag_recv, tag_send
 
 __all__ = ["UcxLink", "UcxTransport"]
@@ -135,6 +135,8 @@ class _Peer:
     host: str
     port: int
     memory: _Memory
+    eager_bytes: int = 0
+    """The largest write the peer takes without a go-ahead (0 in descriptors of plugins without it)."""
 
     @property
     def name(self) -> str:
@@ -159,7 +161,10 @@ def _parse_descriptor(blob: bytes) -> _Peer:
             r = MemoryRegion(a, n, dev)
             _check_device(r)
             regions.append(r)
-        return _Peer(endpoint, host, port, _Memory(regions))
+        eager = d.get("eager", 0)
+        if not (isinstance(eager, int) and not isinstance(eager, bool) and 0 <= eager <= MAX_EAGER_BYTES):
+            raise ValueError(f"bad eager size {eager!r}")
+        return _Peer(endpoint, host, port, _Memory(regions), eager)
     except Exception as exc:
         raise TransportError(f"bad ucx descriptor ({len(blob)} bytes): {exc}") from exc
 
@@ -192,6 +197,10 @@ class UcxTransport(Transport):
         self._serving: set[asyncio.Task[None]] = set()
         self._server_eps: set[Any] = set()
         self._links: set[UcxLink] = set()
+        self.writes_received = 0
+        """Writes this endpoint took into its memory as the owning side (refused ones not counted)."""
+        self.eager_writes_received = 0
+        """Of those, the ones that came without a go-ahead (kind ``EAGER``)."""
 
     @property
     def regions(self) -> RegionSet:
@@ -259,6 +268,7 @@ class UcxTransport(Transport):
             "host": self.host,
             "port": self.port,
             "regions": [[r.address, r.length, r.device] for r in self._memory.all],
+            "eager": self.options.eager_bytes,
         })
 
     def _ensure_listener(self) -> None:
@@ -369,8 +379,7 @@ class UcxTransport(Transport):
                 await tag_recv(ep, prefix, w.T_PREFIX)
                 progress.tick()
                 magic, version, kind, wid, body_len = w.PREFIX.unpack(prefix)
-                if magic != w.MAGIC or version != w.VERSION or kind not in (w.KIND_HELLO, w.KIND_WRITE) \
-                        or body_len > w.MAX_BODY:
+                if magic != w.MAGIC or version != w.VERSION or kind not in _KINDS or body_len > w.MAX_BODY:
                     log.warning("ucx endpoint %s: dropping a connection that sent a bad header "
                                 "(magic %r, version %d, kind %d, body %d bytes)",
                                 self.id[:8], bytes(magic), version, kind, body_len)
@@ -413,13 +422,42 @@ class UcxTransport(Transport):
             if kind == w.KIND_HELLO:
                 await self._answer_hello(ep, wid, body)
                 return
+            eager = kind == w.KIND_EAGER
             try:
-                direct, inline = self._plan_receive(body)
+                direct_spans, inline = w.decode_ops(body)
+            except ValueError as exc:
+                if eager:  # its data messages cannot be told apart from the next write's: end the connection
+                    log.warning("ucx endpoint %s: malformed eager write %d (%s); dropping the connection",
+                                self.id[:8], wid, exc)
+                    _abort(ep)
+                    return
+                log.warning("ucx endpoint %s: refused write %d: malformed write header: %s", self.id[:8], wid, exc)
+                await tag_send(ep, w.encode_reply(w.REFUSED, f"malformed write header: {exc}"), w.t_reply(wid))
+                return
+            if eager and sum(n for _, n in (*direct_spans, *inline)) > self.options.eager_bytes:
+                # Not a write this endpoint agreed to buffer on refusal (its descriptor says how much).
+                log.warning("ucx endpoint %s: eager write %d of %d bytes is over the announced eager_bytes=%d; "
+                            "dropping the connection", self.id[:8], wid,
+                            sum(n for _, n in (*direct_spans, *inline)), self.options.eager_bytes)
+                _abort(ep)
+                return
+            try:
+                direct = self._check_destinations(direct_spans, inline)
             except TransportError as exc:
                 log.warning("ucx endpoint %s: refused write %d: %s", self.id[:8], wid, exc)
-                await tag_send(ep, w.encode_reply(w.REFUSED, str(exc)), w.t_reply(wid))
+                if eager:
+                    # The data is on its way already: take it into scratch memory, never into ours.
+                    scratch = [bytearray(n) for _, n in direct_spans]
+                    if inline:
+                        scratch.append(bytearray(sum(n for _, n in inline)))
+                    pending = [asyncio.ensure_future(tag_recv(ep, buf, w.t_data(wid, i)))
+                               for i, buf in enumerate(scratch)]
+                    await asyncio.gather(*pending)
+                    await tag_send(ep, w.encode_reply(w.REFUSED, str(exc)), w.t_ack(wid))
+                else:
+                    await tag_send(ep, w.encode_reply(w.REFUSED, str(exc)), w.t_reply(wid))
                 return
-            # Post every receive straight into the pool before telling the writer to go.
+            # Post every receive straight into the pool, then (unless eager) tell the writer to go.
             pending = [asyncio.ensure_future(tag_recv(ep, buf, w.t_data(wid, i))) for i, buf in enumerate(direct)]
             blob = None
             if inline:
@@ -427,13 +465,16 @@ class UcxTransport(Transport):
                 pending.append(asyncio.ensure_future(tag_recv(ep, blob, w.t_data(wid, len(direct)))))
             for f in pending:
                 f.add_done_callback(progress.tick)
-            await tag_send(ep, w.encode_reply(w.OK), w.t_reply(wid))
+            if not eager:
+                await tag_send(ep, w.encode_reply(w.OK), w.t_reply(wid))
             await asyncio.gather(*pending)
             if blob is not None:
                 off = 0
                 for dst, n in inline:
                     ctypes.memmove(dst, (ctypes.c_char * n).from_buffer(blob, off), n)
                     off += n
+            self.writes_received += 1
+            self.eager_writes_received += eager
             await tag_send(ep, w.encode_reply(w.OK), w.t_ack(wid))
         finally:
             for f in pending:
@@ -451,14 +492,11 @@ class UcxTransport(Transport):
             return
         await tag_send(ep, w.encode_reply(w.OK, self.id), w.t_reply(wid))
 
-    def _plan_receive(self, body: bytearray) -> tuple[list[object], list[tuple[int, int]]]:
-        """Check every destination against registered memory *before* receiving anything."""
+    def _check_destinations(self, direct: Sequence[tuple[int, int]], inline: Sequence[tuple[int, int]]) -> list[object]:
+        """Check every destination against the memory registered *now*, before receiving a byte into it;
+        the buffers to receive the direct ops into."""
         if self.closed:
             raise TransportError(f"ucx endpoint {self.id[:8]} is closing")
-        try:
-            direct, inline = w.decode_ops(body)
-        except ValueError as exc:
-            raise TransportError(f"malformed write header: {exc}") from exc
         bufs = []
         for dst, n in direct:
             device = self._memory.device_of(dst, n) if n > 0 else None
@@ -470,7 +508,10 @@ class UcxTransport(Transport):
             if n <= 0 or self._memory.by_device.get("cpu") is None or not self._memory.by_device["cpu"].covers(dst, n):
                 raise TransportError(f"inline destination [{dst:#x}, +{n}) is outside the CPU memory "
                                      f"registered at ucx endpoint {self.id[:8]}")
-        return bufs, inline
+        return bufs
+
+
+_KINDS = frozenset({w.KIND_HELLO, w.KIND_WRITE, w.KIND_EAGER})
 
 
 class _Progress:
@@ -661,9 +702,12 @@ class UcxLink(Link):
         direct = [(s, d, n, sd) for s, d, n, sd, dd in merged if not (n <= limit and sd == dd == "cpu")]
         inline = [(s, d, n) for s, d, n, sd, dd in merged if n <= limit and sd == dd == "cpu"]
         total = sum(o.length for o in ops)
+        # Without the owner's go-ahead: small CPU-to-CPU writes, up to what the owner announced it takes so.
+        eager = total <= min(local.options.eager_bytes, self._peer.eager_bytes) and all(
+            sd == dd == "cpu" for _, _, _, sd, dd in merged)
         timeout = local.options.write_timeout
         holder: list[Any] = []
-        steps = asyncio.ensure_future(self._write_steps(holder, direct, inline))
+        steps = asyncio.ensure_future(self._write_steps(holder, direct, inline, eager))
         try:
             await _await_with_stall_timeout(steps, self._progress, timeout)
         except _Refused:
@@ -692,23 +736,25 @@ class UcxLink(Link):
                     await steps
 
     async def _write_steps(self, holder: list[Any], direct: Sequence[tuple[int, int, int, str]],
-                           inline: Sequence[tuple[int, int, int]]) -> None:
+                           inline: Sequence[tuple[int, int, int]], eager: bool) -> None:
         ep = await self._endpoint()
         holder.append(ep)
-        await self._write_on(ep, direct, inline)
+        await self._write_on(ep, direct, inline, eager)
 
     async def _write_on(self, ep: Any, direct: Sequence[tuple[int, int, int, str]],
-                        inline: Sequence[tuple[int, int, int]]) -> None:
+                        inline: Sequence[tuple[int, int, int]], eager: bool) -> None:
         wid = next(self._wids)
         body = w.encode_ops([(d, n) for _, d, n, _ in direct], [(d, n) for _, d, n in inline])
-        await tag_send(ep, w.PREFIX.pack(w.MAGIC, w.VERSION, w.KIND_WRITE, wid, len(body)), w.T_PREFIX)
+        kind = w.KIND_EAGER if eager else w.KIND_WRITE
+        await tag_send(ep, w.PREFIX.pack(w.MAGIC, w.VERSION, kind, wid, len(body)), w.T_PREFIX)
         await tag_send(ep, body, w.t_body(wid))
-        reply = bytearray(w.REPLY_SIZE)
-        await tag_recv(ep, reply, w.t_reply(wid))
-        self._progress.tick()
-        status, message = w.decode_reply(reply)
-        if status != w.OK:
-            raise _Refused(f"{self.peer} refused the write: {message}")
+        if not eager:
+            reply = bytearray(w.REPLY_SIZE)
+            await tag_recv(ep, reply, w.t_reply(wid))
+            self._progress.tick()
+            status, message = w.decode_reply(reply)
+            if status != w.OK:
+                raise _Refused(f"{self.peer} refused the write: {message}")
         ack = bytearray(w.REPLY_SIZE)
         ack_recv = asyncio.ensure_future(tag_recv(ep, ack, w.t_ack(wid)))
         try:
@@ -726,5 +772,7 @@ class UcxLink(Link):
         finally:
             ack_recv.cancel()
         status, message = w.decode_reply(ack)
+        if status == w.REFUSED:  # an eager write: the owner took the data into scratch memory, not its own
+            raise _Refused(f"{self.peer} refused the write: {message}")
         if status != w.OK:
             raise TransportError(f"{self.peer} could not complete the write: {message}")

@@ -1,0 +1,120 @@
+"""Writes without the owner's go-ahead (kind ``EAGER``): when they are used, and what the owner does
+with one it refuses or did not agree to."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from aioembed.errors import TransportError
+from aioembed.testing import region_of
+from aioembed.transports.base import Link, Transport, WriteOp
+from aioembed.transports.boundary import GuardedLink, GuardedTransport
+from aioembed.transports.registry import open_transport
+
+from aioembed_ucx.transport import UcxLink, UcxTransport, _parse_descriptor
+
+from .conftest import UCX_OPTIONS
+
+pytestmark = pytest.mark.anyio
+
+SIZE = 4 << 20
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _plugin(t: Transport) -> UcxTransport:
+    inner = t.inner if isinstance(t, GuardedTransport) else t
+    assert isinstance(inner, UcxTransport)
+    return inner
+
+
+def _ucx_link(link: Link) -> UcxLink:
+    inner = link.inner if isinstance(link, GuardedLink) else link
+    assert isinstance(inner, UcxLink)
+    return inner
+
+
+async def _pair(owner_options: dict[str, Any], writer_options: dict[str, Any]) -> tuple[
+        Transport, Transport, torch.Tensor, torch.Tensor]:
+    owner = await open_transport("ucx", dict(UCX_OPTIONS, **owner_options))
+    writer = await open_transport("ucx", dict(UCX_OPTIONS, **writer_options))
+    src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8)
+    dst = torch.zeros(SIZE, dtype=torch.uint8)
+    await writer.register([region_of(src)])
+    await owner.register([region_of(dst)])
+    return owner, writer, src, dst
+
+
+async def test_small_cpu_writes_go_without_the_go_ahead_and_large_ones_wait_for_it() -> None:
+    owner, writer, src, dst = await _pair({}, {})
+    try:
+        link = await writer.connect(owner.descriptor())
+        small = [WriteOp(src.data_ptr(), dst.data_ptr(), 4096),
+                 WriteOp(src.data_ptr() + 8192, dst.data_ptr() + 8192, 100_000)]  # two ops, one write
+        await link.write(small)
+        assert (_plugin(owner).writes_received, _plugin(owner).eager_writes_received) == (1, 1)
+        assert torch.equal(dst[:4096], src[:4096]) and torch.equal(dst[8192:108_192], src[8192:108_192])
+        assert int(dst[4096:8192].sum()) == 0
+        big = (1 << 20) + 1  # over the default eager_bytes
+        await link.write([WriteOp(src.data_ptr() + (1 << 20), dst.data_ptr() + (1 << 20), big)])
+        assert (_plugin(owner).writes_received, _plugin(owner).eager_writes_received) == (2, 1)
+        assert torch.equal(dst[1 << 20:(1 << 20) + big], src[1 << 20:(1 << 20) + big])
+    finally:
+        await writer.aclose()
+        await owner.aclose()
+
+
+@pytest.mark.parametrize(("owner_eager", "writer_eager"), [(0, 1 << 20), (1 << 20, 0), (8192, 1 << 20)])
+async def test_the_smaller_of_both_settings_decides(owner_eager: int, writer_eager: int) -> None:
+    owner, writer, src, dst = await _pair({"eager_bytes": owner_eager}, {"eager_bytes": writer_eager})
+    try:
+        link = await writer.connect(owner.descriptor())
+        limit = min(owner_eager, writer_eager)
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 8192)])
+        await link.write([WriteOp(src.data_ptr() + 8192, dst.data_ptr() + 8192, 8193)])
+        assert _plugin(owner).writes_received == 2
+        assert _plugin(owner).eager_writes_received == (limit >= 8192) + (limit >= 8193)
+        assert torch.equal(dst[:16385], src[:16385])
+    finally:
+        await writer.aclose()
+        await owner.aclose()
+
+
+async def test_an_eager_write_over_the_announced_size_ends_the_connection_and_writes_nothing() -> None:
+    """A writer that ignores the owner's descriptor cannot make it buffer more than it agreed to."""
+    owner, writer, src, dst = await _pair({"eager_bytes": 4096}, {})
+    try:
+        link = await writer.connect(owner.descriptor())
+        ucx = _ucx_link(link)
+        announced = ucx._peer
+        assert announced.eager_bytes == 4096
+        ucx._peer = dataclasses.replace(announced, eager_bytes=1 << 20)  # lies about the owner's limit
+        with pytest.raises(TransportError):
+            await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])
+        assert int(dst.sum()) == 0 and _plugin(owner).writes_received == 0
+        ucx._peer = announced
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])  # a new connection, as agreed
+        assert torch.equal(dst[:65536], src[:65536])
+        assert (_plugin(owner).writes_received, _plugin(owner).eager_writes_received) == (1, 0)
+    finally:
+        await writer.aclose()
+        await owner.aclose()
+
+
+async def test_the_descriptor_carries_the_eager_size() -> None:
+    async with await open_transport("ucx", dict(UCX_OPTIONS, eager_bytes=12345)) as t:
+        desc = msgpack.unpackb(t.descriptor())
+        assert desc["eager"] == 12345 and _parse_descriptor(t.descriptor()).eager_bytes == 12345
+        del desc["eager"]  # a plugin without eager writes: every write waits for the go-ahead
+        assert _parse_descriptor(msgpack.packb(desc)).eager_bytes == 0
+        for bad in (-1, True, "1", 1 << 40):
+            desc["eager"] = bad
+            with pytest.raises(TransportError, match="eager"):
+                _parse_descriptor(msgpack.packb(desc))
