@@ -15,7 +15,8 @@ from aioembed.transports.base import Link, Transport, WriteOp
 from aioembed.transports.boundary import GuardedLink, GuardedTransport
 from aioembed.transports.registry import open_transport
 
-from aioembed_ucx.transport import UcxLink, UcxTransport, _parse_descriptor
+from aioembed_ucx._options import MAX_EAGER_BYTES
+from aioembed_ucx.transport import UcxLink, UcxTransport, _parse_descriptor, _Refused
 
 from .conftest import UCX_OPTIONS
 
@@ -96,11 +97,15 @@ async def test_an_eager_write_over_the_announced_size_ends_the_connection_and_wr
         announced = ucx._peer
         assert announced.eager_bytes == 4096
         ucx._peer = dataclasses.replace(announced, eager_bytes=1 << 20)  # lies about the owner's limit
-        with pytest.raises(TransportError):
+        first = ucx._ep
+        with pytest.raises(TransportError) as info:
             await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])
+        assert not isinstance(info.value.__cause__ or info.value, _Refused)  # dropped, not refused and drained
         assert int(dst.sum()) == 0 and _plugin(owner).writes_received == 0
+        assert ucx._ep is None and not _plugin(owner)._server_eps  # the connection is gone on both sides
         ucx._peer = announced
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])  # a new connection, as agreed
+        assert ucx._ep is not None and ucx._ep is not first
         assert torch.equal(dst[:65536], src[:65536])
         assert (_plugin(owner).writes_received, _plugin(owner).eager_writes_received) == (1, 0)
     finally:
@@ -114,7 +119,39 @@ async def test_the_descriptor_carries_the_eager_size() -> None:
         assert desc["eager"] == 12345 and _parse_descriptor(t.descriptor()).eager_bytes == 12345
         del desc["eager"]  # a plugin without eager writes: every write waits for the go-ahead
         assert _parse_descriptor(msgpack.packb(desc)).eager_bytes == 0
-        for bad in (-1, True, "1", 1 << 40):
+        for bad in (-1, True, "1", None):
             desc["eager"] = bad
             with pytest.raises(TransportError, match="eager"):
                 _parse_descriptor(msgpack.packb(desc))
+        desc["eager"] = 1 << 40  # a later plugin that takes more: this one sends at most its own cap
+        assert _parse_descriptor(msgpack.packb(desc)).eager_bytes == MAX_EAGER_BYTES
+
+
+async def test_a_refused_eager_write_is_drained_and_the_same_connection_goes_on() -> None:
+    """The owner takes a refused eager write's data (every op, and the inline blob) into scratch memory: the
+    next writes on the same UCX endpoint (no reconnect) match their own messages, not the refused ones."""
+    owner, writer, src, dst = await _pair({}, {"inline_bytes": 256})
+    try:
+        link = await writer.connect(owner.descriptor())
+        ucx = _ucx_link(link)
+        first = ucx._ep
+        region = region_of(dst)
+        await owner.unregister([region])
+        ops = [WriteOp(src.data_ptr(), dst.data_ptr(), 300_000),  # a rendezvous-sized message
+               WriteOp(src.data_ptr() + 400_000, dst.data_ptr() + 400_000, 100),  # inline
+               WriteOp(src.data_ptr() + 500_000, dst.data_ptr() + 500_000, 2000)]  # a small direct one
+        with pytest.raises(TransportError, match="refused the write") as info:
+            await link.write(ops)
+        assert info.value.may_land is False  # drained before the answer: the session need not fence
+        assert int(dst.sum()) == 0 and _plugin(owner).writes_received == 0
+        await owner.register([region])
+        for k in range(3):  # the same ops again, now taken, on the same endpoint
+            await link.write([WriteOp(o.src + k, o.dst + k, o.length) for o in ops])
+        assert ucx._ep is first
+        assert (_plugin(owner).writes_received, _plugin(owner).eager_writes_received) == (3, 3)
+        for o in ops:
+            a, n = o.dst - dst.data_ptr() + 2, o.length
+            assert torch.equal(dst[a:a + n], src[a:a + n])
+    finally:
+        await writer.aclose()
+        await owner.aclose()

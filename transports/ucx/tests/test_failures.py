@@ -122,13 +122,16 @@ async def test_owner_refuses_memory_it_no_longer_registers(eager_bytes: int) -> 
         dst = torch.zeros(SIZE, dtype=torch.uint8)
         await owner.register([region_of(dst)])
         link = await t.connect(owner.descriptor())
+        endpoint = link.inner._ep  # type: ignore[attr-defined]
         await owner.unregister([region_of(dst)])
         with pytest.raises(TransportError, match=r"refused the write.*outside the memory registered"):
             await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SIZE)])
         assert int(dst.sum()) == 0
-        await owner.register([region_of(dst)])  # the link is still usable after a refusal
+        await owner.register([region_of(dst)])  # the link is still usable after a refusal, without a reconnect
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SIZE)])
         assert torch.equal(dst, src)
+        assert link.inner._ep is endpoint  # type: ignore[attr-defined]
+        assert owner.inner.eager_writes_received == (1 if eager_bytes else 0)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("eager_bytes", [0, SIZE])

@@ -25,10 +25,11 @@ import logging
 import time
 import types
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-__all__ = ["ArmedProgress", "install_armed_progress", "tag_recv", "tag_send"]
+__all__ = ["ArmedProgress", "Posted", "cancel_posted", "install_armed_progress", "post", "tag_recv", "tag_send",
+           "wait_posted"]
 
 log = logging.getLogger("aioembed.transports.ucx")
 
@@ -88,6 +89,31 @@ class ArmedProgress:
         while not request.completed:
             await self._progressed.wait()
         request.check_error()
+
+    def posted(self) -> None:
+        """New work was posted on this worker: progress it (and arm again) on the next loop turn, once for
+        all posts of this turn. UCX may leave part of a posted operation for progress (a rendezvous reply
+        to a message that arrived before its receive was posted, a send the socket could not take at
+        once), and an armed worker's descriptor does not fire for that."""
+        if self._retry is None and not self._closed:
+            self._retry = self.loop.call_soon(self._progress_and_arm)
+
+    async def wait_all(self, requests: list[Any], on_done: Callable[[], None] | None = None) -> None:
+        """Until every request completed, in the calling task; ``on_done()`` after each one (in order of
+        noticing). Raises the first error seen (the rest stay posted: the caller aborts the endpoint)."""
+        pending = requests
+        while pending:
+            still = []
+            for request in pending:
+                if request.completed:
+                    request.check_error()
+                    if on_done is not None:
+                        on_done()
+                else:
+                    still.append(request)
+            pending = still
+            if pending:
+                await self._progressed.wait()
 
     def _on_safety(self) -> None:
         if self._closed:
@@ -198,3 +224,50 @@ async def _tagged(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> None:
         return
     raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
     await driver.wait(raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull))
+
+
+class Posted:
+    """One tag message posted on an endpoint: the ucxx request and the buffer it reads or fills (kept
+    alive with it), or, in progress modes without an :class:`ArmedProgress`, ucxx's own call as a task."""
+
+    __slots__ = ("buffer", "future", "request")
+
+    def __init__(self, request: Any, buffer: Any, future: asyncio.Future[Any] | None) -> None:
+        self.request = request
+        self.buffer = buffer
+        self.future = future
+
+
+def post(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> Posted:
+    """Post a tag send or receive now, in this order relative to other posts, without a task: several
+    messages of one write are then awaited together by :func:`wait_posted` in the caller's task."""
+    driver = _driver()
+    if driver is None:
+        return Posted(None, buffer, asyncio.ensure_future((ep.send if send else ep.recv)(buffer, tag=tag)))
+    raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
+    request = raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull)
+    driver.posted()
+    return Posted(request, buf, None)
+
+
+async def wait_posted(posted: Sequence[Posted], on_done: Callable[[], None] | None = None) -> None:
+    """Until every posted message completed; ``on_done()`` after each. Raises the first error seen."""
+    requests = [p.request for p in posted if p.future is None]
+    if requests:
+        driver = _driver()
+        assert driver is not None, "posted through an ArmedProgress that is gone"
+        await driver.wait_all(requests, on_done)
+    futures = [p.future for p in posted if p.future is not None]
+    if futures:
+        if on_done is not None:
+            for f in futures:
+                f.add_done_callback(lambda _: on_done())
+        await asyncio.gather(*futures)
+
+
+def cancel_posted(posted: Sequence[Posted]) -> None:
+    """Stop waiting for messages still pending (their UCX requests stay posted until the endpoint is
+    aborted, as after a cancelled :func:`tag_recv`)."""
+    for p in posted:
+        if p.future is not None:
+            p.future.cancel()

@@ -49,7 +49,7 @@ from aioembed.transports.base import (
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import ensure_context, load_ucxx
 from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
-from aioembed_ucx._progress import tag_recv, tag_send
+from aioembed_ucx._progress import Posted, cancel_posted, post, tag_recv, tag_send, wait_posted
 
 __all__ = ["UcxLink", "UcxTransport"]
 
@@ -162,9 +162,10 @@ def _parse_descriptor(blob: bytes) -> _Peer:
             _check_device(r)
             regions.append(r)
         eager = d.get("eager", 0)
-        if not (isinstance(eager, int) and not isinstance(eager, bool) and 0 <= eager <= MAX_EAGER_BYTES):
+        if not (isinstance(eager, int) and not isinstance(eager, bool) and eager >= 0):
             raise ValueError(f"bad eager size {eager!r}")
-        return _Peer(endpoint, host, port, _Memory(regions), eager)
+        # A later plugin may take more; this one never sends more than its own cap.
+        return _Peer(endpoint, host, port, _Memory(regions), min(eager, MAX_EAGER_BYTES))
     except Exception as exc:
         raise TransportError(f"bad ucx descriptor ({len(blob)} bytes): {exc}") from exc
 
@@ -413,7 +414,7 @@ class UcxTransport(Transport):
                     await steps
 
     async def _receive_write(self, ep: Any, progress: _Progress, kind: int, wid: int, body_len: int) -> None:
-        pending: list[asyncio.Future[Any]] = []
+        pending: list[Posted] = []
         try:
             body = bytearray(body_len)
             if body_len:
@@ -450,24 +451,21 @@ class UcxTransport(Transport):
                     scratch = [bytearray(n) for _, n in direct_spans]
                     if inline:
                         scratch.append(bytearray(sum(n for _, n in inline)))
-                    pending = [asyncio.ensure_future(tag_recv(ep, buf, w.t_data(wid, i)))
-                               for i, buf in enumerate(scratch)]
-                    await asyncio.gather(*pending)
+                    pending = [post(ep, buf, w.t_data(wid, i), send=False) for i, buf in enumerate(scratch)]
+                    await wait_posted(pending, progress.tick)
                     await tag_send(ep, w.encode_reply(w.REFUSED, str(exc)), w.t_ack(wid))
                 else:
                     await tag_send(ep, w.encode_reply(w.REFUSED, str(exc)), w.t_reply(wid))
                 return
             # Post every receive straight into the pool, then (unless eager) tell the writer to go.
-            pending = [asyncio.ensure_future(tag_recv(ep, buf, w.t_data(wid, i))) for i, buf in enumerate(direct)]
+            pending = [post(ep, buf, w.t_data(wid, i), send=False) for i, buf in enumerate(direct)]
             blob = None
             if inline:
                 blob = bytearray(sum(n for _, n in inline))
-                pending.append(asyncio.ensure_future(tag_recv(ep, blob, w.t_data(wid, len(direct)))))
-            for f in pending:
-                f.add_done_callback(progress.tick)
+                pending.append(post(ep, blob, w.t_data(wid, len(direct)), send=False))
             if not eager:
-                await tag_send(ep, w.encode_reply(w.OK), w.t_reply(wid))
-            await asyncio.gather(*pending)
+                pending.append(post(ep, w.encode_reply(w.OK), w.t_reply(wid), send=True))
+            await wait_posted(pending, progress.tick)
             if blob is not None:
                 off = 0
                 for dst, n in inline:
@@ -477,8 +475,7 @@ class UcxTransport(Transport):
             self.eager_writes_received += eager
             await tag_send(ep, w.encode_reply(w.OK), w.t_ack(wid))
         finally:
-            for f in pending:
-                f.cancel()
+            cancel_posted(pending)
 
     async def _answer_hello(self, ep: Any, wid: int, body: bytearray) -> None:
         try:
@@ -632,7 +629,12 @@ def _abort(ep: Any) -> None:
 
 
 class _Refused(TransportError):
-    """The owning side refused a write before any byte moved."""
+    """The owning side refused a write: nothing of it was received into the owner's memory, and nothing
+    can be later (it refused before any data was sent, or, for an eager write, after it had taken all
+    of the data into scratch memory)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, may_land=False)
 
 
 class UcxLink(Link):
@@ -743,34 +745,36 @@ class UcxLink(Link):
 
     async def _write_on(self, ep: Any, direct: Sequence[tuple[int, int, int, str]],
                         inline: Sequence[tuple[int, int, int]], eager: bool) -> None:
+        # Every message of a step is posted at once (in wire order) and awaited together in this task.
+        tick = self._progress.tick
         wid = next(self._wids)
         body = w.encode_ops([(d, n) for _, d, n, _ in direct], [(d, n) for _, d, n in inline])
         kind = w.KIND_EAGER if eager else w.KIND_WRITE
-        await tag_send(ep, w.PREFIX.pack(w.MAGIC, w.VERSION, kind, wid, len(body)), w.T_PREFIX)
-        await tag_send(ep, body, w.t_body(wid))
+        head = [post(ep, w.PREFIX.pack(w.MAGIC, w.VERSION, kind, wid, len(body)), w.T_PREFIX, send=True),
+                post(ep, body, w.t_body(wid), send=True)]
         if not eager:
             reply = bytearray(w.REPLY_SIZE)
-            await tag_recv(ep, reply, w.t_reply(wid))
-            self._progress.tick()
+            head.append(post(ep, reply, w.t_reply(wid), send=False))
+            await wait_posted(head, tick)
             status, message = w.decode_reply(reply)
             if status != w.OK:
                 raise _Refused(f"{self.peer} refused the write: {message}")
+            head = []
         ack = bytearray(w.REPLY_SIZE)
-        ack_recv = asyncio.ensure_future(tag_recv(ep, ack, w.t_ack(wid)))
+        ack_recv = [post(ep, ack, w.t_ack(wid), send=False)]
         try:
-            sends = [tag_send(ep, _buffer(s, n, sd), w.t_data(wid, i)) for i, (s, _, n, sd) in enumerate(direct)]
+            sends = [post(ep, _buffer(s, n, sd), w.t_data(wid, i), send=True) for i, (s, _, n, sd) in enumerate(direct)]
             if inline:
                 blob = bytearray(sum(n for _, _, n in inline))
                 off = 0
                 for s, _, n in inline:
                     ctypes.memmove((ctypes.c_char * n).from_buffer(blob, off), s, n)
                     off += n
-                sends.append(tag_send(ep, blob, w.t_data(wid, len(direct))))
-            await asyncio.gather(*sends)
-            await ack_recv
-            self._progress.tick()
+                sends.append(post(ep, blob, w.t_data(wid, len(direct)), send=True))
+            await wait_posted([*head, *sends], tick)
+            await wait_posted(ack_recv, tick)
         finally:
-            ack_recv.cancel()
+            cancel_posted(ack_recv)
         status, message = w.decode_reply(ack)
         if status == w.REFUSED:  # an eager write: the owner took the data into scratch memory, not its own
             raise _Refused(f"{self.peer} refused the write: {message}")
