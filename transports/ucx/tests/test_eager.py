@@ -3,7 +3,10 @@ with one it refuses or did not agree to."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import gc
 from typing import Any
 
 import msgpack
@@ -155,3 +158,35 @@ async def test_a_refused_eager_write_is_drained_and_the_same_connection_goes_on(
     finally:
         await writer.aclose()
         await owner.aclose()
+
+
+async def test_a_writer_cancelled_mid_write_leaves_the_owner_clean() -> None:
+    """The writer aborts its endpoint; the owner's write task fails with the connection and is accounted
+    for (no "exception was never retrieved"), and the owner serves the next connection."""
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    owner, writer, src, dst = await _pair({}, {})
+    try:
+        link = await writer.connect(owner.descriptor())
+        for delay in range(6):
+            dst.zero_()
+            t = asyncio.ensure_future(link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 500_000)]))
+            for _ in range(delay):
+                await asyncio.sleep(0)
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TransportError):
+                await t
+            await asyncio.sleep(0.3)
+            gc.collect()
+        dst.zero_()
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 500_000)])
+        assert torch.equal(dst[:500_000], src[:500_000])
+    finally:
+        await writer.aclose()
+        await owner.aclose()
+        gc.collect()
+        await asyncio.sleep(0)
+        loop.set_exception_handler(previous)
+    assert not [c.get("message") for c in unhandled]

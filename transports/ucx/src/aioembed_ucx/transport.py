@@ -412,6 +412,12 @@ class UcxTransport(Transport):
                 steps.cancel()
                 with contextlib.suppress(BaseException):
                     await steps
+            elif not steps.cancelled():
+                # It ended as this task was cancelled (the connection is closing): its error is taken here,
+                # not left unretrieved; a UCX error is the closing connection's, anything else a bug.
+                late = steps.exception()
+                if late is not None and not isinstance(late, self._errors):
+                    log.error("ucx endpoint %s: write %d failed", self.id[:8], wid, exc_info=late)
 
     async def _receive_write(self, ep: Any, progress: _Progress, kind: int, wid: int, body_len: int) -> None:
         pending: list[Posted] = []
