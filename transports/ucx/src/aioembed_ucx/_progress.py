@@ -28,8 +28,8 @@ import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-__all__ = ["ArmedProgress", "Posted", "cancel_posted", "install_armed_progress", "post", "tag_recv", "tag_send",
-           "wait_posted"]
+__all__ = ["ArmedProgress", "Posted", "cancel_posted", "install_armed_progress", "kick", "post", "tag_recv",
+           "tag_send", "wait_posted"]
 
 log = logging.getLogger("aioembed.transports.ucx")
 
@@ -90,11 +90,12 @@ class ArmedProgress:
             await self._progressed.wait()
         request.check_error()
 
-    def posted(self) -> None:
-        """New work was posted on this worker: progress it (and arm again) on the next loop turn, once for
-        all posts of this turn. UCX may leave part of a posted operation for progress (a rendezvous reply
-        to a message that arrived before its receive was posted, a send the socket could not take at
-        once), and an armed worker's descriptor does not fire for that."""
+    def kick(self) -> None:
+        """New work was posted on this worker, or an endpoint aborted: progress it (and arm again) on the
+        next loop turn, once for all of this turn. UCX may leave part of it for progress (a rendezvous
+        reply to a message that arrived before its receive was posted, a send the socket could not take
+        at once, the closing of an aborted endpoint), and an armed worker's descriptor does not fire for
+        that."""
         if self._retry is None and not self._closed:
             self._retry = self.loop.call_soon(self._progress_and_arm)
 
@@ -187,6 +188,13 @@ def _ucxx() -> types.SimpleNamespace:
     )
 
 
+def kick() -> None:
+    """:meth:`ArmedProgress.kick` for the running loop's driver, if it has one."""
+    driver = _driver()
+    if driver is not None:
+        driver.kick()
+
+
 def _driver() -> ArmedProgress | None:
     have = _ucxx().app.ProgressTasks.get(asyncio.get_running_loop())
     return have if isinstance(have, ArmedProgress) else None
@@ -246,7 +254,7 @@ def post(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> Posted:
         return Posted(None, buffer, asyncio.ensure_future((ep.send if send else ep.recv)(buffer, tag=tag)))
     raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
     request = raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull)
-    driver.posted()
+    driver.kick()
     return Posted(request, buf, None)
 
 

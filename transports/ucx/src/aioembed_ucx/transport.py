@@ -49,7 +49,7 @@ from aioembed.transports.base import (
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import ensure_context, load_ucxx
 from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
-from aioembed_ucx._progress import Posted, cancel_posted, post, tag_recv, tag_send, wait_posted
+from aioembed_ucx._progress import Posted, cancel_posted, kick, post, tag_recv, tag_send, wait_posted
 
 __all__ = ["UcxLink", "UcxTransport"]
 
@@ -396,28 +396,18 @@ class UcxTransport(Transport):
 
     async def _serve_one(self, ep: Any, progress: _Progress, kind: int, wid: int, body_len: int) -> None:
         timeout = self.options.write_timeout
-        steps = asyncio.ensure_future(self._receive_write(ep, progress, kind, wid, body_len))
         try:
-            await _await_with_stall_timeout(steps, progress, timeout)
-        except TimeoutError:
+            with _StallTimeout(progress, timeout) as stall:
+                await self._receive_write(ep, progress, kind, wid, body_len)
+        except self._errors as exc:
+            log.debug("ucx endpoint %s: write %d failed: %r", self.id[:8], wid, exc)
+            return
+        if stall.expired:
             # The writer is frozen or gone: its data may never come. Abort the connection, which
             # cancels our receives into the pool (the writer's write fails on its own timeout).
             log.warning("ucx endpoint %s: write %d made no progress within write_timeout=%s s; "
                         "aborting the connection", self.id[:8], wid, timeout)
             _abort(ep)
-        except self._errors as exc:
-            log.debug("ucx endpoint %s: write %d failed: %r", self.id[:8], wid, exc)
-        finally:
-            if not steps.done():
-                steps.cancel()
-                with contextlib.suppress(BaseException):
-                    await steps
-            elif not steps.cancelled():
-                # It ended as this task was cancelled (the connection is closing): its error is taken here,
-                # not left unretrieved; a UCX error is the closing connection's, anything else a bug.
-                late = steps.exception()
-                if late is not None and not isinstance(late, self._errors):
-                    log.error("ucx endpoint %s: write %d failed", self.id[:8], wid, exc_info=late)
 
     async def _receive_write(self, ep: Any, progress: _Progress, kind: int, wid: int, body_len: int) -> None:
         pending: list[Posted] = []
@@ -529,18 +519,43 @@ class _Progress:
         self.last = time.monotonic()
 
 
-async def _await_with_stall_timeout(fut: asyncio.Future[Any], progress: _Progress, timeout: float) -> Any:
-    """Await ``fut``; raise ``TimeoutError`` once neither it nor anything else on the connection
-    has made progress for ``timeout`` seconds. (Writes queued behind others on a busy but live
-    connection do not time out; a frozen peer fails every pending write after ``timeout``.)"""
-    start = time.monotonic()
-    while True:
-        remaining = max(start, progress.last) + timeout - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
-        done, _ = await asyncio.wait({fut}, timeout=remaining)
-        if done:
-            return fut.result()
+class _StallTimeout:
+    """``with _StallTimeout(progress, timeout) as stall:`` cancels what runs inside once neither it nor
+    anything else on the connection has made progress for ``timeout`` seconds; ``stall.expired`` says so
+    afterwards. (Writes queued behind others on a busy but live connection do not time out; a frozen
+    peer fails every pending write after ``timeout``.) One timer, no task: the work runs in the caller's
+    task."""
+
+    __slots__ = ("_handle", "_loop", "_progress", "_start", "_timeout", "expired", "scope")
+
+    def __init__(self, progress: _Progress, timeout: float) -> None:
+        self._progress = progress
+        self._timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self._start = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+        self.scope = anyio.CancelScope()
+        self.expired = False
+
+    def __enter__(self) -> Self:
+        self._start = time.monotonic()
+        self._handle = self._loop.call_later(self._timeout, self._check)
+        self.scope.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        if self._handle is not None:
+            self._handle.cancel()
+        return bool(self.scope.__exit__(*exc_info))
+
+    def _check(self) -> None:
+        remaining = max(self._start, self._progress.last) + self._timeout - time.monotonic()
+        if remaining > 0:
+            self._handle = self._loop.call_later(remaining, self._check)
+            return
+        self._handle = None
+        self.expired = True
+        self.scope.cancel()
 
 
 class _Graveyard:
@@ -632,6 +647,8 @@ def _abort(ep: Any) -> None:
         return
     with contextlib.suppress(Exception):
         ep.abort()
+    with contextlib.suppress(RuntimeError):  # no running loop (a finaliser): nothing to progress here
+        kick()  # close it now, not at the next event: the peer learns at once that the connection ended
 
 
 class _Refused(TransportError):
@@ -715,19 +732,16 @@ class UcxLink(Link):
             sd == dd == "cpu" for _, _, _, sd, dd in merged)
         timeout = local.options.write_timeout
         holder: list[Any] = []
-        steps = asyncio.ensure_future(self._write_steps(holder, direct, inline, eager))
         try:
-            await _await_with_stall_timeout(steps, self._progress, timeout)
+            with _StallTimeout(self._progress, timeout) as stall:
+                ep = await self._endpoint()
+                holder.append(ep)
+                await self._write_on(ep, direct, inline, eager)
         except _Refused:
             raise
         except TransportError:
             self._drop(holder)
             raise
-        except TimeoutError:
-            self._drop(holder)
-            raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} did not complete: "
-                                 f"no progress on the link within write_timeout={timeout} s; the UCX endpoint "
-                                 "was aborted") from None
         except local._errors as exc:
             self._drop(holder)
             raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} failed: "
@@ -737,17 +751,11 @@ class UcxLink(Link):
             # which also cancels the owning side's receives into its pool.
             self._drop(holder)
             raise
-        finally:
-            if not steps.done():
-                steps.cancel()
-                with contextlib.suppress(BaseException):
-                    await steps
-
-    async def _write_steps(self, holder: list[Any], direct: Sequence[tuple[int, int, int, str]],
-                           inline: Sequence[tuple[int, int, int]], eager: bool) -> None:
-        ep = await self._endpoint()
-        holder.append(ep)
-        await self._write_on(ep, direct, inline, eager)
+        if stall.expired:
+            self._drop(holder)
+            raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} did not complete: "
+                                 f"no progress on the link within write_timeout={timeout} s; the UCX endpoint "
+                                 "was aborted")
 
     async def _write_on(self, ep: Any, direct: Sequence[tuple[int, int, int, str]],
                         inline: Sequence[tuple[int, int, int]], eager: bool) -> None:
