@@ -231,7 +231,9 @@ async def _tagged(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> None:
         await (ep.send if send else ep.recv)(buffer, tag=tag)
         return
     raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
-    await driver.wait(raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull))
+    request = raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull)
+    driver.kick()
+    await driver.wait(request)
 
 
 class Posted:
