@@ -10,29 +10,25 @@ from aioembed.testing import TransportConformance
 from .conftest import UCX_OPTIONS
 
 
-class TestUcxConformance(TransportConformance):
+class _UcxConformance(TransportConformance):
     transport_name = "ucx"
-    transport_options = UCX_OPTIONS
+    transport_options: ClassVar[Mapping[str, Any]] = UCX_OPTIONS
     backends = ("asyncio",)
-    large_bytes = 32 << 20
+    large_bytes = 8 << 20
     peer_gone_timeout = 10.0
 
 
-class TestUcxConformanceInline(TransportConformance):
+class TestUcxConformance(_UcxConformance):
+    large_bytes = 32 << 20
+
+
+class TestUcxConformanceInline(_UcxConformance):
     """Small ops batched into one message and copied into place by the owning side."""
 
-    transport_name = "ucx"
-    transport_options: ClassVar[Mapping[str, Any]] = dict(UCX_OPTIONS, inline_bytes=2048)
-    backends = ("asyncio",)
-    large_bytes = 8 << 20
-    peer_gone_timeout = 10.0
+    transport_options = dict(UCX_OPTIONS, inline_bytes=2048)
 
 
-class TestUcxConformanceGoAhead(TransportConformance):
+class TestUcxConformanceGoAhead(_UcxConformance):
     """Every write waits for the owner's go-ahead (no eager writes, which the default uses for small ones)."""
 
-    transport_name = "ucx"
-    transport_options: ClassVar[Mapping[str, Any]] = dict(UCX_OPTIONS, eager_bytes=0)
-    backends = ("asyncio",)
-    large_bytes = 8 << 20
-    peer_gone_timeout = 10.0
+    transport_options = dict(UCX_OPTIONS, eager_bytes=0)
