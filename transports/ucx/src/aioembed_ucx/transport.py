@@ -546,7 +546,10 @@ class _StallTimeout:
     def __exit__(self, *exc_info: Any) -> bool:
         if self._handle is not None:
             self._handle.cancel()
-        return bool(self.scope.__exit__(*exc_info))
+        swallowed = bool(self.scope.__exit__(*exc_info))
+        # Fired as the work was finishing, without an await left to cancel: it finished, not timed out.
+        self.expired = self.expired and self.scope.cancelled_caught
+        return swallowed
 
     def _check(self) -> None:
         remaining = max(self._start, self._progress.last) + self._timeout - time.monotonic()
