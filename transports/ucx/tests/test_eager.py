@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import gc
 from typing import Any
@@ -19,7 +20,9 @@ from aioembed.transports.base import Link, Transport, WriteOp
 from aioembed.transports.boundary import GuardedLink, GuardedTransport
 from aioembed.transports.registry import open_transport
 
+from aioembed_ucx._graveyard import GRAVEYARD
 from aioembed_ucx._options import MAX_EAGER_BYTES
+from aioembed_ucx._progress import Posted
 from aioembed_ucx.transport import UcxLink, UcxTransport, _parse_descriptor, _Refused
 
 from .conftest import UCX_OPTIONS
@@ -44,6 +47,20 @@ def _ucx_link(link: Link) -> UcxLink:
     inner = link.inner if isinstance(link, GuardedLink) else link
     assert isinstance(inner, UcxLink)
     return inner
+
+
+def _kept_addresses() -> list[int]:
+    """Where the buffers of posted messages kept in the graveyard start."""
+    out = []
+    for _, kept, _ in GRAVEYARD._entries:
+        for p in kept:
+            if not isinstance(p, Posted):
+                continue
+            if hasattr(p.buffer, "ptr"):  # a ucxx Array (ArmedProgress posts them itself)
+                out.append(int(p.buffer.ptr))
+            elif isinstance(p.buffer, ctypes.Array):  # ucxx's own calls got the buffer as it is
+                out.append(ctypes.addressof(p.buffer))
+    return out
 
 
 async def _pair(owner_options: dict[str, Any], writer_options: dict[str, Any]) -> tuple[
@@ -184,6 +201,7 @@ async def test_a_writer_cancelled_mid_write_leaves_the_owner_clean() -> None:
                 await t
             await asyncio.sleep(0.3)
             gc.collect()
+        assert src.data_ptr() in _kept_addresses()  # what a cancelled write had posted is kept until UCX lets go of it
         dst.zero_()
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 500_000)])
         assert torch.equal(dst[:500_000], src[:500_000])
@@ -194,3 +212,30 @@ async def test_a_writer_cancelled_mid_write_leaves_the_owner_clean() -> None:
         await asyncio.sleep(0)
         loop.set_exception_handler(previous)
     assert not [c.get("message") for c in unhandled]
+
+
+@pytest.mark.parametrize("eager_bytes", [0, 1 << 20])
+async def test_a_receive_that_fails_on_the_owner_ends_the_connection(eager_bytes: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receive failing in the owner (here: a buffer too small, as a truncated message would) leaves the
+    wire state unknown: the owner aborts the connection, and the writer fails at once instead of waiting
+    for an acknowledgement until its write_timeout; the buffers it had posted are kept meanwhile."""
+    owner, writer, src, dst = await _pair({}, {"eager_bytes": eager_bytes})
+    try:
+        link = await writer.connect(owner.descriptor())
+        plugin = _plugin(owner)
+        check = plugin._check_destinations
+
+        def short_buffers(direct: list[tuple[int, int]], inline: list[tuple[int, int]]) -> list[object]:
+            return [(ctypes.c_char * (n // 2)).from_address(d) for d, n in direct] if check(direct, inline) else []
+
+        monkeypatch.setattr(plugin, "_check_destinations", short_buffers)
+        with pytest.raises(TransportError), anyio.fail_after(2):  # write_timeout is 5 s
+            await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])
+        assert dst.data_ptr() in _kept_addresses()  # the owner kept what it had posted, for UCX to let go of
+        monkeypatch.undo()
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])  # a new connection
+        assert torch.equal(dst[:65536], src[:65536])
+    finally:
+        await writer.aclose()
+        await owner.aclose()

@@ -176,7 +176,7 @@ async def test_unregistered_region_objects() -> None:
 
 
 def test_the_graveyard_of_failed_connects_is_bounded_by_what_ucx_may_still_write() -> None:
-    from aioembed_ucx.transport import _Graveyard
+    from aioembed_ucx._graveyard import Graveyard as _Graveyard
 
     class Endpoint:
         def __init__(self) -> None:

@@ -48,6 +48,7 @@ from aioembed.transports.base import (
 
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import ensure_context, load_ucxx
+from aioembed_ucx._graveyard import GRAVEYARD as _GRAVEYARD
 from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
 from aioembed_ucx._progress import Posted, cancel_posted, kick, post, tag_recv, tag_send, wait_posted
 
@@ -400,7 +401,10 @@ class UcxTransport(Transport):
             with _StallTimeout(progress, timeout) as stall:
                 await self._receive_write(ep, progress, kind, wid, body_len)
         except self._errors as exc:
-            log.debug("ucx endpoint %s: write %d failed: %r", self.id[:8], wid, exc)
+            # The wire state is unknown (other receives of the write may still be posted): end the
+            # connection, which cancels them; the writer's write fails and it reconnects.
+            log.debug("ucx endpoint %s: write %d failed: %r; aborting the connection", self.id[:8], wid, exc)
+            _abort(ep)
             return
         if stall.expired:
             # The writer is frozen or gone: its data may never come. Abort the connection, which
@@ -470,6 +474,10 @@ class UcxTransport(Transport):
             self.writes_received += 1
             self.eager_writes_received += eager
             await tag_send(ep, w.encode_reply(w.OK), w.t_ack(wid))
+        except BaseException:
+            # The connection is aborted next; until UCX has cancelled what is still posted, keep its buffers.
+            _GRAVEYARD.bury(ep, *pending)
+            raise
         finally:
             cancel_posted(pending)
 
@@ -538,9 +546,9 @@ class _StallTimeout:
         self.expired = False
 
     def __enter__(self) -> Self:
+        self.scope.__enter__()
         self._start = time.monotonic()
         self._handle = self._loop.call_later(self._timeout, self._check)
-        self.scope.__enter__()
         return self
 
     def __exit__(self, *exc_info: Any) -> bool:
@@ -561,52 +569,6 @@ class _StallTimeout:
         self.scope.cancel()
 
 
-class _Graveyard:
-    """Endpoints of failed connects, kept with the buffers UCX may still write into.
-
-    ucxx's create_endpoint() frees its peer-info buffers when its connect timeout fires, while
-    UCX still has a stream receive posted into them: a peer that was frozen and wakes up later
-    then corrupts the heap (reproduced with ucxx 0.52: segfault after SIGSTOP/SIGCONT). So we do
-    the same steps ourselves and, on failure, keep the buffers and the endpoint. An entry is
-    dropped once its endpoint is no longer alive (UCX completed or cancelled what was posted on
-    it) and a grace period has passed; live ones are kept, and a warning says if they pile up.
-    """
-
-    GRACE = 30.0
-    WARN_AT = 1024
-
-    def __init__(self) -> None:
-        self._entries: list[tuple[Any, tuple[object, ...], float | None]] = []  # (endpoint, buffers, dead since)
-        self._warned = False
-
-    def bury(self, endpoint: Any, *buffers: object) -> None:
-        self.prune(time.monotonic())
-        self._entries.append((endpoint, buffers, None))
-        if len(self._entries) >= self.WARN_AT and not self._warned:
-            self._warned = True
-            log.warning("ucx: %d endpoints of failed connects are still alive (peers frozen?); their "
-                        "buffers are kept while UCX may write into them", len(self._entries))
-
-    def prune(self, now: float) -> None:
-        kept: list[tuple[Any, tuple[object, ...], float | None]] = []
-        for endpoint, buffers, dead_since in self._entries:
-            try:
-                alive = bool(endpoint.alive)
-            except Exception:
-                alive = False
-            if alive:
-                kept.append((endpoint, buffers, None))
-            elif dead_since is None:
-                kept.append((endpoint, buffers, now))
-            elif now - dead_since < self.GRACE:
-                kept.append((endpoint, buffers, dead_since))
-        self._entries = kept
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-_GRAVEYARD = _Graveyard()
 
 
 async def _create_endpoint(ucxx: Any, host: str, port: int) -> Any:
@@ -772,13 +734,18 @@ class UcxLink(Link):
         if not eager:
             reply = bytearray(w.REPLY_SIZE)
             head.append(post(ep, reply, w.t_reply(wid), send=False))
-            await wait_posted(head, tick)
+            try:
+                await wait_posted(head, tick)
+            except BaseException:
+                _GRAVEYARD.bury(ep, *head)  # as below
+                raise
             status, message = w.decode_reply(reply)
             if status != w.OK:
                 raise _Refused(f"{self.peer} refused the write: {message}")
             head = []
         ack = bytearray(w.REPLY_SIZE)
         ack_recv = [post(ep, ack, w.t_ack(wid), send=False)]
+        sends: list[Posted] = []
         try:
             sends = [post(ep, _buffer(s, n, sd), w.t_data(wid, i), send=True) for i, (s, _, n, sd) in enumerate(direct)]
             if inline:
@@ -790,6 +757,10 @@ class UcxLink(Link):
                 sends.append(post(ep, blob, w.t_data(wid, len(direct)), send=True))
             await wait_posted([*head, *sends], tick)
             await wait_posted(ack_recv, tick)
+        except BaseException:
+            # The endpoint is aborted next; until UCX has cancelled what is still posted, keep its buffers.
+            _GRAVEYARD.bury(ep, *head, *sends, *ack_recv)
+            raise
         finally:
             cancel_posted(ack_recv)
         status, message = w.decode_reply(ack)
