@@ -20,6 +20,7 @@ from aioembed.transports.base import Link, Transport, WriteOp
 from aioembed.transports.boundary import GuardedLink, GuardedTransport
 from aioembed.transports.registry import open_transport
 
+from aioembed_ucx import _wire as w
 from aioembed_ucx._graveyard import GRAVEYARD
 from aioembed_ucx._options import MAX_EAGER_BYTES
 from aioembed_ucx._progress import Posted
@@ -236,6 +237,28 @@ async def test_a_receive_that_fails_on_the_owner_ends_the_connection(eager_bytes
         monkeypatch.undo()
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])  # a new connection
         assert torch.equal(dst[:65536], src[:65536])
+    finally:
+        await writer.aclose()
+        await owner.aclose()
+
+
+async def test_a_receive_abandoned_when_the_owner_closes_keeps_its_buffer() -> None:
+    """The owner's wait for the next write header ends with the connection; the header's buffer stays
+    with the graveyard until UCX lets go of it."""
+    if UCX_OPTIONS["progress_mode"] != "blocking":
+        pytest.skip("in the other progress modes ucxx's own calls post the header, not the plugin")
+    owner, writer, src, dst = await _pair({}, {})
+    try:
+        link = await writer.connect(owner.descriptor())
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
+
+        def headers() -> int:
+            return sum(1 for _, kept, _ in GRAVEYARD._entries for b in kept
+                       if getattr(b, "nbytes", None) == w.PREFIX.size)
+
+        before = headers()
+        await owner.aclose()
+        assert headers() == before + 1
     finally:
         await writer.aclose()
         await owner.aclose()

@@ -28,6 +28,8 @@ import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from aioembed_ucx._graveyard import GRAVEYARD
+
 __all__ = ["ArmedProgress", "Posted", "cancel_posted", "install_armed_progress", "kick", "post", "tag_recv",
            "tag_send", "wait_posted"]
 
@@ -233,7 +235,12 @@ async def _tagged(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> None:
     raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
     request = raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull)
     driver.kick()
-    await driver.wait(request)
+    try:
+        await driver.wait(request)
+    except BaseException:
+        if not request.completed:  # abandoned while posted: keep its buffer until UCX lets go of it
+            GRAVEYARD.bury(ep, buf)
+        raise
 
 
 class Posted:
