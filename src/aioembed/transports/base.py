@@ -244,7 +244,12 @@ class Transport(ABC):
 
     @abstractmethod
     async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
-        """Undo one ``register`` of each region."""
+        """Undo one ``register`` of each region.
+
+        Later writes into them are refused, but a plugin need not stop a peer's write already under way
+        into them (UCX's posted receives, an RDMA write in flight): the caller unregisters memory only
+        once no write may still reach it, as the sessions do (the pool stays registered while it lives).
+        """
 
     @abstractmethod
     def descriptor(self) -> bytes:

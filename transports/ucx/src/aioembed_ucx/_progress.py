@@ -277,8 +277,8 @@ async def wait_posted(posted: Sequence[Posted], on_done: Callable[[], None] | No
     futures = [p.future for p in posted if p.future is not None]
     if futures:
         if on_done is not None:
-            for f in futures:
-                f.add_done_callback(lambda _: on_done())
+            for f in futures:  # as the armed path: progress is a message that completed, not one that failed
+                f.add_done_callback(lambda f: on_done() if not f.cancelled() and f.exception() is None else None)
         await asyncio.gather(*futures)
 
 
