@@ -294,16 +294,26 @@ def after_each_copy(receiver: EmbeddingReceiver, hook: Callable[[int], Awaitable
     copier.copy = copy
 
 
+@contextlib.asynccontextmanager
+async def two_chunks_with_the_second_slow(monkeypatch: pytest.MonkeyPatch, seed: int) -> AsyncIterator[
+        tuple[int, anyio.Event, dict[str, torch.Tensor], EmbeddingSender, EmbeddingReceiver, Timeline]]:
+    """A one-round request of two 64-token chunks whose second lands late, chunks copied a block at a time:
+    (part size, :func:`status_arrivals`, the request, and :func:`pair_slow_from`'s sender, receiver and
+    timeline)."""
+    part = parts_of_one_block(monkeypatch)
+    status_in = status_arrivals(monkeypatch)
+    want = make_request(8 * BS, seed)
+    async with pair_slow_from(want["embeddings"][4 * BS].data_ptr()) as (sender, receiver, line):
+        yield part, status_in, want, sender, receiver, line
+
+
 async def test_rows_landing_during_a_chunk_copy_join_it_and_the_rest_takes_every_copy_thread(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk is copied a part at a time on one thread; between parts the receiver looks for rows that landed
     meanwhile. Here the round's STATUS reaches the room while the chunk's first part is being copied: the rest
     of that chunk and the round's last rows are copied in one go, spread over the copy threads (copied one by
     one, the round's end would wait for the whole chunk on one thread)."""
-    part = parts_of_one_block(monkeypatch)
-    status_in = status_arrivals(monkeypatch)
-    want = make_request(8 * BS, 7)  # one round, two chunks of 64 tokens
-    async with pair_slow_from(want["embeddings"][4 * BS].data_ptr()) as (sender, receiver, line):
+    async with two_chunks_with_the_second_slow(monkeypatch, 7) as (part, status_in, want, sender, receiver, line):
 
         async def first_part_waits_for_the_status(start: int) -> None:
             if start == 0:
@@ -343,10 +353,7 @@ async def test_an_event_queued_behind_a_landed_chunk_waits_for_its_copy_and_noth
     announced rows are still copied, part by part, the round's STATUS queued behind the loss is not folded in
     ahead of it, and then the loss ends the room, its blocks fenced until that STATUS, handed over as a late
     answer, proves the sender's writes over."""
-    part = parts_of_one_block(monkeypatch)
-    status_in = status_arrivals(monkeypatch)
-    want = make_request(8 * BS, 8)  # one round, two chunks of 64 tokens
-    async with pair_slow_from(want["embeddings"][4 * BS].data_ptr()) as (sender, receiver, line):
+    async with two_chunks_with_the_second_slow(monkeypatch, 8) as (part, status_in, want, sender, receiver, line):
 
         async def lose_the_session_after_the_first_part(start: int) -> None:
             if start == 0:

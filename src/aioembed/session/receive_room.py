@@ -245,6 +245,14 @@ class ReceiveRoomDriver:
             arrived = dataclasses.replace(arrived, start=arrived.start + n, count=arrived.count - n, metadata=None,
                                           offset=arrived.offset + n)
 
+    def _take_event(self) -> RoomEvent:
+        """The next event: one held back by :meth:`_fold_landed` first, else the inbox's (raises as
+        ``receive_nowait`` does when there is none)."""
+        if self._held is not None:
+            event, self._held = self._held, None
+            return event
+        return self._inbox.receive_nowait()
+
     def _fold_landed(self, arrived: Arrived) -> Arrived:
         """``arrived`` extended by the rows that the ``PROGRESS`` / ``STATUS`` frames already in the inbox
         announce, up to the round's end. Any other event stays first in line for :meth:`next_round`, and
@@ -305,10 +313,7 @@ class ReceiveRoomDriver:
         when the room had to be opened again."""
         t0 = time.perf_counter()
         try:
-            if self._held is not None:
-                event, self._held = self._held, None
-            else:
-                event = self._inbox.receive_nowait()
+            event = self._take_event()
         except anyio.WouldBlock:
             cfg, scope = self.ctx.config, self.handle._scope
             assert scope is not None
@@ -439,10 +444,7 @@ class ReceiveRoomDriver:
         late answers, like frames arriving after the end. Dropping them could fence blocks for ever."""
         while True:
             try:
-                if self._held is not None:
-                    event, self._held = self._held, None
-                else:
-                    event = self._inbox.receive_nowait()
+                event = self._take_event()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
             if not isinstance(event, SessionLost):

@@ -227,14 +227,21 @@ async def tag_recv(ep: Any, buffer: Any, tag: Hashable) -> None:
     await _tagged(ep, buffer, tag, send=False)
 
 
+def _post_raw(driver: ArmedProgress, ep: Any, buffer: Any, tag: Hashable, send: bool) -> tuple[Any, Any]:
+    """Post through the raw endpoint (the request and the ucxx buffer it uses); progress follows on the
+    loop's next turn (:meth:`ArmedProgress.kick`)."""
+    raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
+    request = raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull)
+    driver.kick()
+    return request, buf
+
+
 async def _tagged(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> None:
     driver = _driver()
     if driver is None:  # another progress mode: ucxx's own calls
         await (ep.send if send else ep.recv)(buffer, tag=tag)
         return
-    raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
-    request = raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull)
-    driver.kick()
+    request, buf = _post_raw(driver, ep, buffer, tag, send)
     try:
         await driver.wait(request)
     except BaseException:
@@ -261,10 +268,7 @@ def post(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> Posted:
     driver = _driver()
     if driver is None:
         return Posted(None, buffer, asyncio.ensure_future((ep.send if send else ep.recv)(buffer, tag=tag)))
-    raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
-    request = raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull)
-    driver.kick()
-    return Posted(request, buf, None)
+    return Posted(*_post_raw(driver, ep, buffer, tag, send), None)
 
 
 async def wait_posted(posted: Sequence[Posted], on_done: Callable[[], None] | None = None) -> None:

@@ -435,11 +435,11 @@ class UcxTransport(Transport):
                 log.warning("ucx endpoint %s: refused write %d: malformed write header: %s", self.id[:8], wid, exc)
                 await tag_send(ep, w.encode_reply(w.REFUSED, f"malformed write header: {exc}"), w.t_reply(wid))
                 return
-            if eager and sum(n for _, n in (*direct_spans, *inline)) > self.options.eager_bytes:
+            size = sum(n for _, n in (*direct_spans, *inline))
+            if eager and size > self.options.eager_bytes:
                 # Not a write this endpoint agreed to buffer on refusal (its descriptor says how much).
                 log.warning("ucx endpoint %s: eager write %d of %d bytes is over the announced eager_bytes=%d; "
-                            "dropping the connection", self.id[:8], wid,
-                            sum(n for _, n in (*direct_spans, *inline)), self.options.eager_bytes)
+                            "dropping the connection", self.id[:8], wid, size, self.options.eager_bytes)
                 _abort(ep)
                 return
             try:
@@ -648,12 +648,11 @@ class UcxLink(Link):
         _abort(ep)
         await asyncio.sleep(0)
 
-    def _drop(self, holder: list[Any]) -> None:
-        """Abort the endpoint a failed write used; the next write opens a new one."""
-        for ep in holder:
-            if self._ep is ep:
-                self._ep = None
-            _abort(ep)
+    def _drop(self, ep: Any) -> None:
+        """Abort the endpoint a failed write used (None: it had none yet); the next write opens a new one."""
+        if ep is not None and self._ep is ep:
+            self._ep = None
+        _abort(ep)
 
     async def _endpoint(self) -> Any:
         if self._ep is not None:
@@ -696,28 +695,27 @@ class UcxLink(Link):
         eager = total <= min(local.options.eager_bytes, self._peer.eager_bytes) and all(
             sd == dd == "cpu" for _, _, _, sd, dd in merged)
         timeout = local.options.write_timeout
-        holder: list[Any] = []
+        ep: Any = None
         try:
             with _StallTimeout(self._progress, timeout) as stall:
                 ep = await self._endpoint()
-                holder.append(ep)
                 await self._write_on(ep, direct, inline, eager)
         except _Refused:
             raise
         except TransportError:
-            self._drop(holder)
+            self._drop(ep)
             raise
         except local._errors as exc:
-            self._drop(holder)
+            self._drop(ep)
             raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} failed: "
                                  f"{exc!r}") from exc
         except BaseException:
             # Cancelled (or worse) mid-write: the wire state is unknown, so abort the endpoint,
             # which also cancels the owning side's receives into its pool.
-            self._drop(holder)
+            self._drop(ep)
             raise
         if stall.expired:
-            self._drop(holder)
+            self._drop(ep)
             raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} did not complete: "
                                  f"no progress on the link within write_timeout={timeout} s; the UCX endpoint "
                                  "was aborted")
@@ -729,24 +727,20 @@ class UcxLink(Link):
         wid = next(self._wids)
         body = w.encode_ops([(d, n) for _, d, n, _ in direct], [(d, n) for _, d, n in inline])
         kind = w.KIND_EAGER if eager else w.KIND_WRITE
-        head = [post(ep, w.PREFIX.pack(w.MAGIC, w.VERSION, kind, wid, len(body)), w.T_PREFIX, send=True),
-                post(ep, body, w.t_body(wid), send=True)]
-        if not eager:
-            reply = bytearray(w.REPLY_SIZE)
-            head.append(post(ep, reply, w.t_reply(wid), send=False))
-            try:
-                await wait_posted(head, tick)
-            except BaseException:
-                _GRAVEYARD.bury(ep, *head)  # as below
-                raise
-            status, message = w.decode_reply(reply)
-            if status != w.OK:
-                raise _Refused(f"{self.peer} refused the write: {message}")
-            head = []
+        posted: list[Posted] = []  # all this write posted: kept with the endpoint if the write fails midway
         ack = bytearray(w.REPLY_SIZE)
-        ack_recv = [post(ep, ack, w.t_ack(wid), send=False)]
-        sends: list[Posted] = []
+        ack_recv: list[Posted] = []
         try:
+            posted += [post(ep, w.PREFIX.pack(w.MAGIC, w.VERSION, kind, wid, len(body)), w.T_PREFIX, send=True),
+                       post(ep, body, w.t_body(wid), send=True)]
+            if not eager:
+                reply = bytearray(w.REPLY_SIZE)
+                posted.append(post(ep, reply, w.t_reply(wid), send=False))
+                await wait_posted(posted, tick)
+                status, message = w.decode_reply(reply)
+                if status != w.OK:
+                    raise _Refused(f"{self.peer} refused the write: {message}")
+            ack_recv.append(post(ep, ack, w.t_ack(wid), send=False))
             sends = [post(ep, _buffer(s, n, sd), w.t_data(wid, i), send=True) for i, (s, _, n, sd) in enumerate(direct)]
             if inline:
                 blob = bytearray(sum(n for _, _, n in inline))
@@ -755,14 +749,17 @@ class UcxLink(Link):
                     ctypes.memmove((ctypes.c_char * n).from_buffer(blob, off), s, n)
                     off += n
                 sends.append(post(ep, blob, w.t_data(wid, len(direct)), send=True))
-            await wait_posted([*head, *sends], tick)
+            posted += sends
+            await wait_posted(posted, tick)  # the go-ahead's messages completed already, if any
             await wait_posted(ack_recv, tick)
+        except _Refused:
+            raise  # before any data was posted, with everything it posted completed
         except BaseException:
             # The endpoint is aborted next; until UCX has cancelled what is still posted, keep its buffers.
-            _GRAVEYARD.bury(ep, *head, *sends, *ack_recv)
+            _GRAVEYARD.bury(ep, *posted, *ack_recv)
             raise
         finally:
-            cancel_posted(ack_recv)
+            cancel_posted(ack_recv)  # only the wait for the answer (as before: sends end with the endpoint)
         status, message = w.decode_reply(ack)
         if status == w.REFUSED:  # an eager write: the owner took the data into scratch memory, not its own
             raise _Refused(f"{self.peer} refused the write: {message}")
