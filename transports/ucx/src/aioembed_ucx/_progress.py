@@ -238,8 +238,12 @@ def _post_raw(driver: ArmedProgress, ep: Any, buffer: Any, tag: Hashable, send: 
 
 async def _tagged(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> None:
     driver = _driver()
-    if driver is None:  # another progress mode: ucxx's own calls
-        await (ep.send if send else ep.recv)(buffer, tag=tag)
+    if driver is None:  # another progress mode: ucxx's own calls (whether one ended posted is not known)
+        try:
+            await (ep.send if send else ep.recv)(buffer, tag=tag)
+        except BaseException:
+            GRAVEYARD.bury(ep, buffer)
+            raise
         return
     request, buf = _post_raw(driver, ep, buffer, tag, send)
     try:
