@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aioembed import Field, Layout
-from aioembed.memory.output import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES
+from aioembed.memory.huge_pages import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES
 from aioembed.memory.output_cache import OutputCache
 
 LAYOUT = Layout(

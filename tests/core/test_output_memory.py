@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from aioembed import Field, Layout
-from aioembed.memory import output as output_module
-from aioembed.memory.output import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES, empty_output
+from aioembed.memory import huge_pages
+from aioembed.memory.huge_pages import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES
+from aioembed.memory.output import empty_output
 
 LAYOUT = Layout(
     embeddings=Field((4096,), torch.bfloat16),  # 8 KiB a row: 1024 rows make the 8 MiB threshold
@@ -72,23 +73,29 @@ _HUGE_PAGE_TRIES = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 import test_output_memory as t
-from aioembed.memory import output
-tokens = 4 * output.HUGE_PAGE_MIN_BYTES // t.LAYOUT["embeddings"].row_bytes
+from aioembed.memory import huge_pages, output, pool
+tokens = 4 * huge_pages.HUGE_PAGE_MIN_BYTES // t.LAYOUT["embeddings"].row_bytes
+got = {"output_kib": 0, "pool_kib": 0}
 for _ in range(int(sys.argv[2])):
-    big = output.empty_output(t.LAYOUT, tokens, torch.device("cpu"))["embeddings"]
-    big.view(torch.uint8).fill_(7)
-    got = t._anon_huge_kib(big.data_ptr())
-    del big
-    print(json.dumps({"output_kib": got, "plain_kib": 0 if got else t._plain_mapping_huge_kib(),
-                      "asking": output._ADVISOR._madvise is not None}), flush=True)
-    if got:
+    if not got["output_kib"]:
+        big = output.empty_output(t.LAYOUT, tokens, torch.device("cpu"))["embeddings"]
+        big.view(torch.uint8).fill_(7)
+        got["output_kib"] = t._anon_huge_kib(big.data_ptr())
+        del big
+    if not got["pool_kib"]:  # the pool zeroes its memory as it makes it
+        field = pool.BlockPool(t.LAYOUT, num_blocks=tokens // 128, block_size=128).tensors["embeddings"]
+        got["pool_kib"] = t._anon_huge_kib(field.data_ptr())
+        del field
+    print(json.dumps({**got, "plain_kib": t._plain_mapping_huge_kib(),
+                      "asking": huge_pages._ADVISOR._madvise is not None}), flush=True)
+    if got["output_kib"] and got["pool_kib"]:
         break
 """
 
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
                     reason="this kernel grants no transparent huge pages to memory that asks")
-def test_a_large_field_is_backed_by_huge_pages_once_written() -> None:
+def test_a_large_output_field_and_pool_field_are_backed_by_huge_pages_once_written() -> None:
     # The kernel may fail to find a free huge page at a given moment (fragmented memory, defrag
     # "madvise" gives up rather than wait), so one unlucky allocation proves nothing: a few fresh tries,
     # each followed at once by the same question for a plain mapping that asks (mmap + madvise). Outputs
@@ -104,15 +111,17 @@ def test_a_large_field_is_backed_by_huge_pages_once_written() -> None:
     done = subprocess.run([sys.executable, "-c", _HUGE_PAGE_TRIES, str(Path(__file__).parent), str(tries)],
                           capture_output=True, text=True, timeout=120, check=True)
     results = [json.loads(line) for line in done.stdout.splitlines()]
-    if any(r["output_kib"] >= HUGE_PAGE_BYTES // 1024 for r in results):
+    last = results[-1]
+    huge = HUGE_PAGE_BYTES // 1024
+    if last["output_kib"] >= huge and last["pool_kib"] >= huge:
         return
-    plain_granted = sum(r["plain_kib"] >= HUGE_PAGE_BYTES // 1024 for r in results)
-    if plain_granted < tries:
-        pytest.skip(f"the kernel granted a huge page to a plain mapping that asked in {plain_granted} of {tries} "
-                    "tries just now, and to none of the outputs: too short of huge pages to tell")
-    asking = results[-1]["asking"]
-    raise AssertionError(f"{tries} outputs got no huge page, while a plain mapping that asked right after each did "
-                         f"(the outputs' advisor {'still asks' if asking else 'stopped asking after a refusal'})")
+    plain_granted = sum(r["plain_kib"] >= huge for r in results)
+    if plain_granted < len(results):
+        pytest.skip(f"the kernel granted a huge page to a plain mapping that asked in {plain_granted} of "
+                    f"{len(results)} tries just now: too short of huge pages to tell ({last})")
+    lost = " and ".join(k[:-4] + "s" for k in ("output_kib", "pool_kib") if last[k] < huge)
+    raise AssertionError(f"{tries} {lost} got no huge page, while a plain mapping that asked right after each did "
+                         f"(the advisor {'still asks' if last['asking'] else 'stopped asking after a refusal'})")
 
 
 def _plain_mapping_huge_kib() -> int:
@@ -134,7 +143,7 @@ def _plain_mapping_huge_kib() -> int:
 
 def test_refused_advice_falls_back_to_ordinary_pages_and_is_not_asked_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    advisor = output_module._HugePageAdvisor()
+    advisor = huge_pages._HugePageAdvisor()
     calls: list[int] = []
 
     def refuse(address: int, length: int, advice: int) -> int:
@@ -142,7 +151,7 @@ def test_refused_advice_falls_back_to_ordinary_pages_and_is_not_asked_again(
         return -1
 
     monkeypatch.setattr(advisor, "_madvise", refuse)
-    monkeypatch.setattr(output_module, "_ADVISOR", advisor)
+    monkeypatch.setattr(huge_pages, "_ADVISOR", advisor)
     tokens = HUGE_PAGE_MIN_BYTES // LAYOUT["embeddings"].row_bytes
     for _ in range(3):
         big = empty_output(LAYOUT, tokens, torch.device("cpu"))["embeddings"]

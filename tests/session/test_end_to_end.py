@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aioembed import Field, Layout, Received, TransferConfig, TransferStatus
-from aioembed.memory.output import HUGE_PAGE_BYTES
+from aioembed.memory.huge_pages import HUGE_PAGE_BYTES
 
 from .conftest import assert_pools_free, assert_same, make_request, running
 

@@ -24,6 +24,7 @@ import torch
 from aioembed.config import TransferConfig
 from aioembed.errors import ConfigError, TransportError
 from aioembed.layout import Layout
+from aioembed.memory.huge_pages import zeroed_memory
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -104,9 +105,10 @@ class LoopbackBaseline:
 
     async def setup(self, sources: Mapping[str, torch.Tensor], capacity_tokens: int) -> None:
         self._src = {name: sources[name].contiguous() for name in self.layout}
-        # zeros, not empty: every destination page is touched once here, as a registered pool's is
+        # zeroed memory as the receive pool has it (huge pages for large fields), every page touched once
         self._dst = {
-            name: torch.zeros((capacity_tokens, *f.shape), dtype=f.dtype) for name, f in self.layout.items()
+            name: zeroed_memory(capacity_tokens * f.row_bytes).view(f.dtype).view((capacity_tokens, *f.shape))
+            for name, f in self.layout.items()
         }
         await anyio.lowlevel.checkpoint()
 

@@ -3,7 +3,7 @@
 A copying ``receive()`` hands the caller new tensors, and the first write to new memory costs page
 faults: the kernel maps and zeroes every page before the copy can fill it. On the 2-core development
 host, receiving 8192 tokens of the standard layout (59 MB, two processes over Mooncake TCP) ran at
-1.30 GB/s into a fresh output on huge pages (:mod:`aioembed.memory.output`) against 1.49 GB/s into
+1.30 GB/s into a fresh output on huge pages (:mod:`aioembed.memory.huge_pages`) against 1.49 GB/s into
 memory already touched; with ordinary 4 KiB pages a fresh 59 MB copy alone took 40 ms against 9 ms.
 The C allocator does not keep such blocks: above its mmap threshold (32 MiB at most in glibc) every
 free unmaps and every allocation maps anew.
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from aioembed.layout import Layout
-from aioembed.memory.output import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES, empty_output, huge_page_memory
+from aioembed.memory.huge_pages import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES, huge_page_memory
+from aioembed.memory.output import empty_output
 
 __all__ = ["SPAN_MIN_BYTES", "OutputCache", "OutputCacheStats", "span_bytes"]
 

@@ -2,7 +2,10 @@
 
 One tensor per field (not one interleaved buffer) keeps every field's rows contiguous, so a
 run of adjacent blocks is one write op and one copy per field, and the pool can be
-registered with a transport once, as ``len(layout)`` regions.
+registered with a transport once, as ``len(layout)`` regions. A large CPU field lies on huge pages
+(:mod:`aioembed.memory.huge_pages`): a transport that writes through the kernel pins and walks the
+destination's pages on every write, and over shared memory that made an 8192-token NIXL write take
+7.4-7.9 ms into ordinary pages against 4.9 ms into huge ones.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from aioembed.errors import LayoutError, PlanError
 from aioembed.layout import Layout
+from aioembed.memory.huge_pages import zeroed_memory
 from aioembed.memory.plan import RowRun, plan_row_runs
 from aioembed.transports.base import MemoryRegion
 
@@ -32,7 +36,9 @@ class BlockPool:
         self.device = torch.device(device)
         rows = num_blocks * block_size
         self.tensors: dict[str, torch.Tensor] = {
-            name: torch.zeros((rows, *f.shape), dtype=f.dtype, device=self.device)
+            name: (zeroed_memory(rows * f.row_bytes).view(f.dtype).view((rows, *f.shape))
+                   if self.device.type == "cpu"
+                   else torch.zeros((rows, *f.shape), dtype=f.dtype, device=self.device))
             for name, f in layout.items()
         }
 

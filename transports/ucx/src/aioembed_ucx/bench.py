@@ -15,6 +15,10 @@ header and a "go" reply before the data (see the transport's docs).
 
 After setup one transfer of up to 64 tokens is checked bit for bit in the peer (SHA-256 per
 field), so the baseline cannot time messages that land nowhere.
+
+Each destination tensor is allocated as the receive pool allocates a field
+(:func:`aioembed.memory.huge_pages.zeroed_memory`: huge pages for a large CPU one), so that both sides
+of a comparison write into the same kind of memory.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from aioembed.bench.baselines import BaselinePeer
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
+from aioembed.memory.huge_pages import zeroed_memory
 
 from aioembed_ucx._context import ensure_context
 from aioembed_ucx._options import UcxOptions
@@ -126,7 +131,7 @@ async def _peer(spec: dict[str, Any]) -> None:
     ucxx = ensure_context(opts)
     capacity = int(spec["capacity"])
     rows = {str(name): int(row) for name, row in spec["fields"]}
-    dst = {name: torch.zeros(capacity * row, dtype=torch.uint8) for name, row in rows.items()}
+    dst = {name: zeroed_memory(capacity * row) for name, row in rows.items()}  # as the receive pool has it
     errors: list[BaseException] = []
 
     async def serve(ep: Any) -> None:
