@@ -15,6 +15,10 @@ So a large tensor is allocated with 2 MiB of slack, its start aligned to 2 MiB i
 and the range advised before anything touches it. The slack is address space, not memory: pages
 never touched are never backed. Where the advice is refused (no THP in the kernel, not Linux) the
 tensor is used as it is, with ordinary pages.
+
+The price is paid once, when the memory is first written: the kernel may compact memory to find free
+huge pages. Zeroing a 470 MiB pool took 117-584 ms here against 89-140 ms on ordinary pages (both
+commit every page at once, as ``torch.zeros`` does).
 """
 
 from __future__ import annotations
