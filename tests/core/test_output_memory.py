@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from aioembed import Field, Layout
-from aioembed.memory import huge_pages
 from aioembed.memory.huge_pages import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES
 from aioembed.memory.output import empty_output
 
@@ -141,19 +140,9 @@ def _plain_mapping_huge_kib() -> int:
     return kib
 
 
-def test_refused_advice_falls_back_to_ordinary_pages_and_is_not_asked_again(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    advisor = huge_pages._HugePageAdvisor()
-    calls: list[int] = []
-
-    def refuse(address: int, length: int, advice: int) -> int:
-        calls.append(length)
-        return -1
-
-    monkeypatch.setattr(advisor, "_madvise", refuse)
-    monkeypatch.setattr(huge_pages, "_ADVISOR", advisor)
+def test_refused_advice_falls_back_to_ordinary_pages_and_is_not_asked_again(refused_huge_pages: list[int]) -> None:
     tokens = HUGE_PAGE_MIN_BYTES // LAYOUT["embeddings"].row_bytes
     for _ in range(3):
         big = empty_output(LAYOUT, tokens, torch.device("cpu"))["embeddings"]
         assert big.storage_offset() == 0 and big.shape == (tokens, 4096)
-    assert len(calls) == 1
+    assert len(refused_huge_pages) == 1

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from aioembed import Field, Layout
-from aioembed.memory import huge_pages
 from aioembed.memory.huge_pages import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES, zeroed_memory
 from aioembed.memory.pool import BlockPool
 
@@ -57,21 +56,12 @@ def test_fields_are_zeroed_have_the_layout_shape_and_do_not_overlap(blocks: int)
     assert [(r.address, r.length) for r in regions] == [(t.data_ptr(), t.nbytes) for t in pool.tensors.values()]
 
 
-def test_refused_advice_gives_zeroed_ordinary_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    advisor = huge_pages._HugePageAdvisor()
-    calls: list[int] = []
-
-    def refuse(address: int, length: int, advice: int) -> int:
-        calls.append(length)
-        return -1
-
-    monkeypatch.setattr(advisor, "_madvise", refuse)
-    monkeypatch.setattr(huge_pages, "_ADVISOR", advisor)
+def test_refused_advice_gives_zeroed_ordinary_memory(refused_huge_pages: list[int]) -> None:
     for _ in range(2):
         _dirty_then_free(HUGE_PAGE_MIN_BYTES + HUGE_PAGE_BYTES)
         big = BlockPool(LAYOUT, num_blocks=BIG_BLOCKS, block_size=BLOCK).tensors["embeddings"]
         assert big.storage_offset() == 0 and not bool(big.view(torch.uint8).any())
-    assert len(calls) == 1  # refused once, not asked again
+    assert len(refused_huge_pages) == 1  # refused once, not asked again
 
 
 def test_zeroed_memory_below_and_from_the_threshold() -> None:
