@@ -6,15 +6,15 @@ Two places gain, both measured on the 2-core development machine:
   4 KiB page is a fault, and for 59 MB those faults took longer than the copy itself;
 * the receive pool (:class:`~aioembed.memory.pool.BlockPool`): a transport that writes through the
   kernel (NIXL's UCX over shared memory uses ``process_vm_writev``) pins and walks the destination's
-  pages on every write. An 8192-token write (59 MB) into a pool on huge pages took 4.9 ms against
-  7.4-7.9 ms into ordinary pages. Over TCP (Mooncake, UCX) the difference was within the noise.
+  pages on every write. An 8192-token write (59 MB, raw NIXL, two processes) into huge pages took
+  4.7-5.3 ms against 7.4-7.9 ms into ordinary pages. Over TCP (Mooncake, UCX) the difference was within the noise.
 
 Linux grants huge pages to anonymous memory that asks for them (``madvise(MADV_HUGEPAGE)``) when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (the common default) or ``always``.
 So a large tensor is allocated with 2 MiB of slack, its start aligned to 2 MiB inside that block,
 and the range advised before anything touches it. The slack is address space, not memory: pages
 never touched are never backed. Where the advice is refused (no THP in the kernel, not Linux) the
-tensor is used as it is, with ordinary pages.
+memory is allocated anew, with ordinary pages.
 
 The price is paid once, when the memory is first written: the kernel may compact memory to find free
 huge pages. Zeroing a 470 MiB pool took 117-584 ms here against 89-140 ms on ordinary pages (both

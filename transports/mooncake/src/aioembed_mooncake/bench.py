@@ -18,9 +18,9 @@ contiguous reservation. Methods:
 The fastest median counts as "raw". After setup one write of up to 64 tokens is checked bit
 for bit in the peer (SHA-256 per field), so the baseline cannot time writes that land nowhere.
 
-Each destination tensor is allocated as the receive pool allocates a field
-(:func:`aioembed.memory.huge_pages.zeroed_memory`: huge pages for a large CPU one), so that both sides
-of a comparison write into the same kind of memory.
+Each CPU destination tensor is on huge pages, as the receive pool's fields are
+(:func:`aioembed.bench.baselines.destination_memory`), so that the raw side never writes into slower
+memory than aioembed does.
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
 import torch
-from aioembed.bench.baselines import BaselinePeer
+from aioembed.bench.baselines import BaselinePeer, destination_memory
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
-from aioembed.memory.huge_pages import zeroed_memory
 
 from aioembed_mooncake._engine import destroy_engine, start_engine
 from aioembed_mooncake.transport import _Config
@@ -175,7 +174,7 @@ def _peer(spec: dict[str, Any]) -> None:
     started = start_engine(cfg.engine_settings())
     engine = started.engine
     capacity = int(spec["capacity"])
-    dst = {str(name): zeroed_memory(capacity * int(row)) for name, row in spec["fields"]}  # as the pool has it
+    dst = {str(name): destination_memory(capacity * int(row)) for name, row in spec["fields"]}
     rows = {str(name): int(row) for name, row in spec["fields"]}
     addrs = [t.data_ptr() for t in dst.values()]
     rc = engine.batch_register_memory(addrs, [t.numel() for t in dst.values()])

@@ -19,9 +19,9 @@ during a raw measurement). Methods:
 The faster median counts as raw. After setup one transfer of up to 64 tokens is checked bit for bit
 in the peer (SHA-256 per field), so the baseline cannot time transfers that land nowhere.
 
-Each destination tensor is allocated as the receive pool allocates a field
-(:func:`aioembed.memory.huge_pages.zeroed_memory`: huge pages for a large CPU one), so that both sides
-of a comparison write into the same kind of memory.
+Each CPU destination tensor is on huge pages, as the receive pool's fields are
+(:func:`aioembed.bench.baselines.destination_memory`), so that the raw side never writes into slower
+memory than aioembed does.
 """
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from aioembed.bench.baselines import BaselinePeer
+from aioembed.bench.baselines import BaselinePeer, destination_memory
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
-from aioembed.memory.huge_pages import zeroed_memory
 
 from aioembed_nixl._dlists import device_id, mem_type
 from aioembed_nixl._native import create_agent, load_nixl
@@ -197,7 +196,7 @@ def _peer(spec: dict[str, Any]) -> None:
     rows = {str(name): int(row) for name, row in spec["fields"]}
     device = torch.device(spec.get("device", "cpu"))
     mem, dev = mem_type(str(device)), device_id(str(device))
-    dst = {name: (zeroed_memory(capacity * row) if device.type == "cpu"  # as the receive pool has it
+    dst = {name: (destination_memory(capacity * row) if device.type == "cpu"
                   else torch.zeros(capacity * row, dtype=torch.uint8, device=device)) for name, row in rows.items()}
     _settle(device)  # the zero fill lands before any write, not after it
     for t in dst.values():

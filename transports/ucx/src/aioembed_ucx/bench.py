@@ -16,9 +16,9 @@ header and a "go" reply before the data (see the transport's docs).
 After setup one transfer of up to 64 tokens is checked bit for bit in the peer (SHA-256 per
 field), so the baseline cannot time messages that land nowhere.
 
-Each destination tensor is allocated as the receive pool allocates a field
-(:func:`aioembed.memory.huge_pages.zeroed_memory`: huge pages for a large CPU one), so that both sides
-of a comparison write into the same kind of memory.
+Each CPU destination tensor is on huge pages, as the receive pool's fields are
+(:func:`aioembed.bench.baselines.destination_memory`), so that the raw side never writes into slower
+memory than aioembed does.
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from aioembed.bench.baselines import BaselinePeer
+from aioembed.bench.baselines import BaselinePeer, destination_memory
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
-from aioembed.memory.huge_pages import zeroed_memory
 
 from aioembed_ucx._context import ensure_context
 from aioembed_ucx._options import UcxOptions
@@ -131,7 +130,7 @@ async def _peer(spec: dict[str, Any]) -> None:
     ucxx = ensure_context(opts)
     capacity = int(spec["capacity"])
     rows = {str(name): int(row) for name, row in spec["fields"]}
-    dst = {name: zeroed_memory(capacity * row) for name, row in rows.items()}  # as the receive pool has it
+    dst = {name: destination_memory(capacity * row) for name, row in rows.items()}
     errors: list[BaseException] = []
 
     async def serve(ep: Any) -> None:
