@@ -7,6 +7,7 @@ sender failing touches only its rooms and parts; memory is shared first come, fi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from contextlib import AsyncExitStack, suppress
@@ -24,6 +25,7 @@ from aioembed import (
     TransferConfig,
     TransferError,
     TransferFailed,
+    TransferStatus,
 )
 from aioembed.metrics import TransferObserver
 from aioembed.testing import MockTransport
@@ -192,6 +194,67 @@ async def test_connections_are_bounded_and_idle_ones_close() -> None:
             receiver.start("c", sender=senders[2].address)
         h1.cancel()
         h2.cancel()
+
+
+async def test_a_room_started_as_its_idle_connection_closes_gets_a_new_connection() -> None:
+    # The idle timer decides to close a connection; its tasks end a few loop turns later. A room started in
+    # between got the dying connection: its INIT went to a closed socket, and the room kept its blocks and
+    # its id for good (found by a reviewer).
+    cfg = CFG.replace(sender_idle_timeout=0.2)
+    async with EmbeddingSender(LAYOUT, cfg) as s, EmbeddingReceiver(LAYOUT, cfg) as receiver:
+        await receiver.wait_connected(sender=s.address)
+        conn = receiver._conns[s.address]
+        with anyio.fail_after(5):
+            while not conn.stop_scope.cancel_called:
+                await anyio.lowlevel.checkpoint()
+        src = make_request(700, 3)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.send, "late", src)
+                got = await receiver.receive("late", sender=s.address)
+        assert_same(got.tensors, src)
+        assert receiver._conns[s.address] is not conn and conn.closed
+        await wait_pools_free(s, receiver)
+
+
+async def test_a_room_on_a_connection_closed_under_it_fails_at_once_and_fences_its_blocks() -> None:
+    async with EmbeddingSender(LAYOUT, CFG) as s, EmbeddingReceiver(LAYOUT, CFG) as receiver:
+        handle = receiver.start("r", sender=s.address)
+        with anyio.fail_after(5):
+            while handle.status is not TransferStatus.WAITING_FOR_INPUT:  # INIT sent
+                await anyio.sleep(0.005)
+        conn = receiver._conns.pop(s.address)
+        conn.stop_scope.cancel()  # closing it, as an idle close or the receiver's own close does
+        with anyio.fail_after(5):  # not the 30 s input_timeout
+            await handle.wait()
+        with pytest.raises(TransferFailed, match="was closed"):
+            await handle.result()
+        assert receiver.rooms_in_flight == 0 and not conn.rooms and conn.closed
+        # The sender had the room's INIT: a write of it may still reach those blocks, so they stay fenced.
+        fenced = receiver.fenced_blocks
+        assert set(fenced) == {"session_dropped"} and fenced["session_dropped"] > 0
+        st = receiver.allocator.stats
+        assert st.free + st.fenced == st.total
+
+
+async def test_parts_that_cannot_all_start_fail_the_call_and_leave_nothing() -> None:
+    # A part's driver that could not be set up (here: no connection free under max_senders) killed the
+    # room's task: receive(parts=...) waited for ever, and the parts started before it went on.
+    cfg = CFG.replace(max_senders=1)
+    async with EmbeddingSender(LAYOUT, cfg) as a, EmbeddingSender(LAYOUT, cfg) as b, \
+            EmbeddingReceiver(LAYOUT, cfg) as receiver:
+        with pytest.raises(InvalidRequest, match="max_senders"):
+            receiver.start("room", parts=[Part(a.address, 0, 100), Part(b.address, 100, 300)])
+        assert receiver.rooms_in_flight == 0 and all(not c.rooms for c in receiver._conns.values())
+        parts = [Part(a.address, 0, 100), Part(a.address, 100, 300)]  # the same id again, one sender
+        src = make_request(300, 4)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for i, part in enumerate(parts):
+                    tg.start_soon(functools.partial(a.send, "room", rows(src, part), part=i))
+                got = await receiver.receive("room", parts=parts)
+        assert_same(got.tensors, src)
+        await wait_pools_free(a, receiver)
 
 
 async def test_a_part_with_the_wrong_length_fails_naming_both_counts() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,7 +26,7 @@ from aioembed.protocol.messages import MAX_PARTS, RoomId, TransferStatus
 from aioembed.session.handle import Received, ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease
 
-__all__ = ["Part", "RoomAssembly", "check_parts"]
+__all__ = ["Part", "RoomAssembly", "check_parts", "part_output"]
 
 log = logging.getLogger("aioembed.session.receiver")
 
@@ -64,28 +64,29 @@ def check_parts(room: RoomId, parts: Sequence[Part], max_tokens: int) -> int:
     return expect
 
 
-class RoomAssembly:
-    """Drives the parts of one room (see the module docstring); ``start_part`` starts one part driver
-    and returns its (internal) handle."""
+def part_output(output: Mapping[str, torch.Tensor] | None, part: Part) -> dict[str, torch.Tensor] | None:
+    """The slice of the room's output that ``part`` copies into (``None``: zero-copy, no output)."""
+    return None if output is None else {n: t[part.start:part.end] for n, t in output.items()}
 
-    def __init__(self, room: RoomId, handle: ReceiveHandle, parts: Sequence[Part], *, zero_copy: bool,
-                 output: dict[str, torch.Tensor] | None,
-                 start_part: Callable[[int, Part, Mapping[str, torch.Tensor] | None], ReceiveHandle]) -> None:
+
+class RoomAssembly:
+    """Waits for the parts of one room and resolves its handle (see the module docstring). Every part's
+    driver is set up and started before the assembly exists (``handles``, in part order), so a part that
+    cannot start fails the ``receive()`` call itself."""
+
+    def __init__(self, room: RoomId, handle: ReceiveHandle, parts: Sequence[Part], handles: Sequence[ReceiveHandle],
+                 *, zero_copy: bool, output: dict[str, torch.Tensor] | None) -> None:
         self.room = room
         self.handle = handle
         self.parts = list(parts)
         self.zero_copy = zero_copy
         self.output = output
-        self._start_part = start_part
-        self._handles: list[ReceiveHandle] = []
+        self._handles = list(handles)
         self._failed: list[int] = []  # parts in the order they failed (the first failed on its own)
 
     async def run(self) -> None:
-        """The room's task: starts every part, waits for all, resolves the room's handle."""
+        """The room's task: waits for every part, resolves the room's handle."""
         t0 = time.perf_counter()
-        for i, part in enumerate(self.parts):
-            out = None if self.output is None else {n: t[part.start:part.end] for n, t in self.output.items()}
-            self._handles.append(self._start_part(i, part, out))
         assert self.handle._scope is not None
         with self.handle._scope:
             async with anyio.create_task_group() as tg:

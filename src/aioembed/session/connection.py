@@ -34,7 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 from aioembed.config import TransferConfig
 from aioembed.control.channel import ControlSocket
 from aioembed.control.sockets import make_dealer
-from aioembed.errors import IncompatiblePeer, ProtocolError, TransferTimeout
+from aioembed.errors import IncompatiblePeer, ProtocolError, TransferFailed, TransferTimeout
 from aioembed.layout import Layout
 from aioembed.memory.pool import BlockPool
 from aioembed.protocol.messages import (
@@ -159,7 +159,12 @@ class SenderConnection:
     @property
     def ready(self) -> bool:
         """True while a session is established and usable for new rooms."""
-        return self._ready.is_set() and self.refused is None
+        return self._ready.is_set() and self.refused is None and not self._closed
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: nothing is sent or received any more."""
+        return self._closed
 
     async def wait_ready(self, timeout: float) -> Writer:
         """The current session's writer, once a handshake holds; ``TransferTimeout`` otherwise."""
@@ -167,21 +172,33 @@ class SenderConnection:
             await self._ready.wait()
         if self.refused is not None:
             raise self.refused
+        if self._closed:
+            raise TransferFailed(f"the connection to sender {self.address} was closed (receiver rank {self.rank})")
         if not self._ready.is_set() or self.writer is None:
             why = f"; its last refusal: {self.last_refusal}" if self.last_refusal else ""
             raise TransferTimeout(f"no handshake with sender {self.address} within {timeout} s "
                                   f"(receiver rank {self.rank}){why}", phase="handshake")
         return self.writer
 
-    def send(self, msg: Message) -> None:
-        """Queue a frame for the sender (never blocks)."""
+    def send(self, msg: Message) -> bool:
+        """Queue a frame for the sender (never blocks); False, the frame dropped, once the connection is closed
+        (a room ending on a connection closed under it still ends: see :meth:`close`)."""
+        if self._closed:
+            log.debug("%s: closed, %s not sent", self.name, type(msg).__name__)
+            return False
         self.chan.send([encode(msg)])
+        return True
 
     def close(self) -> None:
-        """Close the sockets (the owner cancels ``run`` first). Idempotent."""
+        """Close the sockets (the owner cancels ``run`` first). Idempotent. Rooms still on the connection
+        lose their session (each fences what the sender may still reach, and fails), and rooms waiting for a
+        handshake fail: nothing will reach them any more."""
         if self._closed:
             return
+        if self.rooms:
+            self.session_lost(LossKind.CLOSING, f"the connection to sender {self.address} was closed")
         self._closed = True
+        self._ready.set()  # handshake waiters wake and see the connection closed
         with contextlib.suppress(zmq.ZMQError):
             self.chan.sock.disable_monitor()
         self.monitor.close()

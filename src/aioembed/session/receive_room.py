@@ -200,9 +200,11 @@ class ReceiveRoomDriver:
             if result is None and error is None:
                 error = TransferAborted(f"room {self.room!r}: {self.handle._cancel_reason or cancelled}",
                                         room=self.room)
-            if error is not None:
-                self.fail(error)
-            self.finish(result, error, t_start)
+            try:
+                if error is not None:
+                    self.fail(error)
+            finally:  # even if ending it raised (a bug): the room leaves every table, its handle resolves
+                self.finish(result, error, t_start)
 
     async def step(self) -> bool:
         """Wait for the next event and act on it; True once every token is in."""
@@ -414,6 +416,13 @@ class ReceiveRoomDriver:
             keeper.apply(ledger.consumed(g))  # fully written and announced: nothing can reach them
         self._readable = []
 
+    def abandon(self) -> None:
+        """Undo the set-up of a driver that will never run (the other parts of its room could not start):
+        it reserved nothing, announced nothing."""
+        self.ctx.forget(self)
+        self._inbox_send.close()
+        self._inbox.close()
+
     def finish(self, result: Received | Lease | None, error: TransferError | None, t_start: float) -> None:
         """Leave the connection's and the receiver's tables, report, resolve the handle."""
         self.ctx.forget(self)
@@ -585,6 +594,9 @@ class ReceiveRoomDriver:
     # -- helpers -------------------------------------------------------------------------------
 
     def _announce(self, grant: int, writer: Writer, msg: Init | Resume) -> None:
+        if self.conn.closed:  # before announcing: the grant stays reserved, and fail() frees it
+            raise TransferFailed(f"room {self.room!r}: the connection to sender {self.conn.address} was closed",
+                                 room=self.room)
         self.ctx.keeper.ledger.announce(grant, writer)
         self.writer = writer
         self._next = grant

@@ -37,7 +37,7 @@ from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import RoomId, validate_room
 from aioembed.protocol.ownership import FenceReason
-from aioembed.session.assembly import Part, RoomAssembly, check_parts
+from aioembed.session.assembly import Part, RoomAssembly, check_parts, part_output
 from aioembed.session.backend import check_backend
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.connection import LossKind, SenderConnection
@@ -230,6 +230,10 @@ class EmbeddingReceiver:
                 continue  # a room started meanwhile
             if self._idle(conn):
                 log.info("receiver[%d]: closing the idle connection to sender %s", self.rank, conn.address)
+                # Out of the table first: a room starting before the connection's tasks have ended gets a new
+                # connection, not this one (it would announce blocks on a socket about to close).
+                if self._conns.get(conn.address) is conn:
+                    del self._conns[conn.address]
                 conn.stop_scope.cancel()
                 return
             conn.touch()  # busy (rooms, or blocks its sender may still write): look again later
@@ -323,10 +327,10 @@ class EmbeddingReceiver:
                                      "expected_tokens=")
             total = check_parts(room, parts, self.config.max_request_tokens)
             output = None if zero_copy else self._output_for(room, total, out)
-            asm = RoomAssembly(room, handle, parts, zero_copy=zero_copy, output=output,
-                               start_part=lambda i, p, o: self._start_driver(
-                                   (room, i), p.sender, expected_tokens=p.tokens, exact=True, zero_copy=zero_copy,
-                                   out=o, handle=None))
+            drivers = self._part_drivers(room, parts, zero_copy=zero_copy, output=output)
+            for d in drivers:
+                self._spawn(d.run)
+            asm = RoomAssembly(room, handle, parts, [d.handle for d in drivers], zero_copy=zero_copy, output=output)
             self._rooms[room] = asm
             self._spawn(self._run_assembly, asm)
             return handle, None
@@ -402,14 +406,21 @@ class EmbeddingReceiver:
         bs = self.config.block_size
         return -(-tokens // bs) * bs
 
-    def _start_driver(self, key: RoomId, address: str, *, expected_tokens: int | None, exact: bool,
-                      zero_copy: bool, out: Mapping[str, torch.Tensor] | None,
-                      handle: ReceiveHandle | None) -> ReceiveHandle:
-        """Start the driver of one part (``key`` = ``(room, part)``) of a room, in a task of its own."""
-        r = self._new_driver(key, address, expected_tokens=expected_tokens, exact=exact, zero_copy=zero_copy,
-                             out=out, handle=handle)
-        self._spawn(r.run)
-        return r.handle
+    def _part_drivers(self, room: int | str, parts: Sequence[Part], *, zero_copy: bool,
+                      output: dict[str, torch.Tensor] | None) -> list[ReceiveRoomDriver]:
+        """The drivers of every part of ``room`` (wire id ``(room, i)``), set up and not run: all of them, or
+        none, raising what stopped the first that could not be set up (no connection free under
+        ``max_senders``, a part already being received, blocks of an earlier attempt still fenced)."""
+        drivers: list[ReceiveRoomDriver] = []
+        try:
+            for i, p in enumerate(parts):
+                drivers.append(self._new_driver((room, i), p.sender, expected_tokens=p.tokens, exact=True,
+                                                zero_copy=zero_copy, out=part_output(output, p), handle=None))
+        except BaseException:
+            for d in drivers:
+                d.abandon()
+            raise
+        return drivers
 
     def _new_driver(self, key: RoomId, address: str, *, expected_tokens: int | None, exact: bool,
                     zero_copy: bool, out: Mapping[str, torch.Tensor] | None,
