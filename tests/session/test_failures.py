@@ -5,6 +5,8 @@ After each, both sides must have released everything (no block, registration or 
 
 from __future__ import annotations
 
+from contextlib import suppress
+
 import anyio
 import anyio.abc
 import pytest
@@ -24,6 +26,9 @@ from aioembed import (
     TransferStatus,
     TransferTimeout,
 )
+from aioembed.session.receiver import CLOSE_GRACE
+from aioembed.session.sender import STOP_GRACE
+from aioembed.testing import MockTransport, WriteFault
 
 from .conftest import LAYOUT, make_request, running, wait_pools_free
 
@@ -235,6 +240,96 @@ async def test_sender_closing_ends_pending_receiver_rooms() -> None:
                 await handle.result()
             st = receiver.allocator.stats
             assert st.free == st.total and st.fenced == 0
+
+
+async def test_a_write_that_never_ends_is_bounded_by_room_timeout_and_fenced() -> None:
+    # send() awaited a transport write with no deadline: one write that never completed held it (and the
+    # receiver's blocks) past room_timeout, past the receiver's ABORT (found by a reviewer).
+    cfg = FAST.replace(input_timeout=30.0, round_timeout=30.0, room_timeout=1.0)
+    hung = MockTransport(cancel_safe_writes=False, write_lifetime=0.3, faults=lambda call: WriteFault(delay=3600.0))
+    async with EmbeddingSender(LAYOUT, cfg, transport=hung) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        handle = receiver.start("r")
+        t0 = anyio.current_time()
+        with anyio.fail_after(5), pytest.raises(TransferTimeout, match="room_timeout") as caught:
+            await sender.send("r", make_request(500, 1))
+        assert caught.value.phase == "room" and anyio.current_time() - t0 < 3
+        # The cancelled write may still land (the transport cannot cancel writes): the receiver was told to
+        # fence its blocks, and gets them back once the writer says the write can no longer land.
+        assert await handle.wait() is TransferStatus.FAILED
+        await wait_pools_free(sender, receiver)
+
+
+async def test_aclose_ends_a_send_whose_write_never_ends() -> None:
+    cfg = FAST.replace(input_timeout=30.0, round_timeout=30.0)  # room_timeout stays 600 s
+    hung = MockTransport(cancel_safe_writes=False, write_lifetime=0.3, faults=lambda call: WriteFault(delay=3600.0))
+    async with EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport()) as receiver:
+        sender = EmbeddingSender(LAYOUT, cfg, transport=hung)
+        await sender.__aenter__()
+        outcome: list[BaseException] = []
+
+        async def receive() -> None:
+            with suppress(TransferError):
+                await receiver.receive("r", sender=sender.address)
+
+        async def send() -> None:
+            try:
+                await sender.send("r", make_request(500, 1))
+            except TransferError as exc:
+                outcome.append(exc)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(receive)
+                tg.start_soon(send)
+                await _until(lambda: sender.writes_in_flight == 1)
+                with anyio.fail_after(CLOSE_GRACE + STOP_GRACE + 2):
+                    await sender.aclose()
+                tg.cancel_scope.cancel()
+        finally:
+            await sender.aclose()
+        assert len(outcome) == 1 and isinstance(outcome[0], TransferAborted), outcome
+        assert "sender closing" in str(outcome[0]) and sender.rooms_in_flight == 0
+
+
+async def test_a_send_still_making_its_sources_as_the_sender_closes_is_aborted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # aclose() fails the rooms it sees; a send() still making its sources (a copy in a thread, a CUDA fence)
+    # registered its room after that, held aclose() for its whole grace and then waited for its
+    # input_timeout on a closed sender (found by a reviewer).
+    cfg = FAST.replace(input_timeout=30.0, staging_tokens=0)
+    async with EmbeddingSender(LAYOUT, cfg) as sender:
+        making, go_on = anyio.Event(), anyio.Event()
+        real = sender._sources_of
+
+        async def slow_sources(*args: object) -> object:
+            making.set()
+            await go_on.wait()
+            return await real(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(sender, "_sources_of", slow_sources)
+        outcome: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("r", make_request(500, 1))
+            except TransferError as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            await making.wait()
+
+            async def close() -> None:
+                with anyio.fail_after(1.0):  # nothing in flight: no grace to wait out
+                    await sender.aclose()
+
+            tg.start_soon(close)
+            await _until(lambda: sender._closing)
+            go_on.set()
+        assert len(outcome) == 1 and isinstance(outcome[0], TransferAborted), outcome
+        assert "sender closing" in str(outcome[0]) and sender.rooms_in_flight == 0
 
 
 async def test_receiver_world_and_rank_validation() -> None:

@@ -74,6 +74,8 @@ class SendRoomDriver:
         self.abort_from: set[int] = set()
         self.finished: set[int] = set()
         """Ranks already told that the room is over."""
+        self._scope: anyio.CancelScope | None = None
+        """While :meth:`drive` runs: its scope, with the room's hard deadline."""
 
     @property
     def room(self) -> RoomId:
@@ -82,6 +84,14 @@ class SendRoomDriver:
     def poke(self) -> None:
         """Wake the driver: the room's state changed."""
         self.wake.set()
+
+    def stop(self, reason: str) -> None:
+        """End the room now, writes in flight included (the sender is closing and its grace ran out): they are
+        cancelled, and a write that may still land is fenced at its rank, as for any failed write."""
+        self.machine.fail(reason, aborted=True)
+        if self._scope is not None:
+            self._scope.cancel()
+        self.poke()
 
     def take_input(self, sources: list[torch.Tensor], source: int, metadata: dict[str, Any], now: float) -> None:
         """``send()`` is driving the room from ``sources``."""
@@ -111,26 +121,34 @@ class SendRoomDriver:
         """Write every rank's rounds until the room ends; raises its ``TransferError`` unless it succeeded."""
         m, room = self.machine, self.room
         error: TransferError | None = None
+        # room_timeout bounds the whole room, a write that never ends included (it is cancelled; one that may
+        # still land is fenced at its rank): the loop below looks at deadlines only between writes.
+        self._scope = anyio.CancelScope(deadline=self.created + self.ctx.config.room_timeout)
         try:
-            async with anyio.create_task_group() as tg:
-                while True:
-                    ready = m.ready_ranks()
-                    if len(ready) == 1 and m.expected_ranks == 1:
-                        await self.write(m.start_write(ready[0]))  # one rank: no task of its own needed
-                    else:
-                        for rank in ready:  # several ranks are written at the same time
-                            tg.start_soon(self.write, m.start_write(rank))
-                    if m.state.terminal:
-                        break
-                    deadline, phase = self.next_deadline()
-                    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                        await self.wake.wait()
-                    self.wake = anyio.Event()
-                    if not m.state.terminal and anyio.current_time() >= deadline:
-                        error = self._timed_out(phase)
-                        m.fail(str(error))
-                        break
+            with self._scope:
+                async with anyio.create_task_group() as tg:
+                    while True:
+                        ready = m.ready_ranks()
+                        if len(ready) == 1 and m.expected_ranks == 1:
+                            await self.write(m.start_write(ready[0]))  # one rank: no task of its own needed
+                        else:
+                            for rank in ready:  # several ranks are written at the same time
+                                tg.start_soon(self.write, m.start_write(rank))
+                        if m.state.terminal:
+                            break
+                        deadline, phase = self.next_deadline()
+                        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                            await self.wake.wait()
+                        self.wake = anyio.Event()
+                        if not m.state.terminal and anyio.current_time() >= deadline:
+                            error = self._timed_out(phase)
+                            m.fail(str(error))
+                            break
+            if self._scope.cancelled_caught and not m.state.terminal:
+                error = self._timed_out("room")
+                m.fail(str(error))
         finally:
+            self._scope = None
             # Every write of this room is over here (the task group has exited), so telling the ranks
             # that the room ended is safe: they may free their blocks, unless a write may still land.
             if not m.state.terminal:
@@ -139,14 +157,17 @@ class SendRoomDriver:
         if m.state is TransferStatus.SUCCESS:
             log.debug("sender: room=%r: done, %d tokens to %d ranks", room, m.total, m.expected_ranks)
             return
-        if error is not None:
-            raise error
+        raise error if error is not None else self._failure()
+
+    def _failure(self) -> TransferError:
+        """The error of a room that failed without a deadline passing."""
+        m, room = self.machine, self.room
         reason = m.error or "failed"
         if m.state is TransferStatus.ABORTED:
-            raise TransferAborted(f"room {room!r}: aborted: {reason}", room=room)
+            return TransferAborted(f"room {room!r}: aborted: {reason}", room=room)
         if any(not p.alive for p in self.rank_peer.values()):
-            raise PeerDead(f"room {room!r}: {reason}", room=room)
-        raise TransferFailed(f"room {room!r}: {reason}", room=room)
+            return PeerDead(f"room {room!r}: {reason}", room=room)
+        return TransferFailed(f"room {room!r}: {reason}", room=room)
 
     def _timed_out(self, phase: str) -> TransferTimeout:
         m = self.machine

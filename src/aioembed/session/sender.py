@@ -92,6 +92,10 @@ from aioembed.transports.registry import open_transport
 
 __all__ = ["EmbeddingSender"]
 
+STOP_GRACE = 1.0
+"""Seconds ``aclose()`` gives the ``send()`` calls whose writes it cancelled (after ``CLOSE_GRACE``) to tell
+their ranks that the room ended."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Source:
@@ -217,7 +221,7 @@ class EmbeddingSender:
         self._closing = True
         with anyio.CancelScope(shield=True):
             try:
-                with anyio.move_on_after(CLOSE_GRACE):
+                with anyio.move_on_after(CLOSE_GRACE) as grace:
                     for r in list(self._rooms.values()):
                         r.machine.fail("sender closing", aborted=True)
                         r.poke()
@@ -226,6 +230,15 @@ class EmbeddingSender:
                     await self._idle.wait()  # active send() calls notify their ranks
                     if self._chan is not None:
                         await self._chan.drain()  # the final STATUS / ABORT_ACK frames must leave
+                if grace.cancelled_caught:
+                    # A write that does not end holds its send(): cancel it (a write that may still land is
+                    # fenced at its rank), and give the send() calls a moment to tell their ranks.
+                    for r in list(self._rooms.values()):
+                        r.stop("sender closing")
+                    with anyio.move_on_after(STOP_GRACE):
+                        await self._idle.wait()
+                        if self._chan is not None:
+                            await self._chan.drain()
                 self._tasks.cancel_all()
                 await self._tasks.wait_done(CLOSE_GRACE)
                 await self._teardown()
@@ -285,6 +298,8 @@ class EmbeddingSender:
             if self._staging is not None:
                 staged = self._staging.stage(tensors, num_tokens)
             sources = list(staged.tensors.values()) if staged else await self._sources_of(room, tensors, stream)
+            if self._closing:  # aclose() began while the sources were being made: it cannot see this room
+                raise TransferAborted(f"room {room!r}: aborted: sender closing", room=room)
         except (InvalidRequest, LayoutError) as exc:
             # A receiver that already asked for the room learns why at once, not at its input_timeout.
             if self._room_is_waiting(room):
