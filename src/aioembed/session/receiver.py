@@ -160,7 +160,7 @@ class EmbeddingReceiver:
                         r.handle.cancel("receiver closing")
                     for r in list(self._rooms.values()):
                         await r.handle.wait()
-                    for c in self._conns.values():
+                    for c in list(self._conns.values()):  # one may leave the table meanwhile
                         await c.chan.drain()  # the ABORT frames must leave
                 self._tasks.cancel_all()
                 await self._tasks.wait_done(CLOSE_GRACE)
