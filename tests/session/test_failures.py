@@ -45,6 +45,15 @@ async def _until(pred: object, timeout: float = 5.0) -> None:
             await anyio.sleep(0.005)
 
 
+async def _send_noting(sender: EmbeddingSender, room: str, request: dict[str, torch.Tensor],
+                       outcome: list[BaseException]) -> None:
+    """``send()``, its ``TransferError`` kept in ``outcome`` (the test's task group would re-raise it)."""
+    try:
+        await sender.send(room, request)
+    except TransferError as exc:
+        outcome.append(exc)
+
+
 async def test_receiver_cancel_before_send_fails_the_later_send_fast() -> None:
     async with running(FAST) as (sender, [receiver]):
         handle = receiver.start("gone")
@@ -66,14 +75,8 @@ async def test_receiver_cancel_mid_room_aborts_the_sender() -> None:
         handle = receiver.start("r", zero_copy=True)
         outcome: list[BaseException] = []
 
-        async def send() -> None:
-            try:
-                await sender.send("r", make_request(3000, 2))
-            except TransferError as exc:
-                outcome.append(exc)
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
+            tg.start_soon(_send_noting, sender, "r", make_request(3000, 2), outcome)
             await _until(lambda: handle.status is TransferStatus.TRANSFERRING)
             handle.cancel("scheduler preempted the request")
         assert isinstance(outcome[0], TransferAborted)
@@ -103,14 +106,8 @@ async def test_cancelling_receive_call_aborts_both_sides() -> None:
         src = make_request(3000, 3)
         outcome: list[BaseException] = []
 
-        async def send() -> None:
-            try:
-                await sender.send("c", src)
-            except TransferError as exc:
-                outcome.append(exc)
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
+            tg.start_soon(_send_noting, sender, "c", src, outcome)
             with anyio.move_on_after(0.3):
                 await receiver.receive_leased("c")  # round 0 arrives, then it waits for blocks
         assert outcome and isinstance(outcome[0], TransferAborted), outcome
@@ -273,16 +270,10 @@ async def test_aclose_ends_a_send_whose_write_never_ends() -> None:
             with suppress(TransferError):
                 await receiver.receive("r", sender=sender.address)
 
-        async def send() -> None:
-            try:
-                await sender.send("r", make_request(500, 1))
-            except TransferError as exc:
-                outcome.append(exc)
-
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(receive)
-                tg.start_soon(send)
+                tg.start_soon(_send_noting, sender, "r", make_request(500, 1), outcome)
                 await _until(lambda: sender.writes_in_flight == 1)
                 with anyio.fail_after(CLOSE_GRACE + STOP_GRACE + 2):
                     await sender.aclose()
@@ -311,14 +302,8 @@ async def test_a_send_still_making_its_sources_as_the_sender_closes_is_aborted(
         monkeypatch.setattr(sender, "_sources_of", slow_sources)
         outcome: list[BaseException] = []
 
-        async def send() -> None:
-            try:
-                await sender.send("r", make_request(500, 1))
-            except TransferError as exc:
-                outcome.append(exc)
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
+            tg.start_soon(_send_noting, sender, "r", make_request(500, 1), outcome)
             await making.wait()
 
             async def close() -> None:

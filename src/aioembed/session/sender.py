@@ -210,7 +210,8 @@ class EmbeddingSender:
 
     async def aclose(self) -> None:
         """Fail rooms in flight (telling their receivers), then close everything. Safe from any task,
-        bounded (about ``CLOSE_GRACE`` seconds), idempotent."""
+        bounded (about ``CLOSE_GRACE`` seconds, plus ``STOP_GRACE`` when writes still running must be
+        cancelled), idempotent."""
         await self._close()
 
     async def _close(self) -> None:
