@@ -41,6 +41,11 @@ class TransferObserver:
         """Fenced blocks went back to the pool; ``proof`` says why that is safe (``status``,
         ``abort_ack``, ``fence_release``, ``drained``, ``revoked``, ``writer_gone``, ...)."""
 
+    def sender_closed(self, *, sender: str) -> None:
+        """On a receiver: its connection to the sender at ``sender`` closed (idle for ``sender_idle_timeout``,
+        closed to make room under ``max_senders``, or the receiver closing). Per-sender series can go: an
+        encoder restarting on a fresh port is a new ``sender`` each time."""
+
 
 def outcome_of(error: BaseException | None) -> str:
     """The ``outcome`` label for a room that ended with ``error`` (``None``: success)."""
@@ -104,6 +109,8 @@ class PrometheusMetrics(TransferObserver):
                                    ["reason", "sender"], namespace=namespace, registry=reg)
         self.fence_releases = prom.Counter("blocks_unfenced", "Fenced blocks released, by the proof that made it safe",
                                            ["proof", "sender"], namespace=namespace, registry=reg)
+        self._sender_series: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}
+        """Per sender: the (metric, label values) series made for it, dropped by :meth:`sender_closed`."""
 
     def room_finished(self, *, side: str, outcome: str, nbytes: int, rounds: int, seconds: float) -> None:
         self.transfers.labels(side=side, outcome=outcome).inc()
@@ -115,16 +122,24 @@ class PrometheusMetrics(TransferObserver):
     def round_finished(self, *, side: str, seconds: float) -> None:
         self.round_seconds.labels(side=side).observe(seconds)
 
+    def _per_sender(self, metric: Any, sender: str, *labels: str) -> Any:
+        self._sender_series.setdefault(sender, set()).add((metric, labels))
+        return metric.labels(*labels)
+
     def sender_room_finished(self, *, sender: str, outcome: str, nbytes: int) -> None:
-        self.sender_rooms.labels(sender=sender, outcome=outcome).inc()
+        self._per_sender(self.sender_rooms, sender, sender, outcome).inc()
         if outcome == "success":
-            self.sender_bytes.labels(sender=sender).inc(nbytes)
+            self._per_sender(self.sender_bytes, sender, sender).inc(nbytes)
 
     def blocks_fenced(self, *, reason: str, blocks: int, sender: str) -> None:
-        self.fences.labels(reason=reason, sender=sender).inc(blocks)
+        self._per_sender(self.fences, sender, reason, sender).inc(blocks)
 
     def fence_released(self, *, proof: str, blocks: int, sender: str) -> None:
-        self.fence_releases.labels(proof=proof, sender=sender).inc(blocks)
+        self._per_sender(self.fence_releases, sender, proof, sender).inc(blocks)
+
+    def sender_closed(self, *, sender: str) -> None:
+        for metric, labels in self._sender_series.pop(sender, ()):
+            metric.remove(*labels)
 
     def watch_receiver(self, receiver: EmbeddingReceiver) -> None:
         """Live gauges read from ``receiver`` at scrape time."""

@@ -93,3 +93,27 @@ async def test_prometheus_gauge_of_the_output_cache() -> None:
         kept = receiver.outputs.stats.idle_bytes
         assert kept >= 1500 * wide["embeddings"].row_bytes
         assert registry.get_sample_value("aioembed_output_cache_bytes", {"rank": "0"}) == kept
+
+
+async def test_per_sender_series_go_when_the_connection_to_that_sender_closes() -> None:
+    # An encoder restarting on a fresh port is a new sender label each time: series that stayed for ever
+    # grew without bound over a server's life (found by a reviewer).
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, sender_idle_timeout=0.2)
+    async with EmbeddingSender(LAYOUT, cfg) as sender, EmbeddingReceiver(LAYOUT, cfg, observer=metrics) as receiver:
+        src = make_request(500, 4)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "s", src)
+            await receiver.receive("s", sender=sender.address)
+        labels = {"sender": sender.address, "outcome": "success"}
+        assert registry.get_sample_value("aioembed_sender_rooms_total", labels) == 1
+        assert registry.get_sample_value("aioembed_sender_bytes_total", {"sender": sender.address}) == \
+            500 * LAYOUT.bytes_per_token
+        with anyio.fail_after(5):
+            while receiver.senders:  # closed once idle for sender_idle_timeout
+                await anyio.sleep(0.02)
+            while registry.get_sample_value("aioembed_sender_rooms_total", labels) is not None:
+                await anyio.sleep(0.01)  # the connection's tasks end a few loop turns after the close
+        assert registry.get_sample_value("aioembed_sender_bytes_total", {"sender": sender.address}) is None
+        assert registry.get_sample_value("aioembed_transfers_total", {"side": "receiver", "outcome": "success"}) == 1

@@ -214,6 +214,8 @@ class EmbeddingReceiver:
             if self._conns.get(conn.address) is conn:
                 del self._conns[conn.address]
             conn.close()  # its socket tasks have ended
+            if conn.address not in self._conns:  # no newer connection to that sender shares its series
+                self.observer.sender_closed(sender=conn.address)
 
     def _idle(self, conn: SenderConnection) -> bool:
         """No room uses ``conn`` and no block its sender may still write is held: it can go."""
