@@ -37,7 +37,11 @@ An announced grant belongs to the room that announced it, and only that room mov
 order of its own inbox: a STATUS that arrived before a session loss is still valid data, and a
 room busy copying a round does not have its next grant freed under it. Proofs about a whole
 sender (``drained``, ``revoked``, ``writer_gone``) are remembered, and a grant fenced later by its
-room is released by them at once (or after their window).
+room is released by them at once (or after their window). They are remembered only while a grant of
+that sender is live: such a proof covers the sessions it has had so far, and a room announces only in
+the sender's current session, so no later grant needs it. Forgetting can only keep blocks fenced
+longer, never free one early; and the ledger stays as large as its live grants, not as the number of
+sender processes a receiver ever saw.
 
 Timed releases count only time this process was running: a loop stall (a frozen process, a
 long synchronous call) restarts their windows, because data that waited in a socket buffer
@@ -378,13 +382,18 @@ class BlockLedger:
         for g in self._fenced_of(sender):
             if self._epoch(g) < below_epoch:
                 self._timed(g, Proof.DRAINED, now, settle)
-        return self.tick(now)
+        actions = self.tick(now)
+        self._forget_if_idle(sender)
+        return actions
 
     def revoked(self, sender: str, *, below_epoch: int) -> list[LedgerAction]:
         """The transport guarantees that no write ``sender`` posted so far (in its sessions numbered
         below ``below_epoch``) can land any more: its fenced grants of those sessions are freed."""
         self._revoked_below[sender] = max(below_epoch, self._revoked_below.get(sender, 0))
-        return [self._free(g, Proof.REVOKED) for g in self._fenced_of(sender) if self._epoch(g) < below_epoch]
+        actions: list[LedgerAction] = [self._free(g, Proof.REVOKED) for g in self._fenced_of(sender)
+                                       if self._epoch(g) < below_epoch]
+        self._forget_if_idle(sender)
+        return actions
 
     def writer_gone(self, sender: str, *, now: float, lifetime: float) -> list[LedgerAction]:
         """``sender``'s process is known gone: what it may still write is freed after ``lifetime``
@@ -392,7 +401,9 @@ class BlockLedger:
         self._gone[sender] = lifetime
         for g in self._fenced_of(sender):
             self._timed(g, Proof.WRITER_GONE, now, lifetime)
-        return self.tick(now)
+        actions = self.tick(now)
+        self._forget_if_idle(sender)
+        return actions
 
     def writer_back(self, sender: str) -> None:
         """``sender`` answered again after we thought its process gone: that was wrong, so the
@@ -456,7 +467,20 @@ class BlockLedger:
         del self._grants[g.id]
         for b in g.blocks:
             del self._owner[b]
+        if g.writer is not None:
+            self._forget_if_idle(g.writer.sender)
         return Free(g.id, g.room, g.blocks, proof, was, g.writer)
+
+    def _forget_if_idle(self, sender: str) -> None:
+        """Drop the proofs remembered about ``sender`` once none of its grants is live (see the module
+        docstring: no later grant can need them)."""
+        if sender not in self._drained_below and sender not in self._revoked_below and sender not in self._gone:
+            return
+        if any(g.writer is not None and g.writer.sender == sender for g in self._grants.values()):
+            return
+        self._drained_below.pop(sender, None)
+        self._revoked_below.pop(sender, None)
+        self._gone.pop(sender, None)
 
 
 # -- sender: the write ledger ---------------------------------------------------------------
