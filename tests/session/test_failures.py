@@ -245,7 +245,8 @@ async def test_a_write_that_never_ends_is_bounded_by_room_timeout_and_fenced() -
     cfg = FAST.replace(input_timeout=30.0, round_timeout=30.0, room_timeout=1.0)
     hung = MockTransport(cancel_safe_writes=False, write_lifetime=0.3, faults=lambda call: WriteFault(delay=3600.0))
     async with EmbeddingSender(LAYOUT, cfg, transport=hung) as sender, \
-            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
+            EmbeddingReceiver(LAYOUT, cfg.replace(room_timeout=30.0), connect=sender.address,
+                              transport=MockTransport()) as receiver:  # the sender's deadline comes first
         await receiver.wait_connected()
         handle = receiver.start("r")
         t0 = anyio.current_time()
