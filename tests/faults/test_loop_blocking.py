@@ -35,8 +35,8 @@ async def test_a_large_non_contiguous_source_is_made_contiguous_off_the_loop() -
         await anyio.sleep(0.01)
         src.contiguous()
         await anyio.sleep(0.01)
-    # On the 2-core development host the copy holds the loop 38 ms alone, and 25-27 ms in a worker that ran the
-    # slow soaks first (2026-11-26): the bar is what the comparison below needs, with room for both.
+    # On the 2-core development host the copy holds the loop 38 ms alone, and took 25-27 ms in a full run with the
+    # slow soaks on the other worker (2026-11-26): the bar is what the comparison below needs, with room for both.
     assert on_the_loop.longest > 0.02, f"the copy took {on_the_loop.longest:.3f} s: too short to tell stalls apart"
     cfg = TransferConfig(default_tokens=tokens, pool_tokens=tokens, resume_reserve_tokens=0)
     async with EmbeddingSender(WIDE, cfg) as sender, \
