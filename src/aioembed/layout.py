@@ -43,6 +43,11 @@ class Field:
         """Bytes in one token's row."""
         return self.row_elements * self.dtype.itemsize
 
+    def rows_over(self, raw: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``num_tokens`` rows of this field over ``raw``, a contiguous uint8 tensor of exactly their bytes
+        (memory allocated as bytes: on huge pages, or lent by a cache); no copy."""
+        return raw.view(self.dtype).view((num_tokens, *self.shape))
+
 
 class Layout(Mapping[str, Field]):
     """The named per-token fields of a request, in declaration order.

@@ -108,7 +108,7 @@ class LoopbackBaseline:
         self._src = {name: sources[name].contiguous() for name in self.layout}
         # zeroed, on huge pages as the receive pool's fields are (see destination_memory), every page touched
         self._dst = {
-            name: destination_memory(capacity_tokens * f.row_bytes).view(f.dtype).view((capacity_tokens, *f.shape))
+            name: f.rows_over(destination_memory(capacity_tokens * f.row_bytes), capacity_tokens)
             for name, f in self.layout.items()
         }
         await anyio.lowlevel.checkpoint()

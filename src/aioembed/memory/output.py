@@ -37,6 +37,6 @@ def empty_output(layout: Layout, num_tokens: int, device: torch.device, *,
     for name, f in layout.items():
         shape = (num_tokens, *f.shape)
         nbytes = num_tokens * f.row_bytes
-        out[name] = (large(nbytes).view(f.dtype).view(shape) if nbytes >= min_bytes
+        out[name] = (f.rows_over(large(nbytes), num_tokens) if nbytes >= min_bytes
                      else torch.empty(shape, dtype=f.dtype))
     return out

@@ -36,7 +36,7 @@ class BlockPool:
         self.device = torch.device(device)
         rows = num_blocks * block_size
         self.tensors: dict[str, torch.Tensor] = {
-            name: (zeroed_memory(rows * f.row_bytes).view(f.dtype).view((rows, *f.shape))
+            name: (f.rows_over(zeroed_memory(rows * f.row_bytes), rows)
                    if self.device.type == "cpu"
                    else torch.zeros((rows, *f.shape), dtype=f.dtype, device=self.device))
             for name, f in layout.items()

@@ -476,7 +476,7 @@ class BlockLedger:
         docstring: no later grant can need them)."""
         if sender not in self._drained_below and sender not in self._revoked_below and sender not in self._gone:
             return
-        if any(g.writer is not None and g.writer.sender == sender for g in self._grants.values()):
+        if self.grants(sender=sender):
             return
         self._drained_below.pop(sender, None)
         self._revoked_below.pop(sender, None)
