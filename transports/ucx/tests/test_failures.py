@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -36,18 +37,25 @@ def anyio_backend() -> str:
 
 
 @contextmanager
-def owner_process() -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
-    proc = subprocess.Popen([sys.executable, str(OWNER), json.dumps(UCX_OPTIONS), str(SIZE)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+def owner_process(**options: Any) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    errors = tempfile.TemporaryFile()  # a file, not a pipe: a chatty owner never blocks on it
+    proc = subprocess.Popen([sys.executable, str(OWNER), json.dumps(dict(UCX_OPTIONS, **options)), str(SIZE)],
+                            stdout=subprocess.PIPE, stderr=errors)
     try:
         assert proc.stdout is not None
-        info = json.loads(proc.stdout.readline())
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait()
+            errors.seek(0)
+            raise AssertionError(f"the owner process did not start: {errors.read().decode()[-2000:]}")
+        info = json.loads(line)
         yield proc, info
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
         proc.wait()
+        errors.close()
 
 
 @asynccontextmanager

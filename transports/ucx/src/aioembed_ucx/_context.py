@@ -127,7 +127,9 @@ def _ensure_initialised(opts: UcxOptions) -> Any:
                                   f"ucx_options={dict(opts.ucx_options)!r})")
             _State.key, _State.pid = key, os.getpid()
             return ucxx
-        ucx_opts = dict(opts.ucx_options)
+        # A listener restarted on a fixed port must not wait out the last process's TIME_WAIT sockets
+        # (about a minute without it: "Device is busy"). ``ucx_options`` may still say otherwise.
+        ucx_opts = {"CM_REUSEADDR": "y", **opts.ucx_options}
         if opts.tls is not None:
             ucx_opts["TLS"] = opts.tls
         try:

@@ -31,7 +31,7 @@ from typing import Any
 from aioembed_ucx._graveyard import GRAVEYARD
 
 __all__ = ["ArmedProgress", "Posted", "cancel_posted", "install_armed_progress", "kick", "post", "tag_recv",
-           "tag_send", "wait_posted"]
+           "tag_send", "wait_posted", "wait_request"]
 
 log = logging.getLogger("aioembed.transports.ucx")
 
@@ -146,6 +146,7 @@ def install_armed_progress(ucxx: Any) -> ArmedProgress | None:
         return None
     app = importlib.import_module("ucxx._lib_async.application_context")
     loop = asyncio.get_running_loop()
+    _forget_closed_loops(app.ProgressTasks)
     have = app.ProgressTasks.get(loop)
     if isinstance(have, ArmedProgress) and have.worker is ctx.worker:
         return have
@@ -163,6 +164,16 @@ def install_armed_progress(ucxx: Any) -> ArmedProgress | None:
 
 _DRIVERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ArmedProgress] = weakref.WeakKeyDictionary()
 """The driver of each loop, beside ucxx's table (which a reset clears)."""
+
+
+def _forget_closed_loops(progress_tasks: dict[Any, Any]) -> None:
+    """Drop the drivers of event loops that have closed (a process that runs ``asyncio.run`` per job):
+    ucxx's table holds each loop, and its driver, for good otherwise."""
+    for loop in [lp for lp in progress_tasks if isinstance(lp, asyncio.AbstractEventLoop) and lp.is_closed()]:
+        driver = progress_tasks.pop(loop)
+        _DRIVERS.pop(loop, None)
+        if isinstance(driver, ArmedProgress):
+            driver.close()
 
 
 def _stop_ucxx_progress(task: Any, loop: asyncio.AbstractEventLoop, worker: Any) -> None:
@@ -195,6 +206,17 @@ def kick() -> None:
     driver = _driver()
     if driver is not None:
         driver.kick()
+
+
+async def wait_request(request: Any) -> None:
+    """Until a raw ucxx request completed (raises its error): through the loop's :class:`ArmedProgress`
+    when it has one (ucxx's own ``wait`` polls on every loop turn: a core for as long as it is pending)."""
+    driver = _driver()
+    if driver is None:
+        await request.wait()
+    else:
+        driver.kick()  # it was just posted: UCX may need a progress for it that no event announces
+        await driver.wait(request)
 
 
 def _driver() -> ArmedProgress | None:

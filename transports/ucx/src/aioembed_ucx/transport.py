@@ -50,7 +50,7 @@ from aioembed_ucx import _wire as w
 from aioembed_ucx._context import ensure_context, load_ucxx
 from aioembed_ucx._graveyard import GRAVEYARD as _GRAVEYARD
 from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
-from aioembed_ucx._progress import Posted, cancel_posted, kick, post, tag_recv, tag_send, wait_posted
+from aioembed_ucx._progress import Posted, cancel_posted, kick, post, tag_recv, tag_send, wait_posted, wait_request
 
 __all__ = ["UcxLink", "UcxTransport"]
 
@@ -313,26 +313,33 @@ class UcxTransport(Transport):
                 reply = bytearray(w.REPLY_SIZE)
                 await tag_recv(ep, reply, w.t_reply(0))
                 status, message = w.decode_reply(reply)
+        # may_land=False below: no write was posted on an endpoint that never passed its HELLO.
         except TimeoutError:
             _abort(ep)
             raise TransportError(f"cannot connect to {peer.name}: no answer within "
-                                 f"connect_timeout={timeout} s") from None
+                                 f"connect_timeout={timeout} s", may_land=False) from None
         except self._errors as exc:
             _abort(ep)
             raise TransportError(f"cannot connect to {peer.name}: {exc!r} (is the peer running and "
-                                 f"reachable on that address?)") from exc
+                                 f"reachable on that address?)", may_land=False) from exc
         except BaseException:
             _abort(ep)
             raise
         if status != w.OK:
             _abort(ep)
-            raise TransportError(f"{peer.name} refused the connection: {message}")
+            raise TransportError(f"{peer.name} refused the connection: {message}", may_land=False)
         return ep
 
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
+        # Shielded: ``closed`` is set now, so a close cut short by a cancellation could never be retried
+        # (the listener's port, the links and their UCX endpoints would stay open for good).
+        with anyio.CancelScope(shield=True):
+            await self._close()
+
+    async def _close(self) -> None:
         for link in list(self._links):
             await link.aclose()
         tasks = list(self._serving)
@@ -404,6 +411,12 @@ class UcxTransport(Transport):
             # The wire state is unknown (other receives of the write may still be posted): end the
             # connection, which cancels them; the writer's write fails and it reconnects.
             log.debug("ucx endpoint %s: write %d failed: %r; aborting the connection", self.id[:8], wid, exc)
+            _abort(ep)
+            return
+        except Exception:
+            # Not UCX's (say, a MemoryError for a peer's oversized write): this task is nobody's to report
+            # to, so log it here, and end the connection (the writer learns at once instead of at its timeout).
+            log.exception("ucx endpoint %s: write %d failed unexpectedly; aborting the connection", self.id[:8], wid)
             _abort(ep)
             return
         if stall.expired:
@@ -593,8 +606,8 @@ async def _create_endpoint(ucxx: Any, host: str, port: int) -> Any:
     theirs = bytearray(16)
     mine_arr, theirs_arr = Array(mine), Array(theirs)
     try:
-        await ucx_ep.stream_recv(theirs_arr).wait()
-        await ucx_ep.stream_send(mine_arr).wait()
+        await wait_request(ucx_ep.stream_recv(theirs_arr))
+        await wait_request(ucx_ep.stream_send(mine_arr))
     except BaseException:
         _GRAVEYARD.bury(ucx_ep, mine, theirs, mine_arr, theirs_arr)
         with contextlib.suppress(Exception):
@@ -660,8 +673,15 @@ class UcxLink(Link):
         async with self._reconnect:
             if self._ep is None:
                 if self._closed or self._local.closed:
-                    raise TransportError(f"write on a closed link to {self.peer}")
-                self._ep = await self._local._open_endpoint(self._peer)
+                    raise TransportError(f"write on a closed link to {self.peer}", may_land=False)
+                ep = await self._local._open_endpoint(self._peer)
+                if self._closed or self._local.closed:
+                    # Closed while it connected: a write on it would go on after aclose() returned (reading
+                    # memory its caller may free then), on an endpoint nothing would ever abort.
+                    _abort(ep)
+                    raise TransportError(f"write on a closed link to {self.peer} (closed while it reconnected)",
+                                         may_land=False)
+                self._ep = ep
                 self._progress.tick()
                 log.info("ucx link to %s reconnected", self.peer)
             return self._ep
@@ -669,7 +689,7 @@ class UcxLink(Link):
     async def write(self, ops: Sequence[WriteOp]) -> None:
         local = self._local
         if self._closed or local.closed:
-            raise TransportError(f"write on a closed link to {self.peer}")
+            raise TransportError(f"write on a closed link to {self.peer}", may_land=False)
         checked: list[tuple[int, int, int, str, str]] = []
         for op in ops:
             if op.length <= 0:
