@@ -38,24 +38,24 @@ def anyio_backend() -> str:
 
 @contextmanager
 def owner_process(**options: Any) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
-    errors = tempfile.TemporaryFile()  # a file, not a pipe: a chatty owner never blocks on it
-    proc = subprocess.Popen([sys.executable, str(OWNER), json.dumps(dict(UCX_OPTIONS, **options)), str(SIZE)],
-                            stdout=subprocess.PIPE, stderr=errors)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
+    # stderr to a file, not a pipe: a chatty owner never blocks on it
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen([sys.executable, str(OWNER), json.dumps(dict(UCX_OPTIONS, **options)), str(SIZE)],
+                                stdout=subprocess.PIPE, stderr=errors)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait()
+                errors.seek(0)
+                raise AssertionError(f"the owner process did not start: {errors.read().decode()[-2000:]}")
+            info = json.loads(line)
+            yield proc, info
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
             proc.wait()
-            errors.seek(0)
-            raise AssertionError(f"the owner process did not start: {errors.read().decode()[-2000:]}")
-        info = json.loads(line)
-        yield proc, info
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-        proc.wait()
-        errors.close()
 
 
 @asynccontextmanager

@@ -19,6 +19,7 @@ from aioembed.testing import region_of
 from aioembed.transports.base import Transport, WriteOp
 from aioembed.transports.boundary import GuardedLink, GuardedTransport
 from aioembed.transports.registry import open_transport
+
 from aioembed_ucx import _progress
 from aioembed_ucx.transport import UcxLink, UcxTransport
 
