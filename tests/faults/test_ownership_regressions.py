@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from aioembed import (
 )
 from aioembed.protocol.messages import Abort, Hello, Init, Resume, Status
 from aioembed.session.copy_out import RoundCopier
+from aioembed.session.handle import TransferStats
+from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
@@ -168,6 +171,47 @@ async def test_a_dropped_lease_is_given_back_and_a_released_one_is_not_twice() -
         lease.release()
         handle.cancel()  # taken and released: nothing more to give back (no double free)
         await wait_pools_free(sender, receiver, timeout=1.0)
+
+
+def test_a_lease_finalizer_only_queues_its_grants() -> None:
+    """A garbage collection runs the finalizer in the middle of whatever code allocated, on the loop's thread
+    too (say, inside the allocator's own bookkeeping): giving the blocks back there corrupted the free list
+    (a block in it twice, so handed to two rooms; found by a review). The finalizer queues; the loop returns
+    the grants at its next safe point."""
+    given: list[list[int]] = []
+    returns = LeaseReturns(given.append)
+    lease = Lease(room="z", views={}, metadata={}, num_tokens=0, rounds=1,
+                  stats=TransferStats(bytes=0, rounds=1, seconds=0.0), grants=[7, 8], returns=returns)
+    lease.cycle = lease  # type: ignore[attr-defined]  # only a collection frees it
+    del lease
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert given == [] and returns.pending == 1
+    returns.drain()
+    assert given == [[7, 8]] and returns.pending == 0
+
+
+def test_a_lease_released_by_many_threads_at_once_gives_its_grants_back_once() -> None:
+    for _ in range(50):
+        given: list[list[int]] = []
+        returns = LeaseReturns(given.append)
+        lease = Lease(room="t", views={}, metadata={}, num_tokens=0, rounds=1,
+                      stats=TransferStats(bytes=0, rounds=1, seconds=0.0), grants=[3], returns=returns)
+        start = threading.Barrier(4)
+
+        def release(lease: Lease, start: threading.Barrier) -> None:
+            start.wait()
+            lease.release()
+
+        threads = [threading.Thread(target=release, args=(lease, start)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        returns.drain()
+        assert given == [[3]] and lease.released
 
 
 async def test_lease_context_manager_and_release_from_another_thread() -> None:

@@ -91,14 +91,21 @@ class BlockKeeper:
 
         got: list[list[int]] = []
         failed: list[Exception] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(note_later)
-            try:
-                got.append(await self.allocator.alloc(tokens, timeout=timeout, priority=priority,
-                                                      keep_free=keep_free))
-            except Exception as exc:  # raised below, outside the task group (which would wrap it)
-                failed.append(exc)
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(note_later)
+                try:
+                    got.append(await self.allocator.alloc(tokens, timeout=timeout, priority=priority,
+                                                          keep_free=keep_free))
+                except Exception as exc:  # raised below, outside the task group (which would wrap it)
+                    failed.append(exc)
+                tg.cancel_scope.cancel()
+        except BaseException:
+            # Cancelled while the group ended, after the blocks were granted: no grant holds them yet, so
+            # they go straight back (kept, they would be used for good with nothing to free them).
+            if got:
+                self.allocator.free(got[0])
+            raise
         if failed:
             raise failed[0]
         return self.ledger.reserve(room, got[0], round=round)

@@ -3,9 +3,9 @@
 A lease holds readable grants of the receiver's pool. Give it back with :meth:`Lease.release`,
 ``async with lease:`` or ``async with receiver.lease(room) as lease:``. A lease dropped without
 release is still given back, by a finalizer, with a ``ResourceWarning`` naming the room: the pool
-must not shrink because a caller forgot one. The finalizer may run on any thread (a garbage
-collection in a worker thread); it then hands the blocks to the receiver's loop, which returns
-them at its next heartbeat at the latest.
+must not shrink because a caller forgot one. The finalizer may run on any thread, in the middle of
+any code (a garbage collection), so it only queues the grants; the receiver's loop returns them at
+its next release, reservation or heartbeat.
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ class LeaseReturns:
         else:
             self._pending.append((grants, fence))
 
+    def release_later(self, grants: list[int], fence: Fence | None = None) -> None:
+        """Give ``grants`` back at the loop's next chance, whatever the thread: for a finalizer, which a
+        garbage collection may run in the middle of the allocator's or the ledger's own code (returning
+        blocks there would corrupt their tables: a block could be handed to two rooms)."""
+        self._pending.append((grants, fence))
+
     def drain(self) -> None:
         """Return grants released from other threads (called on the loop's thread)."""
         while self._pending:
@@ -79,17 +85,22 @@ class LeaseReturns:
         return len(self._pending)
 
 
+def _take_release(state: dict[str, bool]) -> bool:
+    """True for the one caller that releases: one ``dict.pop``, atomic, so two threads (or a thread and
+    a finalizer) releasing at once cannot both give the grants back."""
+    return state.pop("held", False)
+
+
 def _dropped(returns: LeaseReturns, grants: list[int], room: RoomId, state: dict[str, bool],
              devices: tuple[torch.device, ...]) -> None:
-    if state["released"]:
+    if not _take_release(state):
         return
-    state["released"] = True
     warnings.warn(f"a Lease of room {room!r} was garbage-collected without release(); its "
                   f"{len(grants)} grant(s) went back to the pool now. Use `async with lease:`.",
                   ResourceWarning, stacklevel=2)
     # Kernels queued on the current stream may still read the views: order after them.
     fence = fence_after([torch.empty(0, device=d) for d in devices]) if devices else None
-    returns.release(grants, fence)
+    returns.release_later(grants, fence)
 
 
 class Lease:
@@ -110,7 +121,7 @@ class Lease:
         self.stats = stats
         self._grants = grants
         self._returns = returns
-        self._state = {"released": False}
+        self._state = {"held": True}
         devices = tuple({v.device for vs in views.values() for v in vs if v.device.type == "cuda"})
         self._finalizer = weakref.finalize(self, _dropped, returns, grants, room, self._state, devices)
         self.part_metadata: tuple[dict[str, Any], ...] = ()
@@ -128,7 +139,7 @@ class Lease:
             for name, vs in lease.views.items():
                 views[name].extend(vs)
             grants.extend(lease._grants)
-            lease._state["released"] = True  # its grants are the combined lease's now
+            _take_release(lease._state)  # its grants are the combined lease's now
             lease._finalizer.detach()
         return cls(room=room, views=views, metadata=metadata, num_tokens=sum(lease.num_tokens for lease in leases),
                    rounds=max(lease.rounds for lease in leases), stats=stats, grants=grants,
@@ -137,7 +148,7 @@ class Lease:
     @property
     def released(self) -> bool:
         """True once the blocks went back to the pool."""
-        return self._state["released"]
+        return not self._state.get("held", False)
 
     def release(self, stream: torch.cuda.Stream | None = None) -> None:
         """Give the blocks back to the pool (idempotent).
@@ -145,9 +156,8 @@ class Lease:
         For views on a CUDA device, the blocks go back only once the work queued so far on ``stream``
         (default: the device's current stream) has completed: kernels already queued on the views may
         still read them, and the next room's rows must not land under them."""
-        if self._state["released"]:
+        if not _take_release(self._state):
             return
-        self._state["released"] = True
         self._finalizer.detach()
         fence = fence_after((v for vs in self.views.values() for v in vs), stream)
         self.views = {name: [] for name in self.views}

@@ -607,6 +607,7 @@ class ReceiveRoomDriver:
         """A grant for ``tokens``, or ``None`` if the room ended while waiting for memory."""
         cfg = self.ctx.config
         t0 = time.perf_counter()
+        self.ctx.returns.drain()  # leases dropped without release (queued by their finalizers) first
         keep = cfg.resume_reserve // cfg.block_size if first else 0
         round_ = 0 if first else self.machine.round + 1
         grant = self.ctx.keeper.try_reserve(self.room, tokens, priority=not first, keep_free=keep, round=round_)

@@ -96,6 +96,7 @@ class RoomStream(Generic[ItemT]):
         self._delivered = 0
         self._held: list[LeasedChunk] = []
         self._finished = False
+        self._total: int | None = None
 
     @property
     def room(self) -> RoomId:
@@ -127,6 +128,7 @@ class RoomStream(Generic[ItemT]):
             raise TransferError(f"room {self.room!r}: chunk {chunk.start}..{chunk.end} after "
                                 f"{self._delivered} tokens", room=self.room)
         self._delivered = chunk.end
+        self._total = chunk.total
         if isinstance(chunk, LeasedChunk):
             self._held = [c for c in self._held if not c.released]
             self._held.append(chunk)
@@ -135,7 +137,10 @@ class RoomStream(Generic[ItemT]):
     async def aclose(self) -> None:
         """End the stream: a room not yet complete is aborted on both sides and every leased chunk of
         it is released (handed out or not). Idempotent."""
-        if not self._finished:
+        # Every token handed out (a caller that breaks on ``chunk.last``) is a complete stream too: its
+        # chunks are the caller's until released, whether or not the iterator saw the end.
+        complete = self._total is not None and self._delivered == self._total
+        if not self._finished and not complete:
             self.handle.cancel("the stream was closed before the room completed")
             with anyio.CancelScope(shield=True):
                 await self.handle.wait()

@@ -28,6 +28,7 @@ import torch
 
 from aioembed.config import TransferConfig
 from aioembed.errors import TransferAborted, TransferError, TransferTimeout
+from aioembed.protocol.messages import TransferStatus
 from aioembed.samples import deterministic_request, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
@@ -185,6 +186,60 @@ class StreamingSuite:
             if zero_copy:
                 assert all(c.released for c in held)
             # the pair's exit checks that the allocator is back to 0 used
+
+    @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
+    async def test_leaving_at_the_last_chunk_keeps_the_chunks(self, zero_copy: bool) -> None:
+        """``if chunk.last: break`` is a complete stream: leaving ``async with`` then must not abort the room
+        or release chunks the caller holds (it did: their views emptied, their blocks went to the next room)."""
+        src = deterministic_request(LAYOUT, 3 * ROUND + 7, "l")
+        async with self.pair(self.config()) as (sender, receiver):
+            held: list[Any] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "l", src)
+                async with receiver.stream("l", zero_copy=zero_copy) as stream:
+                    async for chunk in stream:
+                        held.append(chunk)
+                        if chunk.last:
+                            break
+            assert held[-1].last and stream.delivered == held[-1].total
+            with anyio.fail_after(10):
+                assert await stream.handle.wait() is TransferStatus.SUCCESS
+            # the next room takes pool memory while the chunks are held: it must not take theirs
+            other = deterministic_request(LAYOUT, 2 * ROUND, "l2")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "l2", other)
+                got = await receiver.receive("l2")
+            assert _same(got.tensors, other)
+            for chunk in held:
+                rows = chunk.tensors if isinstance(chunk, Chunk) else chunk.to_tensors()
+                assert _same(rows, {n: t[chunk.start:chunk.end] for n, t in src.items()}), f"chunk {chunk} changed"
+                if isinstance(chunk, LeasedChunk):
+                    assert not chunk.released
+                    chunk.release()
+
+    async def test_leaving_while_the_next_round_waits_for_memory_leaks_nothing(self) -> None:
+        """A consumer that holds a chunk until the next round waits for pool memory, then releases it and
+        leaves: the round's wait ends just as its blocks are granted. Those blocks were lost for good (no
+        grant held them; found by a review): the pair's exit checks that the pool is whole."""
+        cfg = self.config(pool_tokens=2 * ROUND, resume_reserve_tokens=0, round_timeout=10.0)
+        for attempt in range(3):
+            src = deterministic_request(LAYOUT, 5 * ROUND, f"w{attempt}")
+            async with self.pair(cfg) as (sender, receiver):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(send_quietly, sender, "w", src)
+                    kept: LeasedChunk | None = None
+                    async with receiver.stream("w", zero_copy=True, chunk_tokens=0) as stream:
+                        async for chunk in stream:
+                            if kept is None:
+                                kept = chunk  # held: the pool runs short two rounds on
+                                continue
+                            with anyio.fail_after(10):  # the next round waits for memory now
+                                while receiver.allocator.stats.waiters == 0:  # noqa: ASYNC110
+                                    await anyio.sleep(0.001)
+                            kept.release()  # its blocks go to the waiting round ...
+                            chunk.release()
+                            break  # ... and the consumer leaves at once
+                assert stream.handle.status is TransferStatus.ABORTED
 
     async def test_a_cancelled_iterator_aborts_the_room_and_releases_its_chunks(self) -> None:
         """The consumer keeps its chunks, so the next round waits for pool memory; the consumer's own
