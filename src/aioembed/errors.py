@@ -7,6 +7,8 @@ room / peer / setting involved.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 __all__ = [
     "AioembedError",
     "AllocationTimeout",
@@ -76,11 +78,18 @@ class TransportError(AioembedError):
     ``may_land`` says whether a failed write may still reach its destination later: ``True``
     (unknown failure: fence), ``False`` (it never will), ``None`` (as the transport's
     ``cancel_safe_writes`` capability says).
+
+    ``settled``, for a write that may still land: a coroutine function that returns once the transport
+    has seen the last of it end (an engine that cannot cancel a transfer but reports its end). The
+    sender then keeps the blocks fenced until it returns, plus ``orphan_lifetime``, instead of trusting
+    ``write_lifetime`` alone (a transfer that keeps making progress may outlive any fixed bound).
     """
 
-    def __init__(self, message: str, *, may_land: bool | None = None) -> None:
+    def __init__(self, message: str, *, may_land: bool | None = None,
+                 settled: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(message)
         self.may_land = may_land
+        self.settled = settled
 
 
 class TransferError(AioembedError):

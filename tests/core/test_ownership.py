@@ -9,6 +9,7 @@ write that may still reach it, so it can never be re-announced while one does.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -352,6 +353,7 @@ class _SenderWrite:
     room: str
     source: int
     may_land_until: float | None = None  # None: in flight
+    lifetime_ends: float = 0.0  # poisoned: when the transport's write lifetime ends
 
 
 @dataclass
@@ -429,17 +431,31 @@ class WriteLedgerMachine(RuleBasedStateMachine):
         wid = self.ledger.started(key, room, source)
         self.m.writes[wid] = _SenderWrite(wid, key, room, source)
 
-    @rule(data=st.data(), outcome=st.sampled_from(list(WriteOutcome)), lifetime=st.sampled_from([0.0, 0.5, 2.0]))
-    def end_write(self, data: st.DataObject, outcome: WriteOutcome, lifetime: float) -> None:
+    @rule(data=st.data(), outcome=st.sampled_from(list(WriteOutcome)), lifetime=st.sampled_from([0.0, 0.5, 2.0]),
+          settling=st.booleans())
+    def end_write(self, data: st.DataObject, outcome: WriteOutcome, lifetime: float, settling: bool) -> None:
         flying = [w for w in self.m.writes.values() if w.may_land_until is None]
         if not flying:
             return
         w = data.draw(st.sampled_from(flying))
+        settling = settling and outcome is WriteOutcome.POISONED
         if outcome is WriteOutcome.POISONED:
-            w.may_land_until = self.now + lifetime
+            w.lifetime_ends = self.now + lifetime
+            w.may_land_until = math.inf if settling else w.lifetime_ends  # settling: until the transport says
         else:
             w.may_land_until = self.now  # over now
-        self.apply(self.ledger.ended(w.id, outcome, now=self.now, lifetime=lifetime))
+        self.apply(self.ledger.ended(w.id, outcome, now=self.now, lifetime=lifetime, settling=settling))
+
+    @rule(data=st.data(), margin=st.sampled_from([0.0, 0.5, 3.0]))
+    def write_settles(self, data: st.DataObject, margin: float) -> None:
+        """The transport saw a settling write's last transfer end: it may land for ``margin`` more, and
+        never less than its write lifetime."""
+        settling = [w for w in self.m.writes.values() if w.may_land_until == math.inf]
+        if not settling:
+            return
+        w = data.draw(st.sampled_from(settling))
+        w.may_land_until = max(w.lifetime_ends, self.now + margin)
+        self.apply(self.ledger.settled(w.id, now=self.now, margin=margin))
 
     @rule(data=st.data())
     def fence_status_sent(self, data: st.DataObject) -> None:
@@ -469,6 +485,7 @@ class WriteLedgerMachine(RuleBasedStateMachine):
         self.ledger.loop_stalled(self.now, 2.0)
         for w in self.m.writes.values():
             if w.may_land_until is not None and w.may_land_until > self.now:
+                w.lifetime_ends = max(w.lifetime_ends, self.now + 2.0)
                 w.may_land_until = max(w.may_land_until, self.now + 2.0)
 
     @invariant()
@@ -635,6 +652,30 @@ def test_write_ledger_holds_fence_release_until_the_fence_status() -> None:
     assert ledger.ended(w, WriteOutcome.POISONED, now=0.0, lifetime=0.0) == []  # expired, but not yet told
     assert ledger.fence_told(key, "room") == [SendFenceRelease(key, "room")]
     assert ledger.source_done(src) == [ReleaseSource(src)]
+
+
+def test_a_settling_write_lands_until_its_transport_says_it_ended_and_its_lifetime_passed() -> None:
+    ledger = WriteLedger()
+    key = SessionKey("r", 1)
+    ledger.session_opened(key)
+    src = ledger.new_source()
+    w = ledger.started(key, "room", src)
+    assert ledger.ended(w, WriteOutcome.POISONED, now=0.0, lifetime=3.0, settling=True) == []
+    assert ledger.fence_told(key, "room") == []
+    assert ledger.source_done(src) == []  # the engine may still read the source
+    assert ledger.tick(1e6) == [] and ledger.next_deadline() is None  # no time alone ends it
+    assert ledger.settled(w, now=1.0, margin=0.5) == []  # ended, but its write lifetime runs to 3.0
+    assert ledger.next_deadline() == 3.0 and ledger.tick(2.9) == []
+    assert ledger.tick(3.0) == [SendFenceRelease(key, "room"), ReleaseSource(src)]
+    w2 = ledger.started(key, "room", ledger.new_source())
+    ledger.ended(w2, WriteOutcome.POISONED, now=10.0, lifetime=1.0, settling=True)
+    ledger.settled(w2, now=20.0, margin=2.0)
+    assert ledger.next_deadline() == 22.0
+    with pytest.raises(OwnershipError, match="not waiting to settle"):
+        ledger.settled(w2, now=21.0, margin=2.0)
+    with pytest.raises(OwnershipError, match="only a poisoned write"):
+        ledger.ended(ledger.started(key, "room", ledger.new_source()), WriteOutcome.LANDED, now=0.0, lifetime=1.0,
+                     settling=True)
 
 
 def test_write_ledger_drains_a_replaced_session_once_its_writes_end() -> None:

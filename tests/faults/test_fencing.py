@@ -5,11 +5,14 @@ write lifetime has passed, with the sender alive and serving throughout."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
+import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferFailed, TransportError
+from aioembed.session.send_room import _one_failure
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request, wait_pools_free
@@ -68,3 +71,77 @@ async def test_failed_uncancellable_write_is_fenced_then_released_by_fence_relea
             tg.start_soon(sender.send, "after", src3)
             got = await receiver.receive("after")
         assert_same(got.tensors, src3)
+
+
+async def test_a_failed_write_that_settles_later_stays_fenced_past_its_lifetime_until_it_did() -> None:
+    """A transport that cannot bound a failed write by time (an engine transfer that gave up at its timeout
+    but keeps making progress) but sees it end says so with ``settled``: the blocks stay fenced until then
+    (plus ``orphan_lifetime``), even past ``write_lifetime``, while the late bytes land."""
+    lifetime, orphan = 0.3, 0.2
+    late = WriteFault(fail_after=0.05, land_after=1.5)
+
+    async def settled() -> None:  # the engine saw its last transfer end: the late landing
+        assert await anyio.to_thread.run_sync(late.landed.wait, 10.0)
+
+    late.error = TransportError("write did not complete within transfer_timeout; it may still land",
+                                may_land=True, settled=settled)
+
+    def faults(call: WriteCall) -> WriteFault | None:
+        return late if call.index == 0 else None
+
+    writer = MockTransport(cancel_safe_writes=False, write_lifetime=lifetime, orphan_lifetime=orphan, faults=faults)
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_send_expecting_failure, sender, "slow", make_request(700, 4))
+            with pytest.raises(TransferFailed, match="may still land"):
+                await receiver.receive("slow")
+        fenced = receiver.allocator.stats.fenced
+        assert fenced > 0
+        await anyio.sleep(lifetime + 0.5)  # the lifetime is over, the write is not
+        assert not late.landed.is_set()
+        assert receiver.allocator.stats.fenced == fenced, "released before the write settled"
+        await wait_pools_free(sender, receiver, timeout=5.0)
+        assert late.landed.is_set()  # released only after the late bytes landed
+        src = make_request(900, 5)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "next", src)
+            got = await receiver.receive("next")
+        assert_same(got.tensors, src)
+
+
+async def _send_expecting_failure(sender: EmbeddingSender, room: str, src: dict[str, torch.Tensor]) -> None:
+    with pytest.raises(TransferFailed):
+        await sender.send(room, src)
+
+
+def test_a_round_whose_chunks_failed_may_land_if_any_chunk_may() -> None:
+    """The first chunk refused cleanly, a later one may still land: the round's failure must say it may land
+    (it said what the first said, and the blocks were freed under the later chunk)."""
+    clean = TransportError("refused", may_land=False)
+    landing = TransportError("timed out", may_land=True)
+    combined = _one_failure([clean, landing])
+    assert isinstance(combined, TransportError) and combined.may_land is True and combined.settled is None
+    assert _one_failure([clean, TransportError("again", may_land=False)]).may_land is False  # type: ignore[union-attr]
+    assert _one_failure([clean, TransportError("unknown")]).may_land is None  # type: ignore[union-attr]
+    bug = RuntimeError("a bug of ours")
+    assert _one_failure([clean, bug]) is bug
+
+
+async def test_a_round_settles_once_every_chunk_that_may_land_settled() -> None:
+    order: list[str] = []
+
+    def settle(name: str) -> Callable[[], Awaitable[None]]:
+        async def wait() -> None:
+            await anyio.lowlevel.checkpoint()
+            order.append(name)
+        return wait
+
+    combined = _one_failure([TransportError("a", may_land=True, settled=settle("a")),
+                             TransportError("b", may_land=False),
+                             TransportError("c", may_land=True, settled=settle("c"))])
+    assert isinstance(combined, TransportError) and combined.settled is not None
+    await combined.settled()
+    assert order == ["a", "c"]
+    unbounded = _one_failure([TransportError("a", may_land=True, settled=settle("a")), TransportError("d")])
+    assert isinstance(unbounded, TransportError) and unbounded.settled is None  # "d" cannot say when it ended

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -546,7 +547,8 @@ class _Write:
     session: SessionKey
     room: RoomId
     source: int
-    expires: float | None = None  # poisoned: may land until then
+    expires: float | None = None  # poisoned: may land until then (inf: until the transport says it settled)
+    lifetime_ends: float = 0.0  # poisoned: when its transport's write lifetime ends (a floor when settling)
 
 
 class WriteLedger:
@@ -649,15 +651,30 @@ class WriteLedger:
         self._writes[wid] = _Write(wid, session, room, source)
         return wid
 
-    def ended(self, write_id: int, outcome: WriteOutcome, *, now: float, lifetime: float) -> list[WriterAction]:
-        """The write returned or raised; ``lifetime`` is its transport's write lifetime."""
+    def ended(self, write_id: int, outcome: WriteOutcome, *, now: float, lifetime: float,
+              settling: bool = False) -> list[WriterAction]:
+        """The write returned or raised; ``lifetime`` is its transport's write lifetime. ``settling``
+        (poisoned only): the transport will say when the write's last transfer ended (:meth:`settled`);
+        until then it may land, however long that takes."""
         w = self._writes.get(write_id)
         if w is None or w.expires is not None:
             raise OwnershipError(f"write {write_id} is not in flight")
         if outcome is WriteOutcome.POISONED:
-            w.expires = now + lifetime
+            w.lifetime_ends = now + lifetime
+            w.expires = math.inf if settling else w.lifetime_ends
             return self.tick(now)
+        if settling:
+            raise OwnershipError(f"write {write_id}: only a poisoned write settles later")
         return self._retire(w)
+
+    def settled(self, write_id: int, *, now: float, margin: float) -> list[WriterAction]:
+        """The transport saw the last transfer of settling write ``write_id`` end: what it had sent may
+        still land for ``margin`` (bytes in the peer's buffers), and never before its write lifetime."""
+        w = self._writes.get(write_id)
+        if w is None or w.expires != math.inf:
+            raise OwnershipError(f"write {write_id} is not waiting to settle")
+        w.expires = max(w.lifetime_ends, now + margin)
+        return self.tick(now)
 
     def tick(self, now: float) -> list[WriterAction]:
         """Retire poisoned writes whose lifetime has passed."""
@@ -672,11 +689,12 @@ class WriteLedger:
         write may move on when we thaw, so its lifetime starts again."""
         for w in self._writes.values():
             if w.expires is not None:
+                w.lifetime_ends = max(w.lifetime_ends, now + lifetime)
                 w.expires = max(w.expires, now + lifetime)
 
     def next_deadline(self) -> float | None:
         """When the next poisoned write expires, if any."""
-        times = [w.expires for w in self._writes.values() if w.expires is not None]
+        times = [w.expires for w in self._writes.values() if w.expires is not None and w.expires != math.inf]
         return min(times) if times else None
 
     # -- internals -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,8 @@ class SendContext:
     apply: Callable[[list[WriterAction]], None]
     last_refusal: Callable[[], str | None]
     """Why the last handshake with a receiver failed, if one did (named when a room times out)."""
+    spawn: Callable[..., None]
+    """Start a task owned by the sender (cancelled when it closes)."""
 
 
 class SendRoomDriver:
@@ -194,6 +196,7 @@ class SendRoomDriver:
         wid = ctx.ledger.started(peer.key, room, self.source)
         cancel_safe = ctx.transport.capabilities.cancel_safe_writes
         outcome = WriteOutcome.FAILED_CLEANLY if cancel_safe else WriteOutcome.POISONED
+        settled: Callable[[], Awaitable[None]] | None = None
         t0 = time.perf_counter()
         try:
             if len(chunks) == 1:
@@ -204,6 +207,7 @@ class SendRoomDriver:
         except TransportError as exc:
             may_land = exc.may_land if exc.may_land is not None else not cancel_safe
             outcome = WriteOutcome.POISONED if may_land else WriteOutcome.FAILED_CLEANLY
+            settled = exc.settled if may_land else None
             log.warning("sender: room=%r: write of %d tokens to %s failed%s: %s", room, task.count, peer,
                         " (it may still land: fenced)" if may_land else "", exc)
             self.machine.fail(f"write of {task.count} tokens ({sum(o.length for o in ops)} bytes) to {peer} "
@@ -217,7 +221,10 @@ class SendRoomDriver:
             self.poke()
             return
         finally:
-            ctx.apply(ctx.ledger.ended(wid, outcome, now=anyio.current_time(), lifetime=ctx.transport.write_lifetime))
+            ctx.apply(ctx.ledger.ended(wid, outcome, now=anyio.current_time(), lifetime=ctx.transport.write_lifetime,
+                                       settling=settled is not None))
+            if settled is not None:
+                ctx.spawn(self._settle, wid, settled)
         ctx.observer.round_finished(side="sender", seconds=time.perf_counter() - t0)
         if self.machine.failed is not None or not peer.alive:
             self.poke()
@@ -235,6 +242,19 @@ class SendRoomDriver:
         log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
                   task.count, len(ops))
         self.poke()
+
+    async def _settle(self, wid: int, settled: Callable[[], Awaitable[None]]) -> None:
+        """Until the transport saw the last of failed write ``wid`` end; then its blocks are released after
+        ``orphan_lifetime`` (what the peer had buffered). If the wait fails the write stays in flight: its
+        blocks stay fenced until the receiver learns otherwise (a new session, the sender gone)."""
+        ctx = self.ctx
+        try:
+            await settled()
+        except Exception:
+            log.exception("sender: room=%r: waiting for a failed write's transfers to end failed; its blocks "
+                          "stay fenced", self.room)
+            return
+        ctx.apply(ctx.ledger.settled(wid, now=anyio.current_time(), margin=ctx.transport.orphan_lifetime))
 
     async def _write_chunks(self, task: WriteTask, peer: PeerSession,
                             chunks: list[tuple[int | None, list[WriteOp]]]) -> None:
@@ -274,7 +294,7 @@ class SendRoomDriver:
                     oldest += 1
         first = next((exc for exc in failed if exc is not None), None)
         if first is not None:
-            raise first
+            raise _one_failure([exc for exc in failed if exc is not None])
 
     def _chunks(self, task: WriteTask, peer: PeerSession) -> list[tuple[int | None, list[WriteOp]]]:
         """The write ops of ``task``, cut where the rank asked for ``PROGRESS`` (block-aligned within the
@@ -320,3 +340,35 @@ class SendRoomDriver:
                 state = TransferStatus.ABORTED if m.state is TransferStatus.ABORTED else TransferStatus.FAILED
                 ctx.send(peer, Status(room=self.room, state=state, total_tokens=m.total or 0, sent_tokens=0,
                                       round=0, error=error))
+
+
+
+def _one_failure(errors: list[Exception]) -> Exception:
+    """One failure for a round whose chunk writes failed: the first, but landing if any chunk may land (the
+    first may have failed cleanly while a later one may still land), and settling only if every chunk that
+    may land can say when it ended."""
+    first = errors[0]
+    if len(errors) == 1:
+        return first
+    for exc in errors:
+        if not isinstance(exc, TransportError):
+            return exc  # not the plugin's: a bug of ours, fenced as such
+    transport_errors = [e for e in errors if isinstance(e, TransportError)]
+    landing = [e for e in transport_errors if e.may_land is not False]
+    may_land: bool | None = False
+    if any(e.may_land for e in landing):
+        may_land = True
+    elif landing:
+        may_land = None  # as the transport's capabilities say
+    waits = [e.settled for e in landing if e.settled is not None]
+    settled: Callable[[], Awaitable[None]] | None = None
+    if landing and len(waits) == len(landing):
+        async def all_settled() -> None:
+            for wait in waits:
+                await wait()
+
+        settled = all_settled
+    combined = TransportError(f"{first} (and {len(errors) - 1} more chunk write(s) of the round failed)",
+                              may_land=may_land, settled=settled)
+    combined.__cause__ = first
+    return combined

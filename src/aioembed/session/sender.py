@@ -176,7 +176,8 @@ class EmbeddingSender:
                 await self._open_staging()
             self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
                                          transport=self._transport, observer=self.observer, send=self._send_to,
-                                         apply=self._apply, last_refusal=lambda: self._last_refusal)
+                                         apply=self._apply, last_refusal=lambda: self._last_refusal,
+                                         spawn=self._spawn)
             await self._tasks.enter()
         except BaseException:
             with anyio.CancelScope(shield=True):

@@ -16,7 +16,9 @@ Contract every implementation keeps (checked by :mod:`aioembed.testing`):
 * After ``aclose()`` (of the link or the transport) writes raise ``TransportError``.
 * ``write_lifetime`` bounds how long a failed write may still land at a *running* destination,
   ``orphan_lifetime`` how long any write of a writer whose process has ended may. The sessions
-  keep blocks fenced for that long.
+  keep blocks fenced for that long. A transport that cannot bound a failed write by time but sees
+  it end raises its ``TransportError`` with ``settled`` (see there): the blocks then stay fenced
+  until that returns, plus ``orphan_lifetime``, and at least ``write_lifetime``.
 * A transport with ``revocable`` implements ``revoke(writer_id)``: once it returns, nothing lands
   any more through any link that writer opened to this endpoint so far (writes posted earlier
   included); links it opens later work (a sender opens one link per receiver session).
