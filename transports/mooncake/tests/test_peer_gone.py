@@ -6,6 +6,7 @@ stopped with SIGSTOP (a hung peer whose kernel still holds the connection open).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -13,8 +14,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from aioembed.errors import TransportError
@@ -39,8 +42,14 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 def peer() -> Iterator[tuple[subprocess.Popen[str], dict[str, object]]]:
+    with _peer_process(SIZE, OPTIONS) as started:
+        yield started
+
+
+@contextmanager
+def _peer_process(size: int, options: dict[str, object]) -> Iterator[tuple[subprocess.Popen[str], dict[str, object]]]:
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("peer_proc.py")), str(SIZE), json.dumps(OPTIONS)],
+        [sys.executable, str(Path(__file__).with_name("peer_proc.py")), str(size), json.dumps(options)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
@@ -62,8 +71,6 @@ def _sum(proc: subprocess.Popen[str], off: int, n: int) -> str:
 
 
 async def test_write_to_killed_peer_fails_fast(peer: tuple[subprocess.Popen[str], dict[str, object]]) -> None:
-    import hashlib
-
     proc, info = peer
     src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     async with await MooncakeTransport.open(OPTIONS) as t:
@@ -104,3 +111,37 @@ async def test_write_to_hung_peer_fails_within_transfer_timeout(
         assert f"transfer_timeout={TIMEOUT}s" in msg and "may still land" in msg
         assert str(SIZE) in msg and link.session in msg
         os.kill(proc.pid, signal.SIGCONT)
+
+
+async def test_a_timed_out_write_settles_once_its_transfers_end_and_leaves_the_link_usable() -> None:
+    """A write that timed out leaves its transfers in the engine holding the link's credits. They held every
+    credit, and only a waiting write polled them, so every later write waited for credits for ever, even
+    once the peer was back (found by a review). Now a write waiting for credits polls them, and the error
+    says when they ended (``settled``: the sender fences until then)."""
+    size = 64 << 20
+    options: dict[str, object] = dict(OPTIONS, max_batch_bytes=64 << 10, max_batch_ops=1024, threads=1)
+    with _peer_process(size, options) as (proc, info):
+        src = torch.full((size,), 3, dtype=torch.uint8)
+        async with await MooncakeTransport.open(options) as t:
+            await t.register([MemoryRegion(src.data_ptr(), size)])
+            link = await t.connect(bytes.fromhex(str(info["descriptor"])))
+            dst = int(str(info["addr"]))
+            await link.write([WriteOp(src.data_ptr(), dst, 4096)])
+            os.kill(proc.pid, signal.SIGSTOP)
+            wait_stopped(proc.pid)
+            with pytest.raises(TransportError) as err:
+                await link.write([WriteOp(src.data_ptr(), dst, size)])  # 1024 transfers: every credit
+            assert err.value.may_land is True and err.value.settled is not None
+            assert link._credits.available < link._credits.total  # the leftovers hold credits
+            settled = err.value.settled
+            with anyio.move_on_after(1.0) as early:
+                await settled()
+            assert early.cancelled_caught, "settled while the peer is still frozen"
+            os.kill(proc.pid, signal.SIGCONT)
+            started = time.monotonic()
+            await link.write([WriteOp(src.data_ptr(), dst, 16)])  # waits for credits, polling the leftovers
+            with anyio.fail_after(60):
+                await settled()
+            print(f"small write and settling after the thaw: {time.monotonic() - started:.2f} s")
+            assert t._poller.pending == 0 and link._credits.available == link._credits.total
+            assert _sum(proc, 0, 16) == hashlib.sha1(bytes([3] * 16)).hexdigest()

@@ -9,7 +9,15 @@ import anyio
 import pytest
 
 import aioembed_mooncake._transfers as transfers
-from aioembed_mooncake._transfers import DONE, PENDING, CompletionForecast, PendingTransfer, TransferPoller
+from aioembed_mooncake._transfers import (
+    DONE,
+    PENDING,
+    CompletionForecast,
+    Credits,
+    CreditsClosed,
+    PendingTransfer,
+    TransferPoller,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -167,3 +175,69 @@ async def test_a_deadline_leaves_the_transfer_pending_for_a_later_drain() -> Non
     assert t.status == PENDING and poller.pending == 1
     await poller.drain()
     assert t.status == DONE and poller.pending == 0
+
+
+async def test_watch_polls_what_a_writer_gave_up_on_while_nobody_leads() -> None:
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    t = engine.submit(1, 4096, 0.030)
+    poller.add([t])
+    assert await poller.wait([t], deadline=anyio.current_time()) is False  # the writer gave up at once
+    with anyio.fail_after(5):
+        await poller.watch(lambda: t.status != PENDING)
+    assert t.status == DONE and poller.pending == 0
+
+
+# -- credits --------------------------------------------------------------------------------------
+
+
+async def test_a_take_cancelled_on_its_fast_path_holds_nothing() -> None:
+    """A cancellation at the take's checkpoint used to arrive after the credits were taken, and the caller
+    never gave them back: a few cancelled writes, and the link waited for credits for ever."""
+    credits = Credits(8)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await credits.take(3)
+    assert credits.available == 8
+    assert await credits.take(3) == 3 and credits.available == 5
+
+
+async def test_a_cancelled_waiter_holds_nothing_and_the_next_one_is_served() -> None:
+    credits = Credits(4)
+    await credits.take(4)
+    got: list[int] = []
+    first, second = anyio.CancelScope(), anyio.CancelScope()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_take_into, credits, 3, got, first)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(_take_into, credits, 2, got, second)
+        await anyio.wait_all_tasks_blocked()
+        first.cancel()
+        await anyio.wait_all_tasks_blocked()
+        credits.give(4)
+    assert got == [2] and credits.available == 2
+
+
+async def test_closing_fails_the_waiters_and_later_takes() -> None:
+    credits = Credits(2)
+    await credits.take(2)
+    failures: list[BaseException] = []
+
+    async def take() -> None:
+        try:
+            await credits.take(1)
+        except CreditsClosed as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take)
+        await anyio.wait_all_tasks_blocked()
+        credits.close()
+    assert len(failures) == 1
+    with pytest.raises(CreditsClosed):
+        await credits.take(1)
+
+
+async def _take_into(credits: Credits, n: int, got: list[int], scope: anyio.CancelScope) -> None:
+    with scope:
+        got.append(await credits.take(n))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import anyio
 
-__all__ = ["DONE", "PENDING", "CompletionForecast", "Credits", "PendingTransfer", "TransferPoller"]
+__all__ = ["DONE", "PENDING", "CompletionForecast", "Credits", "CreditsClosed", "PendingTransfer", "TransferPoller"]
 
 _POLL_FIRST = 0.00005
 _POLL_MAX = 0.002
@@ -150,10 +150,26 @@ class TransferPoller:
             t.on_done()
         return True
 
+    async def watch(self, until: Callable[[], bool], *, max_delay: float = _POLL_MAX) -> None:
+        """Until ``until()``: poll now and then while nobody leads (the leader polls for everyone). For callers
+        that wait on what ending transfers give back (a link's credits, the end of a failed write's leftovers)
+        and hold no transfer of their own to lead for: without them, transfers a writer gave up on were
+        polled only while another write waited. Cancellable; backs off to ``max_delay``."""
+        delay = _POLL_FIRST
+        while not until():
+            if self._pending and not self._leading:
+                moved, _, _ = self._poll()
+                if moved:
+                    self._wake()
+                    delay = _POLL_FIRST
+                    continue
+            await anyio.sleep(delay)
+            delay = min(max_delay, delay * 2)
+
     async def wait(self, transfers: Sequence[PendingTransfer], deadline: float | None = None) -> bool:
         """Return True once every transfer has a final status, or False at ``deadline`` (the rest stay
-        pending here, polled by later waiters and by :meth:`drain`). Not cancellable: the engine cannot
-        cancel a transfer, so its memory may not be released before it ends or the caller gives up."""
+        pending here, polled by later waiters, :meth:`watch` and :meth:`drain`). Not cancellable: the engine
+        cannot cancel a transfer, so its memory may not be released before it ends or the caller gives up."""
         with anyio.CancelScope(shield=True):
             while any(t.status == PENDING for t in transfers):
                 if deadline is not None and anyio.current_time() >= deadline:
@@ -204,41 +220,71 @@ class TransferPoller:
             await self.wait(leftovers)
 
 
+class CreditsClosed(Exception):
+    """The link closed while a write waited for its credits."""
+
+
+class _Waiter:
+    __slots__ = ("event", "granted", "n")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.event = anyio.Event()
+        self.granted = False
+
+
 class Credits:
     """A FIFO counting semaphore that takes several units at once (transfers in flight on one link)."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.available = total
-        self._waiters: deque[tuple[int, anyio.Event]] = deque()
+        self.closed = False
+        self._waiters: deque[_Waiter] = deque()
+
+    def free_now(self, n: int) -> bool:
+        """True if :meth:`take` of ``n`` would not wait."""
+        return not self.closed and not self._waiters and self.available >= min(n, self.total)
 
     async def take(self, n: int) -> int:
-        """Take ``min(n, total)`` units, waiting (first come, first served) while too few are free."""
+        """Take ``min(n, total)`` units, waiting (first come, first served) while too few are free.
+        Cancellation-safe: a cancelled take holds nothing. Raises :class:`CreditsClosed` once closed."""
         n = min(n, self.total)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # before taking: a cancellation here holds nothing
+        if self.closed:
+            raise CreditsClosed
         if not self._waiters and self.available >= n:
             self.available -= n
-            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.cancel_shielded_checkpoint()  # taken: no cancellation may lose them now
             return n
-        event = anyio.Event()
-        entry = (n, event)
-        self._waiters.append(entry)
+        waiter = _Waiter(n)
+        self._waiters.append(waiter)
         try:
-            await event.wait()
+            await waiter.event.wait()
         except BaseException:
-            if event.is_set():
+            if waiter.granted:
                 self.give(n)  # granted just as we were cancelled: hand it on
-            else:
-                self._waiters.remove(entry)
+            elif not waiter.event.is_set():
+                self._waiters.remove(waiter)
                 self._serve()
             raise
+        if not waiter.granted:
+            raise CreditsClosed
         return n
 
     def give(self, n: int) -> None:
         self.available += n
         self._serve()
 
+    def close(self) -> None:
+        """Wake every waiter with :class:`CreditsClosed`; later takes raise it too."""
+        self.closed = True
+        while self._waiters:
+            self._waiters.popleft().event.set()
+
     def _serve(self) -> None:
-        while self._waiters and self._waiters[0][0] <= self.available:
-            n, event = self._waiters.popleft()
-            self.available -= n
-            event.set()
+        while self._waiters and self._waiters[0].n <= self.available:
+            waiter = self._waiters.popleft()
+            self.available -= waiter.n
+            waiter.granted = True
+            waiter.event.set()

@@ -17,6 +17,7 @@ in the peer's socket buffers can still land there.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import math
@@ -49,7 +50,7 @@ from aioembed_mooncake._engine import (
     start_engine,
 )
 from aioembed_mooncake._regions import EngineRegistrations, Piece, PieceIndex
-from aioembed_mooncake._transfers import DONE, PENDING, Credits, PendingTransfer, TransferPoller
+from aioembed_mooncake._transfers import DONE, PENDING, Credits, CreditsClosed, PendingTransfer, TransferPoller
 
 __all__ = ["DESCRIPTOR_VERSION", "MooncakeLink", "MooncakeTransport", "default_hostname"]
 
@@ -65,6 +66,9 @@ keeps at most this many transfers in flight.
 """
 
 _SCRATCH_BYTES = 64
+_SETTLE_POLL_MAX = 0.05
+"""Seconds between looks at a timed-out write's leftover transfers while no write leads (they may run for
+a long time; a sender waiting for them to fence precisely needs no millisecond answer)."""
 
 SUBMIT_THREADS_PER_LINK = 1
 """Worker threads one link may hold for submits. A submit usually takes tens of microseconds, but
@@ -228,9 +232,11 @@ class MooncakeTransport(Transport):
         cuda=cuda_build_installed(), asyncio_only=False, cross_process=True,
         cancel_safe_writes=False,  # a timed-out write is not cancelled: its bytes may land later
         revocable=False,  # no per-peer cut-off: unregistering memory does not stop admitted writes
-        # A write that gave up at transfer_timeout leaves transfers moving until the engine drops a
-        # connection without progress (see write_lifetime below); a writer process that ended had its
-        # connections closed by its kernel: only bytes already in the peer's socket buffers can land.
+        # A write that gave up at transfer_timeout leaves transfers moving for as long as they make
+        # progress: no time bounds them, so its TransportError says when they ended (``settled``, which
+        # the poller learns) and the sender fences until then. write_lifetime covers the other failures
+        # (transfers that ended failed, whose bytes may still sit in the peer's socket buffers). A writer
+        # process that ended had its connections closed by its kernel: only buffered bytes can land.
         write_lifetime=32.0,
         orphan_lifetime=2.0,
     )
@@ -270,8 +276,9 @@ class MooncakeTransport(Transport):
 
     @property
     def write_lifetime(self) -> float:
-        """How long a failed write may still land: until the engine drops a connection that makes no
-        progress (its transfers cannot be cancelled), plus what its socket buffers hold."""
+        """How long a failed write may still land once its transfers ended (what the peer's socket buffers
+        hold, and the engine's lanes dropping a connection that makes no progress). A write that timed out
+        with transfers still moving is not bounded by time: its error's ``settled`` says when they ended."""
         return float(self.progress_timeout) + 2.0
 
     @property
@@ -323,6 +330,7 @@ class MooncakeTransport(Transport):
         with anyio.CancelScope(shield=True):
             for link in list(self._links):
                 link._closed = True
+                link._credits.close()  # writes waiting for credits fail now, not once they got them
             self._links.clear()
             # Writes already handed to the engine cannot be cancelled: let them end (the engine's
             # progress timeout bounds them) before unregistering their memory.
@@ -506,13 +514,15 @@ class MooncakeTransport(Transport):
             self._idle = anyio.Event()
         try:
             per = min(link._credits.total, self.config.max_batch_ops)
-            deadline = anyio.current_time() + self.transfer_timeout
+            deadline: float | None = None
             for i in range(0, len(pieces), per):
                 chunk = pieces[i:i + per]
-                taken = await link._credits.take(len(chunk))
+                taken = await self._take_credits(link, len(chunk))
+                if deadline is None:  # from the first submit: a wait for credits is not the transfer's time
+                    deadline = anyio.current_time() + self.transfer_timeout
                 transfers: list[PendingTransfer] = []
                 try:
-                    transfers = await self._submit(engine, link, chunk)
+                    await self._submit(engine, link, chunk, transfers)
                     done = await self._poller.wait(transfers, deadline)  # not cancellable: see wait()
                 finally:
                     self._return_credits(link, transfers, taken)
@@ -533,12 +543,42 @@ class MooncakeTransport(Transport):
             raise TransportError(
                 f"mooncake write to peer {link.session} did not complete within transfer_timeout="
                 f"{self.transfer_timeout}s: {len(stuck)} engine transfers ({sum(t.length for t in stuck)} of {total} "
-                f"bytes) still pending. The engine cannot cancel them: they may still land until it drops a "
-                f"connection that makes no progress ({self.progress_timeout}s), so the destination may not be "
-                "reused before that", may_land=True)
+                f"bytes) still pending. The engine cannot cancel them: they may still land for as long as they "
+                "make progress, so the destination is not reused before they ended", may_land=True,
+                settled=functools.partial(self._settled, stuck))
         if failed or refused:
             self._raise_failed(link, failed, refused=refused, total=total, pieces=len(pieces), ops=len(ops),
                                elapsed=time.monotonic() - started)
+
+    async def _take_credits(self, link: MooncakeLink, n: int) -> int:
+        """The link's credits for ``n`` transfers. While this waits, it polls the endpoint when no write
+        leads: the credits it waits for may be held by transfers a timed-out write left behind, which
+        nothing else would poll while every writer waits here."""
+        credits = link._credits
+        try:
+            if credits.free_now(n):
+                return await credits.take(n)
+            granted: list[int] = []
+            try:
+                async with anyio.create_task_group() as tg:
+                    async def take() -> None:
+                        granted.append(await credits.take(n))
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(take)
+                    await self._poller.watch(lambda: False)  # until take() has the credits (cancelled then)
+            except BaseException:
+                if granted:  # cancelled from outside just as the credits came
+                    credits.give(granted[0])
+                raise
+            return granted[0]
+        except CreditsClosed:
+            raise TransportError(f"write on a closed link to {link.peer}", may_land=False) from None
+
+    async def _settled(self, stuck: list[PendingTransfer]) -> None:
+        """Until every transfer a timed-out write left in the engine has a final status (for the sender's
+        fencing: see ``TransportError.settled``); polls while no write leads."""
+        await self._poller.watch(lambda: all(t.status != PENDING for t in stuck), max_delay=_SETTLE_POLL_MAX)
 
     @staticmethod
     def _return_credits(link: MooncakeLink, transfers: list[PendingTransfer], taken: int) -> None:
@@ -549,31 +589,31 @@ class MooncakeTransport(Transport):
             t.on_done = lambda: link._credits.give(1)
         link._credits.give(taken - len(pending))
 
-    async def _submit(self, engine: Any, link: MooncakeLink,
-                      chunk: list[tuple[int, int, int]]) -> list[PendingTransfer]:
-        """Queue every transfer of ``chunk`` (stopping at the first the engine refuses: id 0)."""
+    async def _submit(self, engine: Any, link: MooncakeLink, chunk: list[tuple[int, int, int]],
+                      out: list[PendingTransfer]) -> None:
+        """Queue every transfer of ``chunk`` into ``out`` (stopping at the first the engine refuses: id 0).
+        What was submitted is tracked even if a submit raises midway (the rest may still be moving)."""
         submit = engine.transfer_submit_write
 
-        def run() -> list[PendingTransfer]:
-            out = []
+        def run() -> None:
             for src, dst, n in chunk:
                 batch = int(submit(link.session, src, dst, n))
                 if batch == 0:
                     break
                 out.append(PendingTransfer(batch, n))
-            return out
 
-        with anyio.CancelScope(shield=True):  # submitted transfers must be tracked, whatever happens
-            if link._warm:
-                # The engine has a connection to this peer: a submit only queues (microseconds), so no
-                # thread hop. A link's first submits go through a thread: opening a connection to a
-                # slow or frozen peer can block inside the engine.
-                transfers = run()
-                await anyio.lowlevel.checkpoint()
-            else:
-                transfers = await anyio.to_thread.run_sync(run, limiter=link._submits)
-        self._poller.add(transfers)
-        return transfers
+        try:
+            with anyio.CancelScope(shield=True):  # submitted transfers must be tracked, whatever happens
+                if link._warm:
+                    # The engine has a connection to this peer: a submit only queues (microseconds), so no
+                    # thread hop. A link's first submits go through a thread: opening a connection to a
+                    # slow or frozen peer can block inside the engine.
+                    run()
+                    await anyio.lowlevel.checkpoint()
+                else:
+                    await anyio.to_thread.run_sync(run, limiter=link._submits)
+        finally:
+            self._poller.add(out)
 
     def _raise_failed(self, link: MooncakeLink, failed: list[PendingTransfer], *, refused: int, total: int,
                       pieces: int, ops: int, elapsed: float) -> None:
@@ -624,5 +664,6 @@ class MooncakeLink(Link):
 
     async def aclose(self) -> None:
         self._closed = True
+        self._credits.close()
         self._local._links.discard(self)
         await anyio.lowlevel.checkpoint()
