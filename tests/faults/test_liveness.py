@@ -18,7 +18,7 @@ from aioembed import (
     TransferFailed,
     TransferStatus,
 )
-from aioembed.protocol.messages import Abort, AbortAck, Drained, Hello, Init, Status, Welcome
+from aioembed.protocol.messages import Abort, AbortAck, Drained, Hello, Init, Progress, Reject, Status, Welcome
 
 from ..session.conftest import LAYOUT, assert_same, make_request
 from .rawpeer import raw_receiver, raw_sender
@@ -170,3 +170,22 @@ async def test_restarted_sender_serves_new_rooms_at_once() -> None:
             assert time.monotonic() - t0 < 3.0  # no stale-connection timeout
             assert _free(receiver)
             stop.set()
+
+
+async def test_a_stream_that_handed_out_rows_fails_when_its_session_drops_instead_of_starting_over() -> None:
+    """A room whose rows came by PROGRESS (a stream handed them out) and whose sender then dropped the session
+    was treated as having received nothing and opened again from token 0: the stream would see chunk 0 a
+    second time (found by a review). It fails now, naming the rows it delivered."""
+    cfg = HB.replace(stream_chunk_tokens=256)
+    async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, cfg, connect=raw.address) as receiver:
+        raw.welcome(await raw.expect(Hello), cfg.heartbeat_interval)
+        async with receiver.stream("r") as stream:
+            init = await raw.expect(Init)
+            assert isinstance(init, Init) and init.progress_tokens == 256
+            raw.send(Progress(room="r", round=0, sent_tokens=256, total_tokens=900, metadata={}))
+            chunk = await stream.__anext__()
+            assert (chunk.start, chunk.end) == (0, 256)
+            raw.send(Reject(reason="unknown peer: send HELLO first", room="r", code="unknown_peer"))
+            with anyio.fail_after(5), pytest.raises(PeerDead) as err:
+                await stream.__anext__()
+            assert err.value.delivered == (0, 256)

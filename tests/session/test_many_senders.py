@@ -22,12 +22,15 @@ from aioembed import (
     EmbeddingSender,
     InvalidRequest,
     Part,
+    TransferAborted,
     TransferConfig,
     TransferError,
     TransferFailed,
     TransferStatus,
 )
 from aioembed.metrics import TransferObserver
+from aioembed.session.assembly import RoomAssembly
+from aioembed.session.handle import ReceiveHandle
 from aioembed.testing import MockTransport
 
 from .conftest import LAYOUT, assert_same, make_request, wait_pools_free
@@ -257,9 +260,13 @@ async def test_parts_that_cannot_all_start_fail_the_call_and_leave_nothing() -> 
         await wait_pools_free(a, receiver)
 
 
-async def test_a_part_with_the_wrong_length_fails_naming_both_counts() -> None:
-    async with EmbeddingSender(LAYOUT, CFG) as a, EmbeddingSender(LAYOUT, CFG) as b, \
-            EmbeddingReceiver(LAYOUT, CFG) as receiver:
+@pytest.mark.parametrize("copy_chunk_tokens", [0, 128], ids=["whole_rounds", "in_chunks"])
+async def test_a_part_with_the_wrong_length_fails_naming_both_counts(copy_chunk_tokens: int) -> None:
+    """In chunks, the first PROGRESS carries the part's length already (it was not checked there: the error
+    blamed an ``out=`` the caller never passed)."""
+    cfg = CFG.replace(copy_chunk_tokens=copy_chunk_tokens)
+    async with EmbeddingSender(LAYOUT, cfg) as a, EmbeddingSender(LAYOUT, cfg) as b, \
+            EmbeddingReceiver(LAYOUT, cfg) as receiver:
         parts = [Part(a.address, 0, 500), Part(b.address, 500, 1500)]
 
         async def quietly(coro: Any) -> None:
@@ -268,10 +275,11 @@ async def test_a_part_with_the_wrong_length_fails_naming_both_counts() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(quietly, a.send("r", make_request(500, 1), part=0))
-            tg.start_soon(quietly, b.send("r", make_request(700, 2), part=1))  # 700, not 1000
-            with pytest.raises(TransferFailed, match="sends 700 tokens for this part, the receiver expects 1000"):
+            tg.start_soon(quietly, b.send("r", make_request(2500, 2), part=1))  # 2500, not 1000
+            with pytest.raises(TransferFailed, match="sends 2500 tokens for this part, the receiver expects 1000"):
                 await receiver.receive("r", parts=parts)
         await wait_pools_free(a, receiver)
+        await wait_pools_free(b, receiver)
 
 
 async def test_parts_are_checked() -> None:
@@ -307,3 +315,21 @@ async def test_metrics_per_sender() -> None:
             await receiver.receive("r", parts=parts)
             await receiver.receive("s", sender=a.address)
         assert observer.by_sender == {(a.address, "success"): 2, (b.address, "success"): 1}
+
+
+async def test_a_parts_room_cancelled_from_outside_still_resolves_its_handle() -> None:
+    """The receiver's close cancels the tasks still running after its grace; the assembly's task ended
+    without resolving the room's handle, and a ``receive(parts=...)`` caller waited for ever."""
+    handle = ReceiveHandle("r")
+    handle._scope = anyio.CancelScope()
+    part_handles = [ReceiveHandle(("r", 0)), ReceiveHandle(("r", 1))]  # parts that never end on their own
+    parts = [Part("tcp://a", 0, 10), Part("tcp://b", 10, 20)]
+    asm = RoomAssembly("r", handle, parts, part_handles, zero_copy=False, output=None)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(asm.run)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()  # as the receiver's cancel_all() does
+    assert handle.done and handle.status is TransferStatus.ABORTED
+    with pytest.raises(TransferAborted, match="receiver closed"):
+        await handle.result()
+    assert all(h._cancel_reason for h in part_handles)

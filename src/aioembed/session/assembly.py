@@ -85,7 +85,21 @@ class RoomAssembly:
         self._failed: list[int] = []  # parts in the order they failed (the first failed on its own)
 
     async def run(self) -> None:
-        """The room's task: waits for every part, resolves the room's handle."""
+        """The room's task: waits for every part, resolves the room's handle, whatever ends it (the receiver
+        closing cancels this task from outside: a ``receive(parts=...)`` caller must not wait for ever)."""
+        try:
+            await self._run()
+        except BaseException:
+            if not self.handle.done:
+                reason = "the receiver closed while its parts were in flight"
+                for h in self._handles:
+                    h.cancel(reason)
+                self._release([h._result for h in self._handles])
+                self.handle._finish(error=TransferAborted(f"room {self.room!r}: {reason}", room=self.room),
+                                    status=TransferStatus.ABORTED)
+            raise
+
+    async def _run(self) -> None:
         t0 = time.perf_counter()
         assert self.handle._scope is not None
         with self.handle._scope:

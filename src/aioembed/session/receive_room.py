@@ -501,21 +501,29 @@ class ReceiveRoomDriver:
         if isinstance(event, Progress):
             if grant is None:
                 raise ProtocolError(f"room {self.room!r}: PROGRESS with no reservation outstanding", room=self.room)
-            return self.machine.on_progress(event), grant  # the grant stays announced: its round goes on
+            landing = self.machine.on_progress(event)
+            # The round's write goes on: its grant stays announced (fail() fences it and sends ABORT).
+            self._check_part_total(landing)
+            return landing, grant
         arrived = self.machine.on_status(event)
         if arrived is None:  # a final FAILED / ABORTED
             self._sender_failed(event, grant)
         assert grant is not None  # on_status accepts data only with a reservation outstanding
         if self.exact_tokens and arrived.total != self.expected_tokens:
             self._end_grant(Proof.STATUS)  # its write is over (the STATUS says so); the room is not
-            raise TransferFailed(f"room {self.room!r}: sender {self.conn.address} sends {arrived.total} tokens for "
-                                 f"this part, the receiver expects {self.expected_tokens} (its Part range)",
-                                 room=self.room)
+            self._check_part_total(arrived)
         self._next = None
         keeper.apply(ledger.landed(grant))  # only this room moves its announced grant: still ANNOUNCED
         if arrived.complete:
             self._sender_ended = True
         return arrived, grant
+
+    def _check_part_total(self, arrived: Arrived) -> None:
+        """A part received with ``exact_tokens`` must be as long as its range says, from its first frame on."""
+        if self.exact_tokens and arrived.total != self.expected_tokens:
+            raise TransferFailed(f"room {self.room!r}: sender {self.conn.address} sends {arrived.total} tokens for "
+                                 f"this part, the receiver expects {self.expected_tokens} (its Part range)",
+                                 room=self.room)
 
     def _sender_failed(self, event: Status, grant: int | None) -> NoReturn:
         """The sender's final FAILED / ABORTED STATUS: settle the grant (fenced if a write may still land),
@@ -568,7 +576,8 @@ class ReceiveRoomDriver:
         if grant is not None:  # the writer may still reach it: fenced, freed by a later proof
             reason = FenceReason.PEER_SILENT if event.kind is LossKind.SILENT else FenceReason.SESSION_DROPPED
             self.ctx.keeper.fence(grant, reason)
-        nothing_in = self.machine.received == 0 and not self._readable
+        # Rows announced by PROGRESS count (a stream may have handed them out): such a room cannot start over.
+        nothing_in = self.machine.landed == 0 and not self._readable
         if event.kind is LossKind.DROPPED and nothing_in and self._reopens < _REOPENS:
             # The sender never wrote this room in that session (it restarted, or dropped us first):
             # open it again in the next session instead of failing it.
