@@ -6,6 +6,7 @@ After each, both sides must have released everything (no block, registration or 
 from __future__ import annotations
 
 from contextlib import suppress
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -30,7 +31,7 @@ from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.sender import STOP_GRACE
 from aioembed.testing import MockTransport, WriteFault
 
-from .conftest import LAYOUT, make_request, running, wait_pools_free
+from .conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
 
 pytestmark = pytest.mark.anyio
 
@@ -217,6 +218,34 @@ async def test_bad_receive_arguments() -> None:
         await wait_pools_free(sender, receiver)
 
 
+async def test_bad_out_buffers_are_refused_before_anything_moves() -> None:
+    """Each of these reached the transfer before (an internal IndexError mid-room, a raw AttributeError, or
+    silently wrong rows: two fields sharing memory, or out= inside the receiver's own pool)."""
+    def good(n: int = 64) -> dict[str, Any]:
+        return {k: torch.empty((n, *f.shape), dtype=f.dtype) for k, f in LAYOUT.items()}
+
+    async with running(FAST) as (sender, [receiver]):
+        shared = torch.empty(64 * 3, dtype=torch.int64)
+        pool = receiver.pool.tensors
+        cases: list[tuple[dict[str, Any], str]] = [
+            (dict(good(), token_ids=torch.tensor(5, dtype=torch.int32)), r"shape \(n,\), got torch.int32 \(\)"),
+            (dict(good(), token_ids=[0] * 64), "must be a torch.Tensor, got list"),
+            (dict(good(), mrope_positions=shared.view(64, 3), token_ids=shared.view(torch.int32)[:64]),
+             r"out\['(token_ids|mrope_positions)'\] and out\['(token_ids|mrope_positions)'\] share memory"),
+            ({k: pool[k][:64] for k in LAYOUT}, "the receiver's pool"),
+        ]
+        for out, match in cases:
+            with pytest.raises(InvalidRequest, match=match):
+                receiver.start("bad", out=out)
+        # the same buffers, apart: accepted, and the rows arrive
+        src = make_request(40, 9)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "ok", src)
+            got = await receiver.receive("ok", out=good())
+        assert_same(got.tensors, src)
+        await wait_pools_free(sender, receiver)
+
+
 async def test_sender_closing_ends_pending_receiver_rooms() -> None:
     cfg = FAST.replace(input_timeout=30.0)
     stop = anyio.Event()
@@ -336,3 +365,43 @@ async def test_sender_abort_tells_receivers_before_and_after_they_ask() -> None:
         with anyio.fail_after(2), pytest.raises(TransferAborted, match="out of memory"):
             await receiver.receive("later")
         await wait_pools_free(sender, receiver)
+
+
+async def test_a_room_id_is_reused_only_once_the_sender_acknowledged_its_abort() -> None:
+    """A room aborted between rounds (waiting for pool memory: nothing announced, nothing fenced) could be
+    retried at once: the sender still held the old attempt and refused the new INIT ("INIT after the room
+    ended"), or its ABORT_ACK reached the new attempt ("ABORT_ACK without an ABORT"). Found by a review."""
+    cfg = FAST.replace(block_size=16, default_tokens=224, max_round_tokens=224, pool_tokens=256,
+                       resume_reserve_tokens=0, round_timeout=5.0)
+    src = make_request(500, 3)
+    async with running(cfg) as (sender, [receiver]):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_send_quietly, sender, "s", src)
+            stream = receiver.stream("s", zero_copy=True, chunk_tokens=0)
+            held = [await stream.__anext__(), await stream.__anext__()]  # the pool is full: the next round waits
+            with anyio.fail_after(5):
+                while receiver.allocator.stats.waiters == 0:
+                    await anyio.sleep(0.001)
+            await stream.aclose()  # ABORT to the sender; the chunks go back
+            assert all(c.released for c in held) and receiver.fenced_blocks == {}
+            try:
+                handle = receiver.start("s")  # at once: the sender may not have answered yet
+            except InvalidRequest as exc:
+                assert "not yet acknowledged the abort" in str(exc)
+                with anyio.fail_after(5):
+                    while True:
+                        await anyio.sleep(0.01)
+                        try:
+                            handle = receiver.start("s")
+                            break
+                        except InvalidRequest:
+                            pass
+            tg.start_soon(sender.send, "s", src)
+            got = await handle.result()
+        assert_same(got.tensors, src)
+        await wait_pools_free(sender, receiver)
+
+
+async def _send_quietly(sender: EmbeddingSender, room: str, src: dict[str, torch.Tensor]) -> None:
+    with suppress(TransferError):
+        await sender.send(room, src)

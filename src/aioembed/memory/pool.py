@@ -41,6 +41,10 @@ class BlockPool:
                    else torch.zeros((rows, *f.shape), dtype=f.dtype, device=self.device))
             for name, f in layout.items()
         }
+        if self.device.type != "cpu" and self.tensors:
+            # "cuda" is whatever device is current: name the one the pool is on ("cuda:0"), which is what
+            # tensors made there report (an out= on it was refused as "on cuda:0; the pool is on cuda").
+            self.device = next(iter(self.tensors.values())).device
 
     @property
     def num_tokens(self) -> int:

@@ -113,6 +113,9 @@ class SenderConnection:
         self._spawn = spawn
         self.name = f"receiver[{rank}]<-{address}"
         self.rooms: dict[RoomId, ReceiveRoomDriver] = {}
+        self.aborting: set[RoomId] = set()
+        """Rooms that ended here with an ABORT the sender has not answered yet: their ids are not reused
+        until it does (its ABORT_ACK would reach the new attempt, and the sender still holds the old one)."""
         self.epoch = 0
         self.sender_id: str | None = None
         self.writer: Writer | None = None
@@ -291,6 +294,7 @@ class SenderConnection:
             # Cut off the links this sender opened so far (our sessions up to this one).
             self._spawn(self._revoke, writer.sender, self.writer_id, writer.epoch + 1)
         event = SessionLost(kind, reason, writer)
+        self.aborting.clear()  # the sender ends our rooms with the session: no answer to wait for
         for room in list(self.rooms.values()):
             room.session_lost(event)
 
@@ -432,6 +436,8 @@ class SenderConnection:
         or was still in the room's inbox when it ended): a proof (or doubt) about fenced blocks."""
         if isinstance(msg, Progress):
             return  # the round goes on: a PROGRESS proves nothing about the end of its writes
+        if isinstance(msg, (AbortAck, Reject)) or (isinstance(msg, Status) and msg.fence):
+            self.aborting.discard(room)  # the sender's last word on the room (fenced: the ledger holds the id)
         if isinstance(msg, Abort):
             self.send(AbortAck(room=room))
         if writer is None:

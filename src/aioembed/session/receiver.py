@@ -14,6 +14,7 @@ without cancelling the task that entered ``async with``, and returns within abou
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import uuid
@@ -432,6 +433,9 @@ class EmbeddingReceiver:
         conn = self._connection(address)
         if key in conn.rooms:
             raise InvalidRequest(f"room {key!r} is already being received from sender {address}")
+        if key in conn.aborting:
+            raise InvalidRequest(f"room {key!r}: sender {address} has not yet acknowledged the abort of its earlier "
+                                 "attempt (it may still be ending it); retry once it has, or use another room id")
         if conn.writer is not None and self.keeper.ledger.holds_room(conn.writer, key):
             raise InvalidRequest(f"room {key!r}: blocks of an earlier attempt are still fenced (a write of "
                                  f"sender {conn.address} may still reach them); use another room id")
@@ -564,13 +568,29 @@ class EmbeddingReceiver:
         if set(out) != set(self.layout):
             raise InvalidRequest(f"out= needs exactly the fields {list(self.layout)}, got {list(out)}")
         pool = self.pool.device
+        spans: list[tuple[str, int, int, str]] = []  # (device, start, end, what): nothing may overlap
         for name, f in self.layout.items():
             t = out[name]
+            if not isinstance(t, torch.Tensor):
+                raise InvalidRequest(f"out[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
             if not (t.device == pool or t.device.type == "cpu"):
                 raise InvalidRequest(f"out[{name!r}] is on {t.device}; the pool is on {pool}: pass tensors on "
                                      f"{pool} or on the CPU")
             if pool.type == "cpu" and t.device.type != "cpu":
                 raise InvalidRequest(f"out[{name!r}] is on {t.device}; a CPU pool copies into CPU tensors")
-            if t.dtype != f.dtype or tuple(t.shape[1:]) != f.shape or not t.is_contiguous():
-                raise InvalidRequest(f"out[{name!r}] must be contiguous {f.dtype} of shape (n, "
-                                     f"{', '.join(map(str, f.shape))}), got {t.dtype} {tuple(t.shape)}")
+            if (t.dtype != f.dtype or t.dim() != 1 + len(f.shape) or tuple(t.shape[1:]) != f.shape
+                    or not t.is_contiguous()):
+                shape = str(("n", *f.shape)).replace("'", "")
+                raise InvalidRequest(f"out[{name!r}] must be contiguous {f.dtype} of shape {shape}, got {t.dtype} "
+                                     f"{tuple(t.shape)}")
+            if t.numel():
+                spans.append((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(),
+                              f"out[{name!r}]"))
+        spans += [(r.device, r.address, r.end, f"the receiver's pool ({name!r})")
+                  for name, r in zip(self.layout, self.pool.regions(), strict=True)]
+        spans.sort()
+        for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in itertools.pairwise(spans):
+            if dev_a == dev_b and start_b < end_a:
+                # The copy would write one field's rows over another's (or over other rooms' blocks).
+                raise InvalidRequest(f"{a} and {b} share memory: pass out= tensors that do not overlap each "
+                                     "other or the receiver's pool")
