@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from aioembed.errors import ConfigError
+from aioembed.protocol.messages import MAX_BLOCK_SIZE, MAX_METADATA_BYTES, MAX_POOL_BLOCKS
 
 __all__ = ["ENV_PREFIX", "TransferConfig"]
 
@@ -117,9 +118,14 @@ class TransferConfig:
                               f"got {self.transport_options!r}")
         object.__setattr__(self, "transport_options", MappingProxyType(dict(self.transport_options)))
         _check_str("transport", self.transport)
-        for name in ("block_size", "default_tokens", "pool_tokens", "max_request_tokens",
-                     "max_metadata_bytes", "max_rooms_per_peer", "heartbeat_misses", "copy_threads", "max_senders"):
+        for name in ("default_tokens", "pool_tokens", "max_request_tokens", "max_rooms_per_peer", "copy_threads",
+                     "max_senders"):
             _check_int(name, getattr(self, name), 1, _MAX_INT)
+        # The wire's own limits: a value past them validated here and then failed in every HELLO or STATUS.
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        _check_int("max_metadata_bytes", self.max_metadata_bytes, 1, MAX_METADATA_BYTES)
+        # One missed PONG is ordinary timer lag: a limit of one interval declared live peers dead.
+        _check_int("heartbeat_misses", self.heartbeat_misses, 2, _MAX_INT)
         if self.max_round_tokens is not None:
             _check_int("max_round_tokens", self.max_round_tokens, 1, _MAX_INT)
         _check_int("stream_chunk_tokens", self.stream_chunk_tokens, 0, _MAX_INT)
@@ -144,6 +150,9 @@ class TransferConfig:
                     f"{name}={value} must be a multiple of block_size={bs} "
                     f"(e.g. {math.ceil(value / bs) * bs})"
                 )
+        if self.pool_tokens // bs > MAX_POOL_BLOCKS:
+            raise ConfigError(f"pool_tokens={self.pool_tokens} is {self.pool_tokens // bs} blocks of block_size={bs}; "
+                              f"at most {MAX_POOL_BLOCKS} blocks (a larger block_size holds more)")
         if self.default_tokens > self.pool_tokens:
             raise ConfigError(
                 f"default_tokens={self.default_tokens} exceeds pool_tokens={self.pool_tokens}: "

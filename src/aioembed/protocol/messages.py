@@ -51,6 +51,13 @@ PROTOCOL_VERSION = 3
 """2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership). 3: a ZeroMQ message
 may bundle several frames, one message each (:mod:`aioembed.control.channel`)."""
 MAX_FRAME_BYTES = 16 << 20
+MAX_BLOCK_SIZE = 1 << 20
+"""The largest ``block_size`` a HELLO carries."""
+MAX_POOL_BLOCKS = 1 << 32
+"""The most blocks a HELLO may announce."""
+MAX_METADATA_BYTES = MAX_FRAME_BYTES - (64 << 10)
+"""The most metadata one room may carry: it travels inside a STATUS frame, with room for the frame's
+other fields (``max_metadata_bytes`` may not exceed it)."""
 """Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCKS_PER_MESSAGE = 1 << 20
 MAX_TOKENS = 1 << 40
@@ -459,8 +466,8 @@ _EPOCH = _int(1, _INT64_MAX)
 
 Hello.SCHEMA = {
     "receiver_id": _str(64), "epoch": _EPOCH, "fingerprint": _str(128), "transport": _str(64),
-    "descriptor": _bytes(MAX_DESCRIPTOR), "block_size": _int(1, 1 << 20),
-    "num_blocks": _int(1, 1 << 32), "rank": _RANK, "world": _WORLD, "regions": _regions,
+    "descriptor": _bytes(MAX_DESCRIPTOR), "block_size": _int(1, MAX_BLOCK_SIZE),
+    "num_blocks": _int(1, MAX_POOL_BLOCKS), "rank": _RANK, "world": _WORLD, "regions": _regions,
 }
 Welcome.SCHEMA = {"sender_id": _str(64), "epoch": _EPOCH, "heartbeat_interval": _seconds,
                   "writer_id": _str(256)}

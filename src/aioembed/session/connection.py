@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -68,6 +69,10 @@ __all__ = ["LossKind", "SenderConnection", "SessionLost"]
 
 log = logging.getLogger("aioembed.session.connection")
 
+REFUSAL_RETRY = 5.0
+"""Seconds between handshakes with a sender that refused ours (incompatible settings or protocol)."""
+_MIN_PING_INTERVAL = 0.01
+"""However short the sender's heartbeat interval, at most 100 PINGs a second."""
 FENCE_SETTLE = 0.2
 """Seconds of our running time between a FENCE_RELEASE or DRAINED and the free: bytes the
 sender's transport already handed to our kernel (e.g. while we were frozen) land meanwhile."""
@@ -113,6 +118,8 @@ class SenderConnection:
         self._spawn = spawn
         self.name = f"receiver[{rank}]<-{address}"
         self.rooms: dict[RoomId, ReceiveRoomDriver] = {}
+        self._peer_interval = math.inf
+        """The sender's heartbeat_interval (from its WELCOME)."""
         self.aborting: set[RoomId] = set()
         """Rooms that ended here with an ABORT the sender has not answered yet: their ids are not reused
         until it does (its ABORT_ACK would reach the new attempt, and the sender still holds the old one)."""
@@ -210,13 +217,18 @@ class SenderConnection:
     # -- the connection task -------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Handshake, then heartbeats until the session is lost; again, until closed or refused."""
+        """Handshake, then heartbeats until the session is lost; again, until closed. A refusal fails the rooms
+        started meanwhile at once and is tried again every :data:`REFUSAL_RETRY` seconds (an operator fixes
+        the sender's settings and restarts it at the same address: it used to stay refused for good)."""
         while not self._closed:
             await self._handshake()
             if self.refused is not None:
-                log.error("%s: %s", self.name, self.refused)
+                log.error("%s: %s; trying again in %.0f s", self.name, self.refused, REFUSAL_RETRY)
                 self._ready.set()  # wakes waiters, who then see the refusal
-                return
+                await anyio.sleep(REFUSAL_RETRY)
+                self._ready = anyio.Event()  # before the refusal goes: never "ready" without a session
+                self.refused = None
+                continue
             await self._heartbeats()
 
     async def _handshake(self) -> None:
@@ -249,8 +261,10 @@ class SenderConnection:
     async def _heartbeats(self) -> None:
         cfg = self.config
         self._pings.clear()  # a late PONG to an earlier session's PING says nothing about this one
-        interval = cfg.heartbeat_interval
-        limit = interval * cfg.heartbeat_misses
+        # The sender declares us dead after its own heartbeat_interval x heartbeat_misses without a PING:
+        # ping at its interval when that is shorter than ours (or it drops a live session, again and again).
+        interval = min(cfg.heartbeat_interval, max(self._peer_interval, _MIN_PING_INTERVAL))
+        limit = cfg.heartbeat_interval * cfg.heartbeat_misses
         watch = LoopWatch(interval)
         nonce = 0
         while not self._lost.is_set():
@@ -325,6 +339,7 @@ class SenderConnection:
         self._disconnected = False
         self.sender_id = msg.sender_id
         self.writer_id = msg.writer_id
+        self._peer_interval = msg.heartbeat_interval
         self.writer = Writer(msg.sender_id, self.epoch, self.address)
         self.sessions += 1
         self.clock.heard(anyio.current_time())
@@ -349,6 +364,14 @@ class SenderConnection:
             if self._ready.is_set():
                 self.session_lost(LossKind.DISCONNECTED,
                                   f"sender {self.address} closed the control connection (process ended?)")
+            elif self.sender_id is not None and self._gone_sender != self.sender_id:
+                # The session was lost already (the sender went silent: frozen?), and now its process closed
+                # the connection: what it wrote can land for orphan_lifetime at most. Without this its fenced
+                # blocks waited for a DRAINED from a process that no longer exists. (Back after all: WELCOME.)
+                log.info("%s: sender %s closed the control connection after its session was lost",
+                         self.name, self.sender_id[:8])
+                self._gone_sender = self.sender_id
+                self.keeper.writer_gone(self.sender_id, lifetime=self.transport.orphan_lifetime)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 1:

@@ -608,6 +608,12 @@ class EmbeddingSender:
         old = self._peers.of(hello.receiver_id)
         if old is not None:
             self._session_ended(old, f"{old} was replaced by its session {hello.epoch}")
+        on_socket = self._peers.at(identity)
+        if on_socket is not None and on_socket is not old:
+            # Another receiver id on the same socket: that session would lose its directory entry and
+            # linger for good (alive, with its rooms and link), out of reach of liveness and cleanup.
+            self._session_ended(on_socket, f"{on_socket} was replaced on its socket by receiver "
+                                           f"{hello.receiver_id[:8]}")
         session = PeerSession(identity=identity, key=SessionKey(hello.receiver_id, hello.epoch), rank=hello.rank,
                               world=hello.world, num_blocks=hello.num_blocks, regions=hello.regions, link=link,
                               clock=PeerClock(anyio.current_time()))
@@ -699,9 +705,20 @@ class EmbeddingSender:
 
     def _on_reject(self, peer: PeerSession, msg: Reject) -> None:
         log.warning("sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
-        if msg.room is not None and (r := self._rooms.get(msg.room)) is not None:
-            r.machine.fail(f"{peer} rejected: {msg.reason}")
-            r.poke()
+        r = self._rooms.get(msg.room) if msg.room is not None else None
+        if r is None:
+            return
+        if r.rank_peer.get(peer.rank) is not peer:
+            # Only a rank of the room speaks for it: another receiver's REJECT must not end it for them.
+            log.warning("sender: room=%r: REJECT from %s, which is not a rank of the room, ignored", msg.room, peer)
+            return
+        r.machine.fail(f"{peer} rejected: {msg.reason}")
+        if r.active:
+            r.poke()  # the driver tells the ranks once its writes are over
+            return
+        r.notify_end()  # no send() drives it: tell the other ranks now, not at their input_timeout
+        self._drop_room(r)
+        self._remember_ended(r.room, "receiver", f"{peer} rejected it: {msg.reason}")
 
     def _remember_ended(self, room: RoomId, by: str, reason: str) -> None:
         self._ended[room] = (by, reason, anyio.current_time())

@@ -1,0 +1,162 @@
+"""Control-plane regressions found by a review; each failed on the code before its fix.
+
+1. Heartbeat settings of the two sides that each validate but disagree: the sender dropped a live receiver.
+2. A REJECT from a receiver that is not a rank of a room ended that room for its real receiver.
+3. A sender that went silent and then exited left its blocks fenced for good.
+4. One refused handshake kept the connection refused for good, even after the sender was fixed.
+5. One socket saying HELLO as a second receiver id left the first session alive and out of reach.
+6. Settings past the wire's limits, or a heartbeat that flaps by design, are refused at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from typing import Any
+
+import anyio
+import pytest
+
+from aioembed import ConfigError, EmbeddingReceiver, EmbeddingSender, IncompatiblePeer, PeerDead, TransferConfig
+from aioembed.protocol.messages import MAX_FRAME_BYTES, Hello, Init, Reject, Status, Welcome
+from aioembed.session import connection
+from aioembed.transports.loopback import LoopbackTransport
+
+from ..session.conftest import LAYOUT, assert_same, make_request
+from .rawpeer import raw_receiver, raw_sender
+
+pytestmark = pytest.mark.anyio
+
+CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, input_timeout=8.0)
+
+
+async def test_the_receiver_pings_at_the_senders_interval_when_it_is_shorter() -> None:
+    sender_cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=5)  # silent after 0.5 s
+    receiver_cfg = CFG.replace(heartbeat_interval=1.0, heartbeat_misses=5)  # pinged every 1 s before
+    async with EmbeddingSender(LAYOUT, sender_cfg) as s, \
+            EmbeddingReceiver(LAYOUT, receiver_cfg, connect=s.address) as r:
+        await r.wait_connected()
+        await anyio.sleep(2.0)
+        assert r._conns[s.address].sessions == 1, "the sender dropped the live receiver"
+        src = make_request(300, 1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.send, 1, src)
+            got = await r.receive(1)
+        assert_same(got.tensors, src)
+
+
+async def test_a_reject_from_a_receiver_that_is_not_a_rank_of_the_room_is_ignored() -> None:
+    async with EmbeddingSender(LAYOUT, CFG) as s, EmbeddingReceiver(LAYOUT, CFG, connect=s.address) as r, \
+            raw_receiver(s.address, LAYOUT, CFG) as other:
+        await r.wait_connected()
+        other.send(other.hello(LAYOUT, CFG, receiver_id="someone-else"))
+        await other.expect(Welcome)
+        handle = r.start(7)
+        with anyio.fail_after(5):
+            while s.rooms_in_flight == 0:
+                await anyio.sleep(0.01)
+        other.send(Reject(reason="not mine", room=7))
+        await anyio.sleep(0.2)
+        src = make_request(300, 2)
+        await s.send(7, src)
+        with anyio.fail_after(5):
+            got = await handle.result()
+        assert_same(got.tensors, src)
+
+
+async def test_a_reject_from_the_rank_of_a_room_without_send_tells_the_other_ranks_at_once() -> None:
+    async with EmbeddingSender(LAYOUT, CFG) as s, \
+            raw_receiver(s.address, LAYOUT, CFG) as rank0, raw_receiver(s.address, LAYOUT, CFG) as rank1:
+        for rank, raw in enumerate((rank0, rank1)):
+            raw.send(raw.hello(LAYOUT, CFG, receiver_id=f"rank{rank}", rank=rank, world=2))
+            await raw.expect(Welcome)
+            raw.send(Init(room=9, blocks=(0,), allocated_tokens=128, expected_ranks=2))
+        with anyio.fail_after(5):
+            while s.rooms_in_flight == 0:
+                await anyio.sleep(0.01)
+        rank0.send(Reject(reason="cannot take it", room=9))
+        status = await rank1.expect(Status, timeout=2.0)  # not at its input_timeout (8 s)
+        assert isinstance(status, Status) and status.room == 9 and "rejected" in (status.error or "")
+        with pytest.raises(Exception, match="rejected"):
+            await s.send(9, make_request(100, 3))
+
+
+class _NonRevocable(LoopbackTransport):
+    capabilities = dataclasses.replace(LoopbackTransport.capabilities, revocable=False, orphan_lifetime=0.3)
+
+
+async def test_a_sender_that_went_silent_and_then_exited_releases_its_blocks() -> None:
+    cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=3, input_timeout=30.0)
+    async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable()) as r:
+        async with raw_sender() as raw:
+            handle = r.start(1, sender=raw.address)
+            raw.welcome(await raw.expect(Hello), 0.1)
+            await raw.expect(Init)
+            raw.pong = False  # frozen: the receiver declares it silent and fences the room's blocks
+            with pytest.raises(PeerDead, match="silent"):
+                await handle.result()
+            assert r.allocator.stats.fenced > 0
+        # the process ended: its connection closed; its writes can land for orphan_lifetime at most
+        with anyio.fail_after(5):
+            while r.allocator.stats.free != r.allocator.stats.total:
+                await anyio.sleep(0.02)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_refused_handshake_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connection, "REFUSAL_RETRY", 0.3)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    good = CFG.replace(handshake_timeout=2.0, input_timeout=3.0)
+    async with EmbeddingReceiver(LAYOUT, good, connect=address) as r:
+        async with EmbeddingSender(LAYOUT, good.replace(block_size=256), bind=address):
+            with pytest.raises(IncompatiblePeer, match="block_size"):
+                await r.receive(1)
+        async with EmbeddingSender(LAYOUT, good, bind=address) as s:  # fixed, at the same address
+            conn = r._conns[address]
+            with anyio.fail_after(10):
+                while not conn.ready:  # refused until the next handshake, a REFUSAL_RETRY later
+                    await anyio.sleep(0.05)
+            src = make_request(200, 4)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.send, 2, src)
+                got = await r.receive(2)
+            assert_same(got.tensors, src)
+
+
+async def test_a_second_receiver_id_on_one_socket_ends_the_first_session() -> None:
+    cfg = CFG.replace(heartbeat_interval=0.2)
+    async with EmbeddingSender(LAYOUT, cfg) as s, raw_receiver(s.address, LAYOUT, cfg) as raw:
+        raw.send(raw.hello(LAYOUT, cfg, receiver_id="a"))
+        await raw.expect(Welcome)
+        raw.send(Init(room=5, blocks=(0,), allocated_tokens=128, expected_ranks=1))
+        with anyio.fail_after(5):
+            while s.rooms_in_flight == 0:
+                await anyio.sleep(0.01)
+        first = s._peers.of("a")
+        assert first is not None
+        raw.send(raw.hello(LAYOUT, cfg, receiver_id="b"))
+        await raw.expect(Welcome)
+        assert not first.alive and not first.rooms and not s._ledger.is_open(first.key)
+        with anyio.fail_after(5):
+            while s.rooms_in_flight:
+                await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize(("setting", "value", "match"), [
+    ("max_metadata_bytes", MAX_FRAME_BYTES, "max_metadata_bytes"),
+    ("heartbeat_misses", 1, "heartbeat_misses"),
+    ("block_size", 1 << 21, "block_size"),
+])
+def test_settings_past_the_wire_limits_are_refused(setting: str, value: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        TransferConfig(**{setting: value})
+
+
+def test_a_pool_of_more_blocks_than_a_hello_can_announce_is_refused() -> None:
+    with pytest.raises(ConfigError, match="blocks"):
+        TransferConfig(block_size=1, default_tokens=1, pool_tokens=(1 << 32) + 1)
