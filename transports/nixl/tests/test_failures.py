@@ -135,9 +135,16 @@ async def test_writes_to_a_frozen_owner_over_tcp_cannot_be_cancelled_and_still_l
             assert 0.9 < time.monotonic() - start < 3.0
             assert info.value.may_land is True
             assert worker_of(t).inflight == 2  # still posted, still polled
+            settled = info.value.settled  # how the sender learns that it ended (it fences until then)
+            assert settled is not None
+            with anyio.move_on_after(0.5) as early:
+                await settled()
+            assert early.cancelled_caught, "settled while the write was still in flight"
             owner.signal(signal.SIGCONT)
+            with anyio.fail_after(20):
+                await settled()
             await wait_until(lambda: worker_of(t).inflight == 0, 20)
-            assert owner.ask("sum")["nonzero"] == LARGE  # both failed writes landed whole
+            assert owner.ask("sum")["nonzero"] == LARGE  # both failed writes landed whole, before settled
             assert owner.ask("zero")["ok"] and owner.ask("unregister")["ok"]
             await link.write([WriteOp(src.data_ptr(), owner.address, SMALL)])
             assert owner.ask("sum")["nonzero"] == SMALL
@@ -192,6 +199,105 @@ async def test_descriptor_naming_another_agent_is_refused() -> None:
         desc["md"] = b"\x00" * 64
         with pytest.raises(TransportError, match="connecting"):
             await t.connect(msgpack.packb(desc))
+
+
+async def test_a_descriptor_naming_this_agent_with_other_metadata_is_refused() -> None:
+    """Our agent name is public (our writer id): a peer naming it made us write into our own memory."""
+    async with await open_transport("nixl", NIXL_OPTIONS) as owner, writer(NIXL_OPTIONS, SMALL) as (t, src):
+        dst = torch.zeros(SMALL, dtype=torch.uint8)
+        await owner.register([region_of(dst)])
+        forged = msgpack.unpackb(owner.descriptor())
+        forged["agent"] = t.writer_id  # type: ignore[attr-defined]
+        forged["regions"] = [[src.data_ptr(), SMALL, "cpu"]]
+        with pytest.raises(TransportError, match="names this agent"):
+            await t.connect(msgpack.packb(forged))
+        loopback = await t.connect(t.descriptor())  # our own descriptor: loopback works
+        before = src.clone()
+        await loopback.write([WriteOp(src.data_ptr(), src.data_ptr() + SMALL // 2, 4096)])
+        assert torch.equal(src[SMALL // 2:SMALL // 2 + 4096], before[:4096])
+
+
+async def test_a_forged_descriptor_does_not_break_a_live_link_to_the_agent_it_names() -> None:
+    async with await open_transport("nixl", NIXL_OPTIONS) as owner, \
+            await open_transport("nixl", NIXL_OPTIONS) as other, writer(NIXL_OPTIONS, SMALL) as (t, src):
+        dst = torch.zeros(SMALL, dtype=torch.uint8)
+        await owner.register([region_of(dst)])
+        link = await t.connect(owner.descriptor())
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
+        forged = msgpack.unpackb(other.descriptor())
+        forged["md"] = msgpack.unpackb(owner.descriptor())["md"]  # the live peer's metadata, another name
+        with pytest.raises(TransportError, match="metadata is agent"):
+            await t.connect(msgpack.packb(forged))
+        dst.zero_()
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SMALL)])  # it used to fail: NOT_FOUND
+        assert torch.equal(dst, src)
+
+
+async def test_a_cancelled_connect_leaves_no_link_state_behind() -> None:
+    async with await open_transport("nixl", NIXL_OPTIONS) as owner, writer(NIXL_OPTIONS, SMALL) as (t, _):
+        engine = t._engine  # type: ignore[attr-defined]
+        real = engine.connect
+
+        def slow_connect(desc: Any) -> Any:
+            time.sleep(0.3)  # on the worker thread: the caller gives up meanwhile
+            return real(desc)
+
+        engine.connect = slow_connect
+        with anyio.move_on_after(0.1):
+            await t.connect(owner.descriptor())
+        engine.connect = real
+        await t.connect(owner.descriptor())  # queued after the undo: by now the cancelled one is closed
+        assert len(engine._links) == 1 and {p.links for p in engine._peers.values()} == {1}
+
+
+async def test_a_burst_to_one_peer_does_not_time_out_while_its_writes_complete() -> None:
+    """Writes queued behind others on one link are not late while the link moves: the deadline counted
+    from the post, and 30 of 48 concurrent writes timed out with 6x headroom (found by a review)."""
+    size = 32 << 20
+    options = dict(NIXL_TCP_OPTIONS, write_timeout=0.3)
+    async with await open_transport("nixl", options) as owner, writer(options, size) as (t, src):
+        dst = torch.zeros(size, dtype=torch.uint8)
+        await owner.register([region_of(dst)])
+        link = await t.connect(owner.descriptor())
+        start = time.monotonic()
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), size)])
+        alone = time.monotonic() - start
+        failures: list[BaseException] = []
+
+        async def one() -> None:
+            try:
+                await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), size)])
+            except TransportError as exc:
+                failures.append(exc)
+
+        count = max(8, int(1.0 / max(alone, 1e-3)))  # together several times the write_timeout
+        start = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for _ in range(count):
+                tg.start_soon(one)
+        print(f"one {size >> 20} MiB write {alone:.3f} s; {count} at once {time.monotonic() - start:.2f} s")
+        assert not failures, failures[0]
+        assert torch.equal(dst, src)
+
+
+def test_an_endpoint_dropped_without_aclose_stops_its_thread() -> None:
+    import gc
+    import threading
+
+    async def drop() -> None:
+        t = await open_transport("nixl", NIXL_OPTIONS)
+        del t
+
+    before = {th.name for th in threading.enumerate()}
+    anyio.run(drop)
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = {th.name for th in threading.enumerate() if th.name.startswith("nixl-")} - before
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left, f"worker threads left running: {left}"
 
 
 async def test_backend_mismatch_is_refused() -> None:

@@ -168,12 +168,20 @@ class Engine:
         that it is the agent the descriptor names, and open its connection now rather than at the
         first write."""
         if desc.agent == self.name:
-            name = self.name  # loopback: NIXL prepares remote lists under the agent's own name
+            # Loopback: NIXL prepares remote lists under the agent's own name. Only for our own descriptor:
+            # our name is public (it is our writer id), and a peer naming it would make us write into our
+            # own memory, checked against our own registrations.
+            if desc.metadata != self.metadata():
+                raise ValueError(f"the descriptor names this agent ({self.name!r}) but carries another agent's "
+                                 "metadata")
+            name = self.name
         else:
+            known = desc.agent in self._peers
             loaded = self.agent.add_remote_agent(desc.metadata)
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if name != desc.agent:
-                self.agent.remove_remote_agent(name)
+                if name != self.name and name not in self._peers and not known:
+                    self.agent.remove_remote_agent(name)  # only what this call loaded: never a live peer's
                 raise ValueError(f"the descriptor names agent {desc.agent!r} but its metadata is agent {name!r}")
             self.agent.make_connection(name, backends=self._backends)
         peer = self._peers.setdefault(name, _Peer(name))
@@ -262,8 +270,11 @@ class Engine:
         try:
             state = self.agent.transfer(xfer)
         except BaseException:
+            # NIXL raises for errors met while posting too (a disconnect after some puts left): what was
+            # posted before the error may move on, and its end cannot be watched any more.
+            job.uncertain = True
             posted.ended = True
-            res.release(posted, True)  # refused at post: nothing of it moved
+            res.release(posted, True)
             raise
         job.posted.append(posted)
         if state != "PROC":

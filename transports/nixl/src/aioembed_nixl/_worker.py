@@ -78,19 +78,30 @@ class WriteJob(_Job):
     ``post(job)`` appends each transfer to :attr:`posted` as soon as it is posted, so a failure half way
     leaves the posted ones tracked. ``may_land`` tells the waiter whether anything was posted."""
 
-    def __init__(self, post: Callable[[WriteJob], None], timeout: float, what: str) -> None:
+    def __init__(self, post: Callable[[WriteJob], None], timeout: float, what: str, peer: str = "") -> None:
         super().__init__()
         self.post = post
         self.timeout = timeout
         self.deadline = 0.0  # set when posted
         self.what = what
+        self.peer = peer
+        """The destination agent: progress of any of its transfers keeps this write's deadline away."""
         self.posted: list[Posted] = []
         self.timed_out = False
         self.started_at = 0.0
+        self.uncertain = False
+        """A NIXL call raised while a transfer of it may have been moving (``transfer()`` or
+        ``check_xfer_state()``): it may land, and its end cannot be seen."""
+        self.settled = anyio.Event()  # created on the loop; set there once no transfer of it moves any more
+        self.settled_known = False  # touched by the worker thread only
 
     @property
     def may_land(self) -> bool:
-        return bool(self.posted)
+        return bool(self.posted) or self.uncertain
+
+    async def wait_settled(self) -> None:
+        """Until the worker saw the last transfer of this write end (``TransportError.settled``)."""
+        await self.settled.wait()
 
     @property
     def pending(self) -> list[Posted]:
@@ -106,6 +117,8 @@ class AgentWorker:
         self._cond = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._inflight: list[WriteJob] = []
+        self._progress: dict[str, float] = {}
+        """Per destination agent: when a transfer to it last completed (while writes to it are in flight)."""
         self._stopping = False
         self.polls = 0
         """``check_xfer_state`` rounds so far (for tests of the idle cost)."""
@@ -124,14 +137,28 @@ class AgentWorker:
 
     # -- the event-loop side --------------------------------------------------------------
 
-    async def call(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T], *, undo: Callable[[T], object] | None = None) -> T:
         """``fn()`` on the worker thread. Cancelling the caller withdraws a call that has not started;
-        one that runs is waited for (NIXL state must match what the caller believes)."""
+        one that runs is waited for (NIXL state must match what the caller believes), and if it succeeded,
+        ``undo(result)`` is queued after it (what it made would have no owner: a link's state, say)."""
         job: CallJob[T] = CallJob(fn)
-        await self._run_job(job)
+        try:
+            await self._run_job(job)
+        except BaseException:
+            if undo is not None and job.done.is_set() and job.error is None:
+                result = job.result
+                self._queue(CallJob(lambda: undo(result)))  # type: ignore[arg-type]
+            raise
         if job.error is not None:
             raise job.error
         return job.result  # type: ignore[return-value]
+
+    def _queue(self, job: _Job) -> None:
+        """Queue a job nobody waits for (dropped if the worker stopped: its teardown releases everything)."""
+        with self._cond:
+            if not self._stopping:
+                self._jobs.append(job)
+                self._cond.notify()
 
     async def write(self, job: WriteJob) -> None:
         """Post ``job`` and return once its transfers are DONE; raises what failed (the NIXL exception, or
@@ -176,6 +203,13 @@ class AgentWorker:
         job.resolved = True
         job.error = error
         self._waker.call_soon(job.done.set)
+
+    def _settle(self, job: WriteJob) -> None:
+        """No transfer of ``job`` moves any more: its waiter (the sender's fencing) may stop waiting."""
+        if job.settled_known:
+            return
+        job.settled_known = True
+        self._waker.call_soon(job.settled.set)
 
     def _run(self) -> None:
         try:
@@ -227,8 +261,11 @@ class AgentWorker:
             self._resolve(job, exc)  # the ones posted before the failure stay tracked below
         if job.pending:
             self._inflight.append(job)
-        elif not job.resolved:
+            return
+        if not job.resolved:
             self._resolve(job)  # every transfer completed inside transfer() (e.g. shared memory)
+        if not job.uncertain:
+            self._settle(job)
 
     def _poll(self, now: float) -> bool:
         """One look at every transfer in flight; True if any ended."""
@@ -242,10 +279,13 @@ class AgentWorker:
                     state = p.check(p.handle)
                 except Exception as exc:
                     state, error = "ERR", exc
+                    job.uncertain = True  # NIXL lost track of it (NOT_FOUND while its bytes land, ...)
                 if state == "PROC":
                     continue
                 if state != "DONE" and error is None:
                     error = RuntimeError(f"check_xfer_state returned {state!r}")
+                if state == "DONE":
+                    self._progress[job.peer] = now
                 p.ended = True
                 moved = True
                 try:
@@ -256,22 +296,31 @@ class AgentWorker:
             if error is not None:
                 self._resolve(job, error)
             if job.pending:
-                if not job.resolved and now >= job.deadline:
+                # Writes to one peer share its link: while any of them completes, the link moves, and a
+                # write queued behind others is not late (a burst timed out writes with 6x headroom).
+                stalled = now >= self._progress.get(job.peer, 0.0) + job.timeout
+                if not job.resolved and now >= job.deadline and stalled:
                     job.timed_out = True
-                    self._resolve(job, TimeoutError(f"{job.what} did not complete within {job.timeout} s"))
+                    self._resolve(job, TimeoutError(f"{job.what} made no progress within write_timeout="
+                                                    f"{job.timeout} s"))
                 still.append(job)
             else:
                 if job.timed_out:
                     log.warning("nixl agent %s: %s ended %.2f s after its deadline (it could not be cancelled)",
                                 self.name, job.what, now - job.deadline)
                 self._resolve(job)
+                if not job.uncertain:
+                    self._settle(job)
         self._inflight = still
+        if not still:
+            self._progress.clear()
         return moved
 
     def _abandon(self) -> None:
         """At exit: fail the waiters of transfers still in flight (the teardown destroyed the agent)."""
         for write in self._inflight:
             self._resolve(write, RuntimeError(f"the endpoint closed with {write.what} in flight"))
+            self._settle(write)  # the agent is gone: nothing of it moves any more
         self._inflight = []
         with self._cond:
             queued = list(self._jobs)
@@ -285,4 +334,5 @@ class AgentWorker:
         jobs, self._inflight = self._inflight, []
         for job in jobs:
             self._resolve(job, RuntimeError(f"{reason} with {job.what} in flight"))
+            self._settle(job)  # the teardown destroys the agent next, which stops them
         return [p for job in jobs for p in job.pending]

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 import anyio
@@ -50,6 +51,13 @@ def _native(what: str, exc: BaseException, *, may_land: bool | None = None) -> T
     err = TransportError(f"{what} failed: {type(exc).__name__}: {exc}", may_land=may_land)
     err.__cause__ = exc
     return err
+
+
+def _settled(job: WriteJob) -> Callable[[], Awaitable[None]] | None:
+    """How the sender learns that a failed write's transfers ended (the worker tracks them until they do,
+    however long a transfer that keeps moving takes); None if a NIXL call raised mid-transfer: its end
+    cannot be seen, and ``write_lifetime`` alone bounds it."""
+    return None if job.uncertain else job.wait_settled
 
 
 def _coalesce(ops: Sequence[WriteOp]) -> list[tuple[int, int, int]]:
@@ -95,6 +103,8 @@ class NixlTransport(Transport):
         self._devices: dict[str, RegionSet] = {}
         self._links: set[NixlLink] = set()
         self._reg_lock = anyio.Lock()
+        # An endpoint dropped without aclose(): its thread ends too (it waited on its queue for good).
+        weakref.finalize(self, worker.stop)
 
     def __repr__(self) -> str:
         return f"<NixlTransport {self.agent_name} {self.options.backend} {'closed' if self.closed else 'open'}>"
@@ -106,8 +116,9 @@ class NixlTransport(Transport):
 
     @property
     def write_lifetime(self) -> float:
-        """A write that failed at ``write_timeout`` keeps moving (NIXL cannot abort it); at a running
-        destination it ends at link speed. Declared: as long again as the write was given."""
+        """A write that failed keeps moving (NIXL cannot abort it). Its error says when its transfers ended
+        (``settled``: the worker tracks them); this covers the rest (a NIXL call that raised mid-transfer),
+        and is the floor of that wait: as long again as the write was given."""
         return self.options.write_timeout
 
     @property
@@ -250,7 +261,8 @@ class NixlTransport(Transport):
                                  f"{self.options.backend!r}; set the same transport_options.backend on both sides")
         engine = self._engine
         try:
-            state = await self._worker.call(lambda: engine.connect(desc))
+            # Cancelled while it runs (a handshake timeout, a close): the link state it made is closed after it.
+            state = await self._worker.call(lambda: engine.connect(desc), undo=engine.close_link)
         except Exception as exc:
             raise _native(f"nixl agent {self.agent_name}: connecting to agent {desc.agent}", exc) from exc
         link = NixlLink(self, desc.agent, desc.regions, state)
@@ -285,17 +297,20 @@ class NixlTransport(Transport):
         total = sum(n for _, _, n in merged)
         what = f"nixl write of {total} bytes ({len(merged)} ops) from agent {self.agent_name} to {link.peer}"
         engine, state = self._engine, link._state
-        job = WriteJob(lambda j: engine.post_write(j, state, merged), self.options.write_timeout, what)
+        job = WriteJob(lambda j: engine.post_write(j, state, merged), self.options.write_timeout, what,
+                       peer=link._agent)
         try:
             await self._worker.write(job)
         except TimeoutError:
             raise TransportError(
-                f"{what} did not complete within write_timeout={self.options.write_timeout} s. NIXL cannot cancel a "
-                "posted write: it stays in flight (tracked until it ends) and may still land, so the destination "
-                "must not be reused before write_lifetime", may_land=True) from None
+                f"{what} made no progress within write_timeout={self.options.write_timeout} s. NIXL cannot cancel "
+                "a posted write: it stays in flight (tracked until it ends) and may still land, so the destination "
+                "is not reused before it ended", may_land=True, settled=_settled(job)) from None
         except Exception as exc:
             hint = " (the peer closed or its process died)" if "Disconnect" in type(exc).__name__ else ""
-            raise _native(what + hint, exc, may_land=job.may_land) from exc
+            err = _native(what + hint, exc, may_land=job.may_land)
+            err.settled = _settled(job) if job.may_land else None
+            raise err from exc
 
 
 class NixlLink(Link):
