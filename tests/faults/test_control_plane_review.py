@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from aioembed import ConfigError, EmbeddingReceiver, EmbeddingSender, IncompatiblePeer, PeerDead, TransferConfig
-from aioembed.protocol.messages import MAX_FRAME_BYTES, Hello, Init, Reject, Status, Welcome
+from aioembed.protocol.messages import MAX_FRAME_BYTES, Abort, AbortAck, Hello, Init, Reject, Status, Welcome
 from aioembed.session import connection
 from aioembed.transports.loopback import LoopbackTransport
 
@@ -160,3 +160,25 @@ def test_settings_past_the_wire_limits_are_refused(setting: str, value: Any, mat
 def test_a_pool_of_more_blocks_than_a_hello_can_announce_is_refused() -> None:
     with pytest.raises(ConfigError, match="blocks"):
         TransferConfig(block_size=1, default_tokens=1, pool_tokens=(1 << 32) + 1)
+
+
+async def test_an_abort_crossing_a_ranks_final_status_is_acknowledged() -> None:
+    """A rank told the room's end (its final STATUS) whose ABORT crossed it on the wire got no ABORT_ACK while
+    other ranks were still written, so its receiver kept the room id unusable; and the ABORT ended the room
+    for the other ranks too."""
+    async with EmbeddingSender(LAYOUT, CFG) as s, \
+            raw_receiver(s.address, LAYOUT, CFG) as rank0, raw_receiver(s.address, LAYOUT, CFG) as rank1:
+        for rank, raw in enumerate((rank0, rank1)):
+            raw.send(raw.hello(LAYOUT, CFG, receiver_id=f"rank{rank}", rank=rank, world=2))
+            await raw.expect(Welcome)
+        rank0.send(Init(room=4, blocks=(0, 1), allocated_tokens=256, expected_ranks=2))
+        src = make_request(200, 5)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.send, 4, src)
+            done = await rank0.expect(Status)  # written and told: its part of the room is over
+            assert isinstance(done, Status) and done.state == "SUCCESS"
+            rank0.send(Abort(room=4, reason="cancelled as the rows came"))
+            await rank0.expect(AbortAck, timeout=2.0)
+            rank1.send(Init(room=4, blocks=(0, 1), allocated_tokens=256, expected_ranks=2))  # the room goes on
+            done = await rank1.expect(Status)
+            assert isinstance(done, Status) and done.state == "SUCCESS"

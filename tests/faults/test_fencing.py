@@ -143,5 +143,11 @@ async def test_a_round_settles_once_every_chunk_that_may_land_settled() -> None:
     assert isinstance(combined, TransportError) and combined.settled is not None
     await combined.settled()
     assert order == ["a", "c"]
-    unbounded = _one_failure([TransportError("a", may_land=True, settled=settle("a")), TransportError("d")])
-    assert isinstance(unbounded, TransportError) and unbounded.settled is None  # "d" cannot say when it ended
+    # "d" cannot say when it ended: the write lifetime bounds it (the ledger's floor); "a" is still waited for
+    mixed = _one_failure([TransportError("a", may_land=True, settled=settle("a")), TransportError("d")])
+    assert isinstance(mixed, TransportError) and mixed.settled is not None
+    order.clear()
+    await mixed.settled()
+    assert order == ["a"]
+    bare = _one_failure([TransportError("e", may_land=True), TransportError("d")])
+    assert isinstance(bare, TransportError) and bare.settled is None

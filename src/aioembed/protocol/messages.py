@@ -51,6 +51,7 @@ PROTOCOL_VERSION = 3
 """2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership). 3: a ZeroMQ message
 may bundle several frames, one message each (:mod:`aioembed.control.channel`)."""
 MAX_FRAME_BYTES = 16 << 20
+"""Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCK_SIZE = 1 << 20
 """The largest ``block_size`` a HELLO carries."""
 MAX_POOL_BLOCKS = 1 << 32
@@ -58,7 +59,6 @@ MAX_POOL_BLOCKS = 1 << 32
 MAX_METADATA_BYTES = MAX_FRAME_BYTES - (64 << 10)
 """The most metadata one room may carry: it travels inside a STATUS frame, with room for the frame's
 other fields (``max_metadata_bytes`` may not exceed it)."""
-"""Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCKS_PER_MESSAGE = 1 << 20
 MAX_TOKENS = 1 << 40
 MAX_ROOM_STR = 256

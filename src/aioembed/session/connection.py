@@ -265,7 +265,8 @@ class SenderConnection:
         # ping at its interval when that is shorter than ours (or it drops a live session, again and again).
         interval = min(cfg.heartbeat_interval, max(self._peer_interval, _MIN_PING_INTERVAL))
         limit = cfg.heartbeat_interval * cfg.heartbeat_misses
-        watch = LoopWatch(interval)
+        # Our own stall tolerance stays ours: ordinary lag at a sender's short interval is not a stall.
+        watch = LoopWatch(interval, tolerance=cfg.heartbeat_interval)
         nonce = 0
         while not self._lost.is_set():
             nonce += 1

@@ -345,8 +345,8 @@ class SendRoomDriver:
 
 def _one_failure(errors: list[Exception]) -> Exception:
     """One failure for a round whose chunk writes failed: the first, but landing if any chunk may land (the
-    first may have failed cleanly while a later one may still land), and settling only if every chunk that
-    may land can say when it ended."""
+    first may have failed cleanly while a later one may still land), and settling once every chunk that can
+    say when it ended did."""
     first = errors[0]
     if len(errors) == 1:
         return first
@@ -360,9 +360,11 @@ def _one_failure(errors: list[Exception]) -> Exception:
         may_land = True
     elif landing:
         may_land = None  # as the transport's capabilities say
+    # Wait for every chunk that can say when it ended; the others are bounded by the write lifetime, which
+    # the ledger keeps as the floor of any settling (counted from the round's end, after their failures).
     waits = [e.settled for e in landing if e.settled is not None]
     settled: Callable[[], Awaitable[None]] | None = None
-    if landing and len(waits) == len(landing):
+    if waits:
         async def all_settled() -> None:
             for wait in waits:
                 await wait()

@@ -694,6 +694,13 @@ class EmbeddingSender:
             self._send_to(peer, AbortAck(room=msg.room))
             return
         log.info("sender: room=%r: aborted by %s: %s", msg.room, peer, msg.reason)
+        if peer.rank in r.finished:
+            # It crossed this rank's final STATUS on the wire, and no write goes to it any more: answer now
+            # (notify_end skips finished ranks, and the receiver holds the room id until it hears back).
+            # After a STATUS(fence=True), FENCE_RELEASE answers it instead.
+            if not self._ledger.poisoned(peer.key, msg.room):
+                self._send_to(peer, AbortAck(room=msg.room))
+            return
         r.abort_from.add(peer.rank)
         r.machine.fail(f"aborted by {peer}: {msg.reason}", aborted=True)
         if r.active:

@@ -145,3 +145,34 @@ async def test_a_timed_out_write_settles_once_its_transfers_end_and_leaves_the_l
             print(f"small write and settling after the thaw: {time.monotonic() - started:.2f} s")
             assert t._poller.pending == 0 and link._credits.available == link._credits.total
             assert _sum(proc, 0, 16) == hashlib.sha1(bytes([3] * 16)).hexdigest()
+
+
+async def test_a_write_waiting_for_credits_fails_cleanly_when_its_link_closes(
+    peer: tuple[subprocess.Popen[str], dict[str, object]],
+) -> None:
+    """It failed as an ExceptionGroup the boundary mapped to may_land=True: its blocks fenced for 32 s for
+    nothing (found by a review)."""
+    proc, info = peer
+    src = torch.full((SIZE,), 5, dtype=torch.uint8)
+    async with await MooncakeTransport.open(OPTIONS) as t:
+        await t.register([MemoryRegion(src.data_ptr(), SIZE)])
+        link = await t.connect(bytes.fromhex(str(info["descriptor"])))
+        dst = int(str(info["addr"]))
+        await link.write([WriteOp(src.data_ptr(), dst, 16)])
+        held = await link._credits.take(link._credits.total)  # every credit in use: the next write waits
+        failures: list[TransportError] = []
+
+        async def write() -> None:
+            try:
+                await link.write([WriteOp(src.data_ptr(), dst, 16)])
+            except TransportError as exc:
+                failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            with anyio.fail_after(5):
+                while not link._credits._waiters:  # (it polls now and then: never "all tasks blocked")
+                    await anyio.sleep(0.01)
+            await link.aclose()
+        assert len(failures) == 1 and failures[0].may_land is False and "closed link" in str(failures[0])
+        assert held == link._credits.total

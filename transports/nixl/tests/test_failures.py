@@ -126,9 +126,11 @@ async def test_writes_to_a_frozen_owner_over_tcp_cannot_be_cancelled_and_still_l
             assert owner.ask("zero")["ok"]
             owner.signal(signal.SIGSTOP)
             start = time.monotonic()
-            with anyio.move_on_after(0.2):
+            with anyio.move_on_after(0.2), pytest.raises(TransportError, match="cancelled while in flight") as cut:
                 await link.write([WriteOp(src.data_ptr(), owner.address, LARGE // 2)])
             assert 0.9 < time.monotonic() - start < 3.0
+            # the sender learns when it ended (it fenced for write_lifetime only: the write outlived that)
+            assert cut.value.may_land is True and cut.value.settled is not None
             start = time.monotonic()
             with pytest.raises(TransportError, match="write_timeout") as info:
                 await link.write([WriteOp(src.data_ptr() + LARGE // 2, owner.address + LARGE // 2, LARGE // 2)])
@@ -143,6 +145,7 @@ async def test_writes_to_a_frozen_owner_over_tcp_cannot_be_cancelled_and_still_l
             owner.signal(signal.SIGCONT)
             with anyio.fail_after(20):
                 await settled()
+                await cut.value.settled()
             await wait_until(lambda: worker_of(t).inflight == 0, 20)
             assert owner.ask("sum")["nonzero"] == LARGE  # both failed writes landed whole, before settled
             assert owner.ask("zero")["ok"] and owner.ask("unregister")["ok"]

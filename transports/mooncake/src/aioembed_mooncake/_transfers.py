@@ -102,6 +102,7 @@ class TransferPoller:
         self.forecast = CompletionForecast()
         self._pending: dict[int, PendingTransfer] = {}
         self._leading = False
+        self._watching = False
         self._progress = anyio.Event()  # set (and replaced) after every poll that finished something
         self.polls = 0
 
@@ -151,20 +152,32 @@ class TransferPoller:
         return True
 
     async def watch(self, until: Callable[[], bool], *, max_delay: float = _POLL_MAX) -> None:
-        """Until ``until()``: poll now and then while nobody leads (the leader polls for everyone). For callers
-        that wait on what ending transfers give back (a link's credits, the end of a failed write's leftovers)
+        """Until ``until()``: see that transfers nobody waits for are polled now and then. For callers that
+        wait on what ending transfers give back (a link's credits, the end of a failed write's leftovers)
         and hold no transfer of their own to lead for: without them, transfers a writer gave up on were
-        polled only while another write waited. Cancellable; backs off to ``max_delay``."""
+        polled only while another write waited. One watcher polls at a time, and none while a waiter
+        leads (it polls everything); the others look again after each poll that ended something, or
+        every ``max_delay``. Cancellable."""
         delay = _POLL_FIRST
         while not until():
-            if self._pending and not self._leading:
-                moved, _, _ = self._poll()
-                if moved:
-                    self._wake()
-                    delay = _POLL_FIRST
-                    continue
-            await anyio.sleep(delay)
-            delay = min(max_delay, delay * 2)
+            if self._watching or self._leading or not self._pending:
+                progress = self._progress
+                with anyio.move_on_after(max_delay):
+                    await progress.wait()
+                continue
+            self._watching = True
+            try:
+                while not until() and self._pending and not self._leading:
+                    moved, _, _ = self._poll()
+                    if moved:
+                        self._wake()
+                        delay = _POLL_FIRST
+                        continue
+                    await anyio.sleep(delay)
+                    delay = min(max_delay, delay * 2)
+            finally:
+                self._watching = False
+                self._wake()  # another watcher takes over if its wait goes on
 
     async def wait(self, transfers: Sequence[PendingTransfer], deadline: float | None = None) -> bool:
         """Return True once every transfer has a final status, or False at ``deadline`` (the rest stay

@@ -551,34 +551,44 @@ class MooncakeTransport(Transport):
                                elapsed=time.monotonic() - started)
 
     async def _take_credits(self, link: MooncakeLink, n: int) -> int:
-        """The link's credits for ``n`` transfers. While this waits, it polls the endpoint when no write
-        leads: the credits it waits for may be held by transfers a timed-out write left behind, which
-        nothing else would poll while every writer waits here."""
+        """The link's credits for ``n`` transfers. While this waits, it sees that the endpoint is polled when
+        no write leads: the credits it waits for may be held by transfers a timed-out write left behind,
+        which nothing else would poll while every writer waits here (credits held by writes in flight come
+        back as their writers see them end)."""
         credits = link._credits
         try:
             if credits.free_now(n):
                 return await credits.take(n)
             granted: list[int] = []
+            closed: list[CreditsClosed] = []
             try:
                 async with anyio.create_task_group() as tg:
                     async def take() -> None:
-                        granted.append(await credits.take(n))
+                        try:
+                            granted.append(await credits.take(n))
+                        except CreditsClosed as exc:  # kept out of the task group (it would wrap it)
+                            closed.append(exc)
                         tg.cancel_scope.cancel()
 
                     tg.start_soon(take)
-                    await self._poller.watch(lambda: False)  # until take() has the credits (cancelled then)
+                    await self._poller.watch(lambda: False, max_delay=_SETTLE_POLL_MAX)  # cancelled by take()
             except BaseException:
                 if granted:  # cancelled from outside just as the credits came
                     credits.give(granted[0])
                 raise
+            if closed:
+                raise closed[0]
             return granted[0]
         except CreditsClosed:
             raise TransportError(f"write on a closed link to {link.peer}", may_land=False) from None
 
     async def _settled(self, stuck: list[PendingTransfer]) -> None:
         """Until every transfer a timed-out write left in the engine has a final status (for the sender's
-        fencing: see ``TransportError.settled``); polls while no write leads."""
+        fencing: see ``TransportError.settled``); sees that they are polled while no write leads. A transfer
+        that ended failed is given ``write_lifetime`` more (its slices may still be in the engine's lanes)."""
         await self._poller.watch(lambda: all(t.status != PENDING for t in stuck), max_delay=_SETTLE_POLL_MAX)
+        if any(t.status != DONE for t in stuck):
+            await anyio.sleep(self.write_lifetime)
 
     @staticmethod
     def _return_credits(link: MooncakeLink, transfers: list[PendingTransfer], taken: int) -> None:

@@ -100,8 +100,11 @@ class WriteJob(_Job):
         return bool(self.posted) or self.uncertain
 
     async def wait_settled(self) -> None:
-        """Until the worker saw the last transfer of this write end (``TransportError.settled``)."""
+        """Until the worker saw the last transfer of this write end (``TransportError.settled``); if NIXL lost
+        track of one of them (a call raised), ``timeout`` more: its end could not be seen."""
         await self.settled.wait()
+        if self.uncertain:
+            await anyio.sleep(self.timeout)
 
     @property
     def pending(self) -> list[Posted]:
@@ -264,8 +267,7 @@ class AgentWorker:
             return
         if not job.resolved:
             self._resolve(job)  # every transfer completed inside transfer() (e.g. shared memory)
-        if not job.uncertain:
-            self._settle(job)
+        self._settle(job)
 
     def _poll(self, now: float) -> bool:
         """One look at every transfer in flight; True if any ended."""
@@ -309,8 +311,7 @@ class AgentWorker:
                     log.warning("nixl agent %s: %s ended %.2f s after its deadline (it could not be cancelled)",
                                 self.name, job.what, now - job.deadline)
                 self._resolve(job)
-                if not job.uncertain:
-                    self._settle(job)
+                self._settle(job)
         self._inflight = still
         if not still:
             self._progress.clear()

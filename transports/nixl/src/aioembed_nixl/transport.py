@@ -53,11 +53,10 @@ def _native(what: str, exc: BaseException, *, may_land: bool | None = None) -> T
     return err
 
 
-def _settled(job: WriteJob) -> Callable[[], Awaitable[None]] | None:
-    """How the sender learns that a failed write's transfers ended (the worker tracks them until they do,
-    however long a transfer that keeps moving takes); None if a NIXL call raised mid-transfer: its end
-    cannot be seen, and ``write_lifetime`` alone bounds it."""
-    return None if job.uncertain else job.wait_settled
+def _settled(job: WriteJob) -> Callable[[], Awaitable[None]]:
+    """How the sender learns that a failed write's transfers ended: the worker tracks them until they do,
+    however long a transfer that keeps moving takes (one NIXL lost track of counts ``write_timeout`` more)."""
+    return job.wait_settled
 
 
 def _coalesce(ops: Sequence[WriteOp]) -> list[tuple[int, int, int]]:
@@ -311,6 +310,15 @@ class NixlTransport(Transport):
             err = _native(what + hint, exc, may_land=job.may_land)
             err.settled = _settled(job) if job.may_land else None
             raise err from exc
+        except BaseException:
+            if not job.may_land:
+                raise  # withdrawn before it was posted, or nothing of it was
+            # Cancelled (a room deadline, the sender closing) once posted: the worker waited for its deadline,
+            # and the transfers may still be moving. Say so, with how to learn when they ended: a bare
+            # cancellation would leave the sender only write_lifetime. (anyio delivers the cancellation
+            # again at the caller's next checkpoint.)
+            raise TransportError(f"{what} was cancelled while in flight; NIXL cannot cancel a posted write, so it "
+                                 "may still land", may_land=True, settled=_settled(job)) from None
 
 
 class NixlLink(Link):
