@@ -152,7 +152,7 @@ async def test_a_write_waiting_for_credits_fails_cleanly_when_its_link_closes(
 ) -> None:
     """It failed as an ExceptionGroup the boundary mapped to may_land=True: its blocks fenced for 32 s for
     nothing (found by a review)."""
-    proc, info = peer
+    _proc, info = peer
     src = torch.full((SIZE,), 5, dtype=torch.uint8)
     async with await MooncakeTransport.open(OPTIONS) as t:
         await t.register([MemoryRegion(src.data_ptr(), SIZE)])
