@@ -30,6 +30,15 @@ pytestmark = pytest.mark.anyio
 CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, input_timeout=8.0)
 
 
+async def _served(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: int) -> None:
+    """One room sent and received, bit for bit."""
+    src = make_request(300, room)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender.send, room, src)
+        got = await receiver.receive(room)
+    assert_same(got.tensors, src)
+
+
 async def test_the_receiver_pings_at_the_senders_interval_when_it_is_shorter() -> None:
     sender_cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=5)  # silent after 0.5 s
     receiver_cfg = CFG.replace(heartbeat_interval=1.0, heartbeat_misses=5)  # pinged every 1 s before
@@ -38,11 +47,7 @@ async def test_the_receiver_pings_at_the_senders_interval_when_it_is_shorter() -
         await r.wait_connected()
         await anyio.sleep(2.0)
         assert r._conns[s.address].sessions == 1, "the sender dropped the live receiver"
-        src = make_request(300, 1)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(s.send, 1, src)
-            got = await r.receive(1)
-        assert_same(got.tensors, src)
+        await _served(s, r, 1)
 
 
 async def test_a_reject_from_a_receiver_that_is_not_a_rank_of_the_room_is_ignored() -> None:
@@ -72,7 +77,7 @@ async def test_a_reject_from_the_rank_of_a_room_without_send_tells_the_other_ran
             await raw.expect(Welcome)
             raw.send(Init(room=9, blocks=(0,), allocated_tokens=128, expected_ranks=2))
         with anyio.fail_after(5):
-            while s.rooms_in_flight == 0:
+            while 9 not in s._rooms or len(s._rooms[9].rank_peer) < 2:  # both INITs taken
                 await anyio.sleep(0.01)
         rank0.send(Reject(reason="cannot take it", room=9))
         status = await rank1.expect(Status, timeout=2.0)  # not at its input_timeout (8 s)
@@ -121,11 +126,7 @@ async def test_a_refused_handshake_is_tried_again(monkeypatch: pytest.MonkeyPatc
             with anyio.fail_after(10):
                 while not conn.ready:  # refused until the next handshake, a REFUSAL_RETRY later
                     await anyio.sleep(0.05)
-            src = make_request(200, 4)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(s.send, 2, src)
-                got = await r.receive(2)
-            assert_same(got.tensors, src)
+            await _served(s, r, 2)
 
 
 async def test_a_second_receiver_id_on_one_socket_ends_the_first_session() -> None:

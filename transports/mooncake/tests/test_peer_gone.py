@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -123,10 +124,7 @@ async def test_a_timed_out_write_settles_once_its_transfers_end_and_leaves_the_l
     with _peer_process(size, options) as (proc, info):
         src = torch.full((size,), 3, dtype=torch.uint8)
         async with await MooncakeTransport.open(options) as t:
-            await t.register([MemoryRegion(src.data_ptr(), size)])
-            link = await t.connect(bytes.fromhex(str(info["descriptor"])))
-            dst = int(str(info["addr"]))
-            await link.write([WriteOp(src.data_ptr(), dst, 4096)])
+            link, dst = await _linked(t, src, info)
             os.kill(proc.pid, signal.SIGSTOP)
             wait_stopped(proc.pid)
             with pytest.raises(TransportError) as err:
@@ -155,10 +153,7 @@ async def test_a_write_waiting_for_credits_fails_cleanly_when_its_link_closes(
     _proc, info = peer
     src = torch.full((SIZE,), 5, dtype=torch.uint8)
     async with await MooncakeTransport.open(OPTIONS) as t:
-        await t.register([MemoryRegion(src.data_ptr(), SIZE)])
-        link = await t.connect(bytes.fromhex(str(info["descriptor"])))
-        dst = int(str(info["addr"]))
-        await link.write([WriteOp(src.data_ptr(), dst, 16)])
+        link, dst = await _linked(t, src, info)
         held = await link._credits.take(link._credits.total)  # every credit in use: the next write waits
         failures: list[TransportError] = []
 
@@ -176,3 +171,12 @@ async def test_a_write_waiting_for_credits_fails_cleanly_when_its_link_closes(
             await link.aclose()
         assert len(failures) == 1 and failures[0].may_land is False and "closed link" in str(failures[0])
         assert held == link._credits.total
+
+
+async def _linked(t: MooncakeTransport, src: torch.Tensor, info: dict[str, object]) -> tuple[Any, int]:
+    """A link to the peer process, warmed up by a first small write; and the peer's pool address."""
+    await t.register([MemoryRegion(src.data_ptr(), src.numel())])
+    link = await t.connect(bytes.fromhex(str(info["descriptor"])))
+    dst = int(str(info["addr"]))
+    await link.write([WriteOp(src.data_ptr(), dst, 16)])
+    return link, dst

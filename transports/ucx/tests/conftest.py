@@ -14,3 +14,25 @@ UCX_OPTIONS: dict[str, Any] = {
     "write_timeout": 5.0,
     "connect_timeout": 5.0,
 }
+
+
+def ucx_transport(t: Any) -> Any:
+    """The plugin's endpoint behind the session's boundary (tests look inside it)."""
+    from aioembed.transports.boundary import GuardedTransport
+
+    from aioembed_ucx.transport import UcxTransport
+
+    inner = t.inner if isinstance(t, GuardedTransport) else t
+    assert isinstance(inner, UcxTransport)
+    return inner
+
+
+def ucx_link(link: Any) -> Any:
+    """The plugin's link behind the session's boundary."""
+    from aioembed.transports.boundary import GuardedLink
+
+    from aioembed_ucx.transport import UcxLink
+
+    inner = link.inner if isinstance(link, GuardedLink) else link
+    assert isinstance(inner, UcxLink)
+    return inner

@@ -17,7 +17,6 @@ import torch
 from aioembed.errors import TransportError
 from aioembed.testing import region_of
 from aioembed.transports.base import Link, Transport, WriteOp
-from aioembed.transports.boundary import GuardedLink, GuardedTransport
 from aioembed.transports.registry import open_transport
 
 from aioembed_ucx import _wire as w
@@ -26,7 +25,7 @@ from aioembed_ucx._options import MAX_EAGER_BYTES
 from aioembed_ucx._progress import Posted
 from aioembed_ucx.transport import UcxLink, UcxTransport, _parse_descriptor, _Refused
 
-from .conftest import UCX_OPTIONS
+from .conftest import UCX_OPTIONS, ucx_link, ucx_transport
 
 pytestmark = pytest.mark.anyio
 
@@ -39,14 +38,12 @@ def anyio_backend() -> str:
 
 
 def _plugin(t: Transport) -> UcxTransport:
-    inner = t.inner if isinstance(t, GuardedTransport) else t
-    assert isinstance(inner, UcxTransport)
-    return inner
+    plugin: UcxTransport = ucx_transport(t)
+    return plugin
 
 
 def _ucx_link(link: Link) -> UcxLink:
-    inner = link.inner if isinstance(link, GuardedLink) else link
-    assert isinstance(inner, UcxLink)
+    inner: UcxLink = ucx_link(link)
     return inner
 
 

@@ -17,13 +17,11 @@ import torch
 from aioembed.errors import TransportError
 from aioembed.testing import region_of
 from aioembed.transports.base import Transport, WriteOp
-from aioembed.transports.boundary import GuardedLink, GuardedTransport
 from aioembed.transports.registry import open_transport
 
 from aioembed_ucx import _progress
-from aioembed_ucx.transport import UcxLink, UcxTransport
 
-from .conftest import UCX_OPTIONS
+from .conftest import UCX_OPTIONS, ucx_link, ucx_transport
 from .test_failures import owner_process, writer
 
 pytestmark = pytest.mark.anyio
@@ -34,12 +32,6 @@ SIZE = 1 << 16
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def _ucx(t: Transport) -> UcxTransport:
-    inner = t.inner if isinstance(t, GuardedTransport) else t
-    assert isinstance(inner, UcxTransport)
-    return inner
 
 
 async def _pair(**options: Any) -> tuple[Transport, Transport, torch.Tensor, torch.Tensor]:
@@ -56,8 +48,7 @@ async def test_a_link_closed_while_a_write_reconnects_opens_no_endpoint() -> Non
     a, b, src, dst = await _pair()
     try:
         link = await a.connect(b.descriptor())
-        ul = link.inner if isinstance(link, GuardedLink) else link
-        assert isinstance(ul, UcxLink)
+        ul = ucx_link(link)
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
         ul._drop(ul._ep)  # as after a failed write: the next write reconnects
         task = asyncio.ensure_future(link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)]))
@@ -69,7 +60,7 @@ async def test_a_link_closed_while_a_write_reconnects_opens_no_endpoint() -> Non
         assert err.value.may_land is False
         assert ul._ep is None
         await anyio.sleep(0.2)
-        assert not _ucx(b)._serving, "the owner still serves the connection the closed link opened"
+        assert not ucx_transport(b)._serving, "the owner still serves the connection the closed link opened"
     finally:
         await a.aclose()
         await b.aclose()
@@ -81,7 +72,7 @@ async def test_a_cancelled_aclose_still_closes_everything() -> None:
         link = await a.connect(b.descriptor())
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
     await anyio.sleep(0.05)
-    owner, writer_ = _ucx(b), _ucx(a)
+    owner, writer_ = ucx_transport(b), ucx_transport(a)
     assert owner.port is not None and len(owner._serving) == 2
     for t in (b, a):
         with anyio.CancelScope() as scope:
@@ -135,7 +126,7 @@ async def test_an_unexpected_error_serving_a_write_ends_the_connection(monkeypat
         async def broken(*args: Any) -> None:
             raise MemoryError("no memory for that write")
 
-        monkeypatch.setattr(_ucx(b), "_receive_write", broken)
+        monkeypatch.setattr(ucx_transport(b), "_receive_write", broken)
         start = time.monotonic()
         with caplog.at_level(logging.ERROR, "aioembed.transports.ucx"), pytest.raises(TransportError):
             await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
