@@ -427,6 +427,7 @@ class ReceiveRoomDriver:
     def finish(self, result: Received | Lease | None, error: TransferError | None, t_start: float) -> None:
         """Leave the connection's and the receiver's tables, report, resolve the handle."""
         self.ctx.forget(self)
+        self._output = None  # the result holds it now: the caller's drop alone gives its memory back
         self._inbox_send.close()
         self._hand_over_pending_frames()
         self._inbox.close()

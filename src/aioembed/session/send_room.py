@@ -342,7 +342,6 @@ class SendRoomDriver:
                                       round=0, error=error))
 
 
-
 def _one_failure(errors: list[Exception]) -> Exception:
     """One failure for a round whose chunk writes failed: the first, but landing if any chunk may land (the
     first may have failed cleanly while a later one may still land), and settling once every chunk that can
