@@ -643,23 +643,24 @@ def test_illegal_events_raise_and_change_nothing(event: str) -> None:
     assert ledger.grant(g).state is GrantState.RESERVED
 
 
-def test_write_ledger_holds_fence_release_until_the_fence_status() -> None:
+def _one_write() -> tuple[WriteLedger, SessionKey, int, int]:
+    """A ledger with one session open and one write of ``room`` in flight: (ledger, session, source, write)."""
     ledger = WriteLedger()
     key = SessionKey("r", 1)
     ledger.session_opened(key)
     src = ledger.new_source()
-    w = ledger.started(key, "room", src)
+    return ledger, key, src, ledger.started(key, "room", src)
+
+
+def test_write_ledger_holds_fence_release_until_the_fence_status() -> None:
+    ledger, key, src, w = _one_write()
     assert ledger.ended(w, WriteOutcome.POISONED, now=0.0, lifetime=0.0) == []  # expired, but not yet told
     assert ledger.fence_told(key, "room") == [SendFenceRelease(key, "room")]
     assert ledger.source_done(src) == [ReleaseSource(src)]
 
 
 def test_a_settling_write_lands_until_its_transport_says_it_ended_and_its_lifetime_passed() -> None:
-    ledger = WriteLedger()
-    key = SessionKey("r", 1)
-    ledger.session_opened(key)
-    src = ledger.new_source()
-    w = ledger.started(key, "room", src)
+    ledger, key, src, w = _one_write()
     assert ledger.ended(w, WriteOutcome.POISONED, now=0.0, lifetime=3.0, settling=True) == []
     assert ledger.fence_told(key, "room") == []
     assert ledger.source_done(src) == []  # the engine may still read the source

@@ -504,28 +504,29 @@ class ReceiveRoomDriver:
             if grant is None:
                 raise ProtocolError(f"room {self.room!r}: PROGRESS with no reservation outstanding", room=self.room)
             landing = self.machine.on_progress(event)
-            # The round's write goes on: its grant stays announced (fail() fences it and sends ABORT).
-            self._check_part_total(landing)
+            if (error := self._part_total_error(landing)) is not None:
+                raise error  # the round's write goes on: its grant stays announced (fail() fences it, ABORTs)
             return landing, grant
         arrived = self.machine.on_status(event)
         if arrived is None:  # a final FAILED / ABORTED
             self._sender_failed(event, grant)
         assert grant is not None  # on_status accepts data only with a reservation outstanding
-        if self.exact_tokens and arrived.total != self.expected_tokens:
+        if (error := self._part_total_error(arrived)) is not None:
             self._end_grant(Proof.STATUS)  # its write is over (the STATUS says so); the room is not
-            self._check_part_total(arrived)
+            raise error
         self._next = None
         keeper.apply(ledger.landed(grant))  # only this room moves its announced grant: still ANNOUNCED
         if arrived.complete:
             self._sender_ended = True
         return arrived, grant
 
-    def _check_part_total(self, arrived: Arrived) -> None:
+    def _part_total_error(self, arrived: Arrived) -> TransferFailed | None:
         """A part received with ``exact_tokens`` must be as long as its range says, from its first frame on."""
-        if self.exact_tokens and arrived.total != self.expected_tokens:
-            raise TransferFailed(f"room {self.room!r}: sender {self.conn.address} sends {arrived.total} tokens for "
-                                 f"this part, the receiver expects {self.expected_tokens} (its Part range)",
-                                 room=self.room)
+        if not self.exact_tokens or arrived.total == self.expected_tokens:
+            return None
+        return TransferFailed(f"room {self.room!r}: sender {self.conn.address} sends {arrived.total} tokens for "
+                              f"this part, the receiver expects {self.expected_tokens} (its Part range)",
+                              room=self.room)
 
     def _sender_failed(self, event: Status, grant: int | None) -> NoReturn:
         """The sender's final FAILED / ABORTED STATUS: settle the grant (fenced if a write may still land),

@@ -703,12 +703,7 @@ class EmbeddingSender:
             return
         r.abort_from.add(peer.rank)
         r.machine.fail(f"aborted by {peer}: {msg.reason}", aborted=True)
-        if r.active:
-            r.poke()  # the driver acknowledges once this room's writes are over
-        else:
-            r.notify_end()  # nothing was written: acknowledge at once
-            self._drop_room(r)
-            self._remember_ended(msg.room, "receiver", msg.reason)
+        self._room_ended_by_receiver(r, msg.reason)  # acknowledged once no write of the room is in flight
 
     def _on_reject(self, peer: PeerSession, msg: Reject) -> None:
         log.warning("sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
@@ -720,12 +715,18 @@ class EmbeddingSender:
             log.warning("sender: room=%r: REJECT from %s, which is not a rank of the room, ignored", msg.room, peer)
             return
         r.machine.fail(f"{peer} rejected: {msg.reason}")
+        self._room_ended_by_receiver(r, f"{peer} rejected it: {msg.reason}")
+
+    def _room_ended_by_receiver(self, r: SendRoomDriver, reason: str) -> None:
+        """A receiver ended room ``r`` (its machine failed already): a ``send()`` driving it tells the ranks once
+        its writes are over; with none, they are told now (not at their input_timeout) and the room is
+        forgotten, remembered as ended by the receiver (a later ``send()`` of it learns why)."""
         if r.active:
-            r.poke()  # the driver tells the ranks once its writes are over
+            r.poke()
             return
-        r.notify_end()  # no send() drives it: tell the other ranks now, not at their input_timeout
+        r.notify_end()
         self._drop_room(r)
-        self._remember_ended(r.room, "receiver", f"{peer} rejected it: {msg.reason}")
+        self._remember_ended(r.room, "receiver", reason)
 
     def _remember_ended(self, room: RoomId, by: str, reason: str) -> None:
         self._ended[room] = (by, reason, anyio.current_time())

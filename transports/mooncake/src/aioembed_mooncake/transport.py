@@ -556,31 +556,29 @@ class MooncakeTransport(Transport):
         which nothing else would poll while every writer waits here (credits held by writes in flight come
         back as their writers see them end)."""
         credits = link._credits
+        if credits.free_now(n):
+            return await credits.take(n)
+        granted: list[int] = []
+        closed = False
         try:
-            if credits.free_now(n):
-                return await credits.take(n)
-            granted: list[int] = []
-            closed: list[CreditsClosed] = []
-            try:
-                async with anyio.create_task_group() as tg:
-                    async def take() -> None:
-                        try:
-                            granted.append(await credits.take(n))
-                        except CreditsClosed as exc:  # kept out of the task group (it would wrap it)
-                            closed.append(exc)
-                        tg.cancel_scope.cancel()
+            async with anyio.create_task_group() as tg:
+                async def take() -> None:
+                    nonlocal closed
+                    try:
+                        granted.append(await credits.take(n))
+                    except CreditsClosed:  # noted here: out of the task group, it would come wrapped
+                        closed = True
+                    tg.cancel_scope.cancel()
 
-                    tg.start_soon(take)
-                    await self._poller.watch(lambda: False, max_delay=_SETTLE_POLL_MAX)  # cancelled by take()
-            except BaseException:
-                if granted:  # cancelled from outside just as the credits came
-                    credits.give(granted[0])
-                raise
-            if closed:
-                raise closed[0]
-            return granted[0]
-        except CreditsClosed:
-            raise TransportError(f"write on a closed link to {link.peer}", may_land=False) from None
+                tg.start_soon(take)
+                await self._poller.watch(lambda: False, max_delay=_SETTLE_POLL_MAX)  # cancelled by take()
+        except BaseException:
+            if granted:  # cancelled from outside just as the credits came
+                credits.give(granted[0])
+            raise
+        if closed:
+            raise TransportError(f"write on a closed link to {link.peer}", may_land=False)
+        return granted[0]
 
     async def _settled(self, stuck: list[PendingTransfer]) -> None:
         """Until every transfer a timed-out write left in the engine has a final status (for the sender's
