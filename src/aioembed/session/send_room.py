@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.abc
 import torch
 
 from aioembed.config import TransferConfig
@@ -128,31 +129,21 @@ class SendRoomDriver:
         self._scope = anyio.CancelScope(deadline=self.created + self.ctx.config.room_timeout)
         try:
             with self._scope:
-                async with anyio.create_task_group() as tg:
-                    while True:
-                        ready = m.ready_ranks()
-                        if len(ready) == 1 and m.expected_ranks == 1:
-                            await self.write(m.start_write(ready[0]))  # one rank: no task of its own needed
-                        else:
-                            for rank in ready:  # several ranks are written at the same time
-                                tg.start_soon(self.write, m.start_write(rank))
-                        if m.state.terminal:
-                            break
-                        deadline, phase = self.next_deadline()
-                        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                            await self.wake.wait()
-                        self.wake = anyio.Event()
-                        if not m.state.terminal and anyio.current_time() >= deadline:
-                            error = self._timed_out(phase)
-                            m.fail(str(error))
-                            break
+                # One rank (the usual case) is written from this task. Only once several ranks are to be
+                # written at the same time is a task group made for them: one costs about as much as a
+                # small room's planning, for nothing when there is one rank.
+                ended, error = await self._drive_ranks(None)
+                if not ended:
+                    async with anyio.create_task_group() as tg:
+                        _, error = await self._drive_ranks(tg)
             if self._scope.cancelled_caught and not m.state.terminal:
                 error = self._timed_out("room")
                 m.fail(str(error))
         finally:
             self._scope = None
-            # Every write of this room is over here (the task group has exited), so telling the ranks
-            # that the room ended is safe: they may free their blocks, unless a write may still land.
+            # Every write of this room is over here (the task group has exited, or the one write was
+            # awaited), so telling the ranks that the room ended is safe: they may free their blocks,
+            # unless a write may still land.
             if not m.state.terminal:
                 m.fail("send() was cancelled", aborted=True)
             self.notify_end()
@@ -160,6 +151,31 @@ class SendRoomDriver:
             log.debug("sender: room=%r: done, %d tokens to %d ranks", room, m.total, m.expected_ranks)
             return
         raise error if error is not None else self._failure()
+
+    async def _drive_ranks(self, tg: anyio.abc.TaskGroup | None) -> tuple[bool, TransferTimeout | None]:
+        """Write the ranks' rounds as they become ready, until the room ends: ``(True, the error of a deadline
+        that passed, if one did)``. Without a task group ``tg``, returns ``(False, None)`` (nothing started)
+        as soon as several ranks are to be written at the same time."""
+        m = self.machine
+        while True:
+            ready = m.ready_ranks()
+            if len(ready) == 1 and m.expected_ranks == 1:
+                await self.write(m.start_write(ready[0]))  # one rank: no task of its own needed
+            elif ready:
+                if tg is None:
+                    return False, None
+                for rank in ready:  # several ranks are written at the same time
+                    tg.start_soon(self.write, m.start_write(rank))
+            if m.state.terminal:
+                return True, None
+            deadline, phase = self.next_deadline()
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self.wake.wait()
+            self.wake = anyio.Event()
+            if not m.state.terminal and anyio.current_time() >= deadline:
+                error = self._timed_out(phase)
+                m.fail(str(error))
+                return True, error
 
     def _failure(self) -> TransferError:
         """The error of a room that failed without a deadline passing."""

@@ -337,9 +337,8 @@ class EmbeddingSender:
             error = exc
             raise
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._send_finished(r, source=source, registered=registered, num_tokens=num_tokens,
-                                          t_start=t_start, error=error)
+            await self._send_finished(r, source=source, registered=registered, num_tokens=num_tokens,
+                                      t_start=t_start, error=error)
 
     @staticmethod
     def _room_key(room: int | str, part: int | None) -> RoomId:
@@ -418,6 +417,8 @@ class EmbeddingSender:
 
     async def _send_finished(self, r: SendRoomDriver, *, source: int, registered: bool, num_tokens: int,
                              t_start: float, error: BaseException | None) -> None:
+        """The room's ``send()`` is over (also when it was cancelled: this only awaits shielded, and only to
+        unregister the caller's own tensors; staged rows are freed at once)."""
         room = r.room
         rounds = max((p.round + 1 for p in r.machine.ranks.values()), default=0)
         ok = r.machine.state is TransferStatus.SUCCESS
@@ -435,25 +436,39 @@ class EmbeddingSender:
             entry = self._sources.pop(source, None)
             if entry is not None and entry.staged is not None:
                 self._staging_release(entry.staged)  # nothing was written from it
+        unregister = None
         later = []
         for action in self._ledger.source_done(source):
             if isinstance(action, ReleaseSource) and action.source == source:
-                await self._release_source(source)
+                unregister = self._take_source(source)
             else:
                 later.append(action)
+        if unregister is not None:
+            with anyio.CancelScope(shield=True):
+                await self._unregister(unregister)
         self._apply(later)
         self._active_sends -= 1
         if self._active_sends == 0:
             self._idle.set()
 
-    async def _release_source(self, source: int) -> None:
-        """No write reads ``source`` any more: free its staged rows, or unregister the caller's tensors."""
+    def _take_source(self, source: int) -> _Source | None:
+        """No write reads ``source`` any more: its staged rows are freed now; the caller's own tensors are
+        returned, to be unregistered."""
         entry = self._sources.pop(source, None)
         if entry is None:
-            return
+            return None
         if entry.staged is not None:
             self._staging_release(entry.staged)
-            return
+            return None
+        return entry
+
+    async def _release_source(self, source: int) -> None:
+        """No write reads ``source`` any more: free its staged rows, or unregister the caller's tensors."""
+        entry = self._take_source(source)
+        if entry is not None:
+            await self._unregister(entry)
+
+    async def _unregister(self, entry: _Source) -> None:
         if self._transport is None:
             return
         try:

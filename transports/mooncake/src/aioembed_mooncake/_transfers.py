@@ -255,9 +255,15 @@ class Credits:
         self.closed = False
         self._waiters: deque[_Waiter] = deque()
 
-    def free_now(self, n: int) -> bool:
-        """True if :meth:`take` of ``n`` would not wait."""
-        return not self.closed and not self._waiters and self.available >= min(n, self.total)
+    def take_now(self, n: int) -> int | None:
+        """Take ``min(n, total)`` units if they are free now (as :meth:`take` would without waiting); ``None``
+        if :meth:`take` would wait or raise. Not a checkpoint: the hot path of a write takes its credits here,
+        and the write's wait for its transfers is where it yields."""
+        n = min(n, self.total)
+        if self.closed or self._waiters or self.available < n:
+            return None
+        self.available -= n
+        return n
 
     async def take(self, n: int) -> int:
         """Take ``min(n, total)`` units, waiting (first come, first served) while too few are free.

@@ -556,8 +556,9 @@ class MooncakeTransport(Transport):
         which nothing else would poll while every writer waits here (credits held by writes in flight come
         back as their writers see them end)."""
         credits = link._credits
-        if credits.free_now(n):
-            return await credits.take(n)
+        taken = credits.take_now(n)
+        if taken is not None:
+            return taken
         granted: list[int] = []
         closed = False
         try:
@@ -611,14 +612,14 @@ class MooncakeTransport(Transport):
                 out.append(PendingTransfer(batch, n))
 
         try:
-            with anyio.CancelScope(shield=True):  # submitted transfers must be tracked, whatever happens
-                if link._warm:
-                    # The engine has a connection to this peer: a submit only queues (microseconds), so no
-                    # thread hop. A link's first submits go through a thread: opening a connection to a
-                    # slow or frozen peer can block inside the engine.
-                    run()
-                    await anyio.lowlevel.checkpoint()
-                else:
+            if link._warm:
+                # The engine has a connection to this peer: a submit only queues (microseconds), so no
+                # thread hop, and no checkpoint either: the caller's wait for the transfers yields next.
+                run()
+            else:
+                # A link's first submits go through a thread: opening a connection to a slow or frozen
+                # peer can block inside the engine.
+                with anyio.CancelScope(shield=True):  # submitted transfers must be tracked, whatever happens
                     await anyio.to_thread.run_sync(run, limiter=link._submits)
         finally:
             self._poller.add(out)
