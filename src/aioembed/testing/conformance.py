@@ -259,6 +259,29 @@ class TransportConformance:
         await a.aclose()  # idempotent
 
     @pytest.mark.anyio
+    async def test_a_second_aclose_returns_once_the_first_finished(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        """Two owners closing one endpoint (a shutdown path and a signal handler): neither ``aclose()`` returns
+        while the endpoint is still closing, since its caller may then free memory it had registered."""
+        a, _ = endpoints
+        src, dst, link = await self._setup(endpoints, 4096, 4096)
+        await link.write(self._ops(src, dst, [(0, 0, 4096)]))
+        returned: list[str] = []
+
+        async def close(name: str) -> None:
+            await a.aclose()
+            returned.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close, "first")
+            await anyio.lowlevel.checkpoint()  # the first close is under way
+            tg.start_soon(close, "second")
+        assert returned == ["first", "second"]
+        with pytest.raises(TransportError):
+            await link.write(self._ops(src, dst, [(0, 0, 64)]))
+
+    @pytest.mark.anyio
     async def test_write_to_closed_peer_fails(self, endpoints: tuple[Transport, Transport]) -> None:
         _, b = endpoints
         src, dst, link = await self._setup(endpoints, 4096, 4096)

@@ -14,6 +14,8 @@ Contract every implementation keeps (checked by :mod:`aioembed.testing`):
 * A write whose destination is outside the peer's announced regions, or whose source is
   outside this side's registered regions, raises ``TransportError`` before moving anything.
 * After ``aclose()`` (of the link or the transport) writes raise ``TransportError``.
+* ``aclose()`` of a transport is idempotent and returns only once the endpoint is closed, also when
+  another ``aclose()`` is under way.
 * ``write_lifetime`` bounds how long a failed write may still land at a *running* destination,
   ``orphan_lifetime`` how long any write of a writer whose process has ended may. The sessions
   keep blocks fenced for that long. A transport that cannot bound a failed write by time but sees
@@ -289,7 +291,9 @@ class Transport(ABC):
 
     @abstractmethod
     async def aclose(self) -> None:
-        """Close links, unregister everything, release native resources. Idempotent."""
+        """Close links, unregister everything, release native resources. Idempotent: a call made while
+        another is under way returns once that one finished (:class:`~aioembed.transports.close_once.CloseOnce`
+        does this for the bundled transports)."""
 
     async def __aenter__(self) -> Self:
         return self

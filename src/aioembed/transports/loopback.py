@@ -35,6 +35,7 @@ from aioembed.transports.base import (
     TransportCapabilities,
     WriteOp,
 )
+from aioembed.transports.close_once import CloseOnce
 
 __all__ = ["LoopbackLink", "LoopbackTransport"]
 
@@ -65,6 +66,7 @@ class LoopbackTransport(Transport):
         self.id = uuid.uuid4().hex
         self.regions = RegionSet()
         self.closed = False
+        self._closing = CloseOnce()
         self._inline_bytes = inline_bytes
         self._limiter = anyio.CapacityLimiter(threads)
         self._links: set[LoopbackLink] = set()
@@ -183,16 +185,16 @@ class LoopbackTransport(Transport):
         return link
 
     async def aclose(self) -> None:
-        if self.closed:
-            return
+        await self._closing.run(self._close)
+
+    async def _close(self) -> None:
         with self._lock:
             self.closed = True  # refuses every later landing into our memory
             busy = bool(self._landing)
         for link in list(self._links):
             await link.aclose()
         if busy:  # writes landing in our memory right now end before it may be released
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._wait_all_quiet)
+            await anyio.to_thread.run_sync(self._wait_all_quiet)
         _ENDPOINTS.pop(self.id, None)
 
     def _wait_all_quiet(self) -> None:

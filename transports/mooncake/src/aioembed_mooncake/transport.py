@@ -40,6 +40,7 @@ from aioembed.transports.base import (
     TransportCapabilities,
     WriteOp,
 )
+from aioembed.transports.close_once import CloseOnce
 
 from aioembed_mooncake._engine import (
     EngineSettings,
@@ -246,6 +247,7 @@ class MooncakeTransport(Transport):
         self.session = session
         self.rpc_port = rpc_port
         self.closed = False
+        self._closing = CloseOnce()
         self._engine: Any = engine
         self._reg = EngineRegistrations()
         self._reg_lock = anyio.Lock()
@@ -324,31 +326,31 @@ class MooncakeTransport(Transport):
         return self._engine
 
     async def aclose(self) -> None:
-        if self.closed:
-            return
+        await self._closing.run(self._close)
+
+    async def _close(self) -> None:
         self.closed = True
-        with anyio.CancelScope(shield=True):
-            for link in list(self._links):
-                link._closed = True
-                link._credits.close()  # writes waiting for credits fail now, not once they got them
-            self._links.clear()
-            # Writes already handed to the engine cannot be cancelled: let them end (the engine's
-            # progress timeout bounds them) before unregistering their memory.
-            await self._idle.wait()
-            await self._poller.drain()
-            async with self._reg_lock:
-                pieces = self._reg.clear()
-                engine = self._engine
-                self._engine = None
-                if pieces:
-                    rc = await self._register_call(engine.batch_unregister_memory, [p.start for p in pieces])
-                    if rc != 0:
-                        log.warning("mooncake transport: unregistering %d spans at close returned %d", len(pieces), rc)
-                self._reg.forget(pieces)
-            await anyio.to_thread.run_sync(engine.unregister_memory, self._scratch_address)
-            box = [engine]
-            del engine
-            await anyio.to_thread.run_sync(destroy_engine, box, self.rpc_port)
+        for link in list(self._links):
+            link._closed = True
+            link._credits.close()  # writes waiting for credits fail now, not once they got them
+        self._links.clear()
+        # Writes already handed to the engine cannot be cancelled: let them end (the engine's
+        # progress timeout bounds them) before unregistering their memory.
+        await self._idle.wait()
+        await self._poller.drain()
+        async with self._reg_lock:
+            pieces = self._reg.clear()
+            engine = self._engine
+            self._engine = None
+            if pieces:
+                rc = await self._register_call(engine.batch_unregister_memory, [p.start for p in pieces])
+                if rc != 0:
+                    log.warning("mooncake transport: unregistering %d spans at close returned %d", len(pieces), rc)
+            self._reg.forget(pieces)
+        await anyio.to_thread.run_sync(engine.unregister_memory, self._scratch_address)
+        box = [engine]
+        del engine
+        await anyio.to_thread.run_sync(destroy_engine, box, self.rpc_port)
 
     # -- registration --------------------------------------------------------------------
 

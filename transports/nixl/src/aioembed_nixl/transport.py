@@ -33,6 +33,7 @@ from aioembed.transports.base import (
     TransportCapabilities,
     WriteOp,
 )
+from aioembed.transports.close_once import CloseOnce
 
 from aioembed_nixl._descriptor import check_device, decode, encode
 from aioembed_nixl._engine import Engine, LinkState
@@ -96,6 +97,7 @@ class NixlTransport(Transport):
         self.nixl = nixl
         self.agent_name = engine.name
         self.closed = False
+        self._closing = CloseOnce()
         self._worker = worker
         self._engine = engine
         self._regions = RegionSet()
@@ -158,23 +160,23 @@ class NixlTransport(Transport):
     async def aclose(self) -> None:
         """Tear the agent down now: writes still in flight fail (and stop: destroying the agent is the one
         way to stop a NIXL transfer), registrations are released, NIXL's threads end."""
-        if self.closed:
-            return
+        await self._closing.run(self._close)
+
+    async def _close(self) -> None:
         self.closed = True
-        with anyio.CancelScope(shield=True):
-            for link in list(self._links):
-                link._closed = True
-            self._links.clear()
-            engine = self._engine
-            try:
-                await self._worker.call(lambda: engine.teardown(self._worker))
-            except Exception as exc:
-                log.warning("nixl agent %s: teardown failed: %s: %s", self.agent_name, type(exc).__name__, exc)
-            finally:
-                self._worker.stop()
-                await self._worker.join()
-            self._regions = RegionSet()
-            self._devices.clear()
+        for link in list(self._links):
+            link._closed = True
+        self._links.clear()
+        engine = self._engine
+        try:
+            await self._worker.call(lambda: engine.teardown(self._worker))
+        except Exception as exc:
+            log.warning("nixl agent %s: teardown failed: %s: %s", self.agent_name, type(exc).__name__, exc)
+        finally:
+            self._worker.stop()
+            await self._worker.join()
+        self._regions = RegionSet()
+        self._devices.clear()
 
     # -- registration --------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from aioembed.transports.base import (
     TransportCapabilities,
     WriteOp,
 )
+from aioembed.transports.close_once import CloseOnce
 
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import ensure_context, load_ucxx
@@ -191,6 +192,7 @@ class UcxTransport(Transport):
         self.options = options
         self.host = host
         self.closed = False
+        self._closing = CloseOnce()
         self._memory = _Memory()
         self._ucxx = ucxx
         self._errors: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError,)
@@ -331,15 +333,12 @@ class UcxTransport(Transport):
         return ep
 
     async def aclose(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        # Shielded: ``closed`` is set now, so a close cut short by a cancellation could never be retried
-        # (the listener's port, the links and their UCX endpoints would stay open for good).
-        with anyio.CancelScope(shield=True):
-            await self._close()
+        # Shielded (CloseOnce): ``closed`` is set at once, so a close cut short by a cancellation could never
+        # be retried (the listener's port, the links and their UCX endpoints would stay open for good).
+        await self._closing.run(self._close)
 
     async def _close(self) -> None:
+        self.closed = True
         for link in list(self._links):
             await link.aclose()
         tasks = list(self._serving)
