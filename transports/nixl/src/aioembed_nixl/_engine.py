@@ -86,6 +86,9 @@ class _Resources:
         self.prepared = prepared
 
     def release(self, posted: Posted, ended: bool) -> None:
+        """Free the transfer's handle and lists. The counts (the prepared list's users, the peer's transfers in
+        flight) go down whatever NIXL raises: a release that failed must not keep the peer's metadata, or a
+        retired prepared list, for as long as the agent lives."""
         xfer, self.xfer = self.xfer, None
         posted.handle = None
         if xfer is not None:
@@ -99,13 +102,19 @@ class _Resources:
             handle = getattr(self, name)
             setattr(self, name, None)
             if handle is not None:
-                handle.release()
-        if self.prepared is not None:
-            self.prepared.users -= 1
-            self.prepared.release_if_unused()
-            self.prepared = None
-        self.peer.inflight -= 1
-        self.engine.forget_if_unused(self.peer)
+                try:
+                    handle.release()
+                except Exception as exc:
+                    log.warning("nixl: could not release a transfer's %s descriptor list (%s: %s); left to the "
+                                "agent's teardown", name, type(exc).__name__, exc)
+        prepared, self.prepared = self.prepared, None
+        try:
+            if prepared is not None:
+                prepared.users -= 1
+                prepared.release_if_unused()
+        finally:
+            self.peer.inflight -= 1
+            self.engine.forget_if_unused(self.peer)
 
 
 class Engine:

@@ -37,6 +37,10 @@ T = TypeVar("T")
 _POLL_FIRST = 20e-6
 _POLL_MAX = 1e-3
 _POLL_ORPHAN = 0.05
+STALL_CAP = 10
+"""A write whose transfers have not ended ``STALL_CAP x write_timeout`` after posting times out even while
+other writes to its peer keep completing (a transfer NIXL stopped moving would otherwise never time out,
+and a cancelled waiter of it would wait, shielded, for good)."""
 
 
 class _Job:
@@ -301,10 +305,13 @@ class AgentWorker:
                 # Writes to one peer share its link: while any of them completes, the link moves, and a
                 # write queued behind others is not late (a burst timed out writes with 6x headroom).
                 stalled = now >= self._progress.get(job.peer, 0.0) + job.timeout
-                if not job.resolved and now >= job.deadline and stalled:
+                capped = now >= job.started_at + STALL_CAP * job.timeout
+                if not job.resolved and now >= job.deadline and (stalled or capped):
                     job.timed_out = True
-                    self._resolve(job, TimeoutError(f"{job.what} made no progress within write_timeout="
-                                                    f"{job.timeout} s"))
+                    self._resolve(job, TimeoutError(
+                        f"{job.what} made no progress within write_timeout={job.timeout} s" if stalled else
+                        f"{job.what} did not end within {STALL_CAP} x write_timeout={job.timeout} s, while other "
+                        "writes to its peer did"))
                 still.append(job)
             else:
                 if job.timed_out:

@@ -141,7 +141,9 @@ class NixlTransport(Transport):
         name = f"aioembed-{uuid.uuid4().hex}"
         worker = AgentWorker(name, waker)
         try:
-            engine = await worker.call(lambda: Engine(nixl, name, opts))
+            # A cancelled open() waits for the agent being made, and has it torn down on the worker thread
+            # (it would otherwise be left to the garbage collector, NIXL's threads and all).
+            engine = await worker.call(lambda: Engine(nixl, name, opts), undo=lambda e: e.teardown(worker))
         except BaseException as exc:
             worker.stop()
             with anyio.CancelScope(shield=True):
@@ -302,11 +304,11 @@ class NixlTransport(Transport):
                        peer=link._agent)
         try:
             await self._worker.write(job)
-        except TimeoutError:
+        except TimeoutError as exc:  # the worker's: no progress within write_timeout, or the stall cap
             raise TransportError(
-                f"{what} made no progress within write_timeout={self.options.write_timeout} s. NIXL cannot cancel "
-                "a posted write: it stays in flight (tracked until it ends) and may still land, so the destination "
-                "is not reused before it ended", may_land=True, settled=_settled(job)) from None
+                f"{exc}. NIXL cannot cancel a posted write: it stays in flight (tracked until it ends) and may "
+                "still land, so the destination is not reused before it ended",
+                may_land=True, settled=_settled(job)) from None
         except Exception as exc:
             hint = " (the peer closed or its process died)" if "Disconnect" in type(exc).__name__ else ""
             err = _native(what + hint, exc, may_land=job.may_land)

@@ -1,0 +1,132 @@
+"""NIXL worker and transfer bookkeeping under failure: releases that raise, a cancelled open, a stuck write."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from aioembed_nixl._engine import _Peer, _Prepared, _Resources
+from aioembed_nixl._worker import Posted
+
+from .conftest import NIXL_OPTIONS
+
+
+class _Handle:
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+        if self.fails:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.forgotten: list[_Peer] = []
+
+    def forget_if_unused(self, peer: _Peer) -> None:
+        if peer.inflight == 0 and peer.links == 0:
+            self.forgotten.append(peer)
+
+
+def test_a_failing_list_release_still_counts_the_transfer_as_ended() -> None:
+    engine, peer = _Engine(), _Peer("peer-agent")
+    peer.inflight = 1
+    prepared = _Prepared(_Handle(), version=1)
+    prepared.users, prepared.retired = 1, True  # the peer re-announced: the old list goes with its last user
+    local, remote, xfer = _Handle(fails=True), _Handle(fails=True), _Handle()
+    res = _Resources(engine, peer, xfer, local=local, own_remote=remote, prepared=prepared)  # type: ignore[arg-type]
+    posted = Posted(xfer, 64, check=lambda h: "DONE", release=res.release)
+    res.release(posted, True)
+    assert (xfer.released, local.released, remote.released) == (1, 1, 1)
+    assert peer.inflight == 0 and engine.forgotten == [peer]  # the peer's metadata can go
+    assert prepared.users == 0 and prepared.handle is None  # the retired list was released
+    assert posted.handle is None
+
+
+def test_a_failing_transfer_release_is_not_retried(caplog: Any) -> None:
+    engine, peer = _Engine(), _Peer("peer-agent")
+    peer.inflight = 1
+    xfer = _Handle(fails=True)
+    res = _Resources(engine, peer, xfer, local=None, own_remote=None, prepared=None)  # type: ignore[arg-type]
+    res.release(Posted(xfer, 64, check=lambda h: "DONE", release=res.release), True)
+    assert getattr(xfer, "_released", False) and peer.inflight == 0
+    assert "could not release a transfer handle" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_open_tears_down_the_agent_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioembed_nixl import _engine
+    from aioembed_nixl.transport import NixlTransport
+
+    started = threading.Event()
+    made, torn = [], []
+    real_init, real_teardown = _engine.Engine.__init__, _engine.Engine.teardown
+
+    def slow_init(self: _engine.Engine, *args: Any) -> None:
+        started.set()
+        time.sleep(0.3)  # the caller is cancelled while the agent is being made
+        real_init(self, *args)
+        made.append(self.name)
+
+    def teardown(self: _engine.Engine, worker: Any) -> None:
+        torn.append(self.name)
+        real_teardown(self, worker)
+
+    monkeypatch.setattr(_engine.Engine, "__init__", slow_init)
+    monkeypatch.setattr(_engine.Engine, "teardown", teardown)
+    before = {t.name for t in threading.enumerate() if t.name.startswith("nixl-")}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(NixlTransport.open, dict(NIXL_OPTIONS))
+        await anyio.to_thread.run_sync(started.wait)
+        tg.cancel_scope.cancel()
+    assert len(made) == 1 and torn == made  # torn down, not left to the garbage collector
+    assert {t.name for t in threading.enumerate() if t.name.startswith("nixl-")} == before  # its thread ended
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_a_stuck_write_times_out_while_other_writes_to_its_peer_complete() -> None:
+    """Progress of other writes to the peer keeps a write's deadline away (a burst queues behind itself), but
+    not for ever: a transfer that never ends times out at STALL_CAP x write_timeout."""
+    from aioembed_nixl._loop import LoopWaker
+    from aioembed_nixl._worker import STALL_CAP, AgentWorker, WriteJob
+
+    timeout = 0.05
+    worker = AgentWorker("stall-test", LoopWaker())
+
+    def post(state: str) -> Any:
+        def run(job: WriteJob) -> None:
+            job.posted.append(Posted(object(), 64, check=lambda h: state, release=lambda p, ended: None))
+        return run
+
+    stuck = WriteJob(post("PROC"), timeout, "stuck write", peer="peer")
+    t0 = time.monotonic()
+    try:
+        async with anyio.create_task_group() as tg:
+            async def others() -> None:  # writes to the same peer that complete, every 10 ms
+                while True:
+                    await worker.write(WriteJob(post("DONE"), timeout, "quick write", peer="peer"))
+                    await anyio.sleep(0.01)
+
+            tg.start_soon(others)
+            worker._queue(stuck)  # nobody awaits it through write(): a cancelled waiter would wait shielded
+            with anyio.fail_after(STALL_CAP * timeout + 5):
+                await stuck.done.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        worker.stop()
+        await worker.join()
+    assert isinstance(stuck.error, TimeoutError) and "did not end within" in str(stuck.error)
+    assert time.monotonic() - t0 >= STALL_CAP * timeout * 0.9
+    assert stuck.timed_out and stuck.pending  # still in flight, still tracked
