@@ -253,6 +253,17 @@ class BlockLedgerMachine(RuleBasedStateMachine):
             self.apply(self.ledger.fence_released(g.writer, g.room, now=self.now, settle=SETTLE))
 
     @rule(data=st.data())
+    def trim(self, data: st.DataObject) -> None:
+        """A zero-copy reader keeps only the blocks its round's rows fill; the rest goes back now."""
+        grants = self.live(GrantState.READABLE)
+        if grants:
+            g = data.draw(st.sampled_from(grants))
+            keep = data.draw(st.integers(1, len(g.blocks)))
+            self.apply(self.ledger.trim(g.id, keep))
+            g.blocks = g.blocks[:keep]
+            assert self.ledger.grant(g.id).blocks == g.blocks
+
+    @rule(data=st.data())
     def consume(self, data: st.DataObject) -> None:
         grants = self.live(GrantState.READABLE)
         if grants:
@@ -714,6 +725,25 @@ def test_split_hands_landed_blocks_to_the_reader_and_fences_only_the_rest() -> N
     assert isinstance(free, Free) and free.blocks == (4, 5, 6) and free.proof is Proof.CONSUMED
     (late,) = ledger.ended(gid, Proof.ABORT_ACK)
     assert late.blocks == (7,) and len(ledger) == 0
+
+
+def test_trim_keeps_the_rows_blocks_of_a_readable_grant_and_frees_the_rest() -> None:
+    ledger = BlockLedger()
+    gid = ledger.reserve("r", (4, 5, 6, 7))
+    ledger.announce(gid, Writer("p1", 1))
+    with pytest.raises(OwnershipError, match="trim is illegal in state ANNOUNCED"):
+        ledger.trim(gid, 1)  # its writes may still be going on
+    assert ledger.landed(gid) == []
+    for bad in (0, 5):
+        with pytest.raises(OwnershipError, match="cannot keep"):
+            ledger.trim(gid, bad)
+    assert ledger.trim(gid, 4) == []  # every block holds rows
+    (free,) = ledger.trim(gid, 1)
+    assert isinstance(free, Free) and free.blocks == (5, 6, 7) and free.proof is Proof.CONSUMED
+    assert ledger.grant(gid).blocks == (4,) and ledger.owner_of(4) is ledger.grant(gid)
+    assert ledger.owner_of(5) is None
+    (last,) = ledger.consumed(gid)
+    assert last.blocks == (4,) and len(ledger) == 0
 
 
 def _remembered(ledger: BlockLedger) -> set[str]:

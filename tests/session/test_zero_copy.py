@@ -136,3 +136,28 @@ async def test_two_large_zero_copy_rooms_one_is_admitted_the_other_fails_at_once
         async with lease:
             assert_same(lease.to_tensors(), srcs[ok])
         await wait_pools_free(sender, receiver)
+
+
+@pytest.mark.parametrize("tokens", [1, 129, 1024, 1500])
+async def test_a_lease_holds_only_the_blocks_of_its_rows(tokens: int) -> None:
+    """The first reservation is default_tokens long (the request's length is not known yet); a lease held
+    all of it, so eight leases of a few tokens took the whole pool, and a room the zero-copy admission let
+    in (it counts the rows' blocks) waited until round_timeout for blocks the leases held."""
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, resume_reserve_tokens=0, round_timeout=10.0)
+    async with running(cfg) as (sender, [receiver]):
+        small = make_request(tokens, 1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "small", small)
+            held = await receiver.receive_leased("small")
+        assert receiver.allocator.stats.used == receiver.allocator.blocks_for(tokens)
+        assert receiver.keeper.claimed_blocks == receiver.allocator.blocks_for(tokens)
+        rest = 4096 - receiver.allocator.blocks_for(tokens) * cfg.block_size
+        big = make_request(rest, 2)  # fits beside the held lease, to the block
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "big", big)
+                async with receiver.lease("big") as lease:
+                    assert_same(lease.to_tensors(), big)
+        async with held:
+            assert_same(held.to_tensors(), small)
+        await wait_pools_free(sender, receiver)

@@ -23,6 +23,8 @@ ANNOUNCED      ``ended(proof)``: final STATUS, ABORT_ACK, sender's ABORT,      F
 ANNOUNCED      ``fence(reason)``: the room ended while the writer may write    FENCED     Fence
                (we aborted; STATUS(fence=True); its session was lost)
 READABLE       ``consumed``: copied out, or the lease released                 FREE       Free
+READABLE       ``trim(n)``: the round's rows fill its first ``n`` blocks; the  READABLE   Free (of
+               rest, which no write reached, goes back                                    the rest)
 FENCED         ``ended(proof)`` / ``landed``: a late answer from the writer    FREE       Free
 FENCED         ``fence_released``: the writer's FENCE_RELEASE, after a settle  FREE       Free
                window of our own running time
@@ -198,7 +200,7 @@ LedgerAction: TypeAlias = Free | Fence
 TRANSITIONS: dict[GrantState, frozenset[str]] = {
     GrantState.RESERVED: frozenset({"announce", "release_unannounced"}),
     GrantState.ANNOUNCED: frozenset({"landed", "split", "ended", "fence"}),
-    GrantState.READABLE: frozenset({"consumed"}),
+    GrantState.READABLE: frozenset({"consumed", "trim"}),
     GrantState.FENCED: frozenset({"landed", "ended", "fence", "fence_released", "drained", "revoked",
                                   "writer_gone"}),
     GrantState.FREE: frozenset(),
@@ -322,6 +324,25 @@ class BlockLedger:
         for b in head:
             self._owner[b] = gid
         return gid
+
+    def trim(self, grant_id: int, blocks: int) -> list[LedgerAction]:
+        """A readable grant keeps its first ``blocks`` blocks, which hold its round's rows; the rest goes
+        back now. A reservation is made before the request's length is known (``default_tokens``), and a
+        zero-copy reader holds its rows until the caller releases them: it must not hold the rest too. The
+        round's STATUS made the grant readable, so every write into any of its blocks has ended."""
+        g = self._check(grant_id, "trim")  # readable only: its writes ended
+        if not 0 < blocks <= len(g.blocks):
+            raise OwnershipError(f"grant {grant_id} of room {g.room!r}: cannot keep {blocks} of its "
+                                 f"{len(g.blocks)} blocks")
+        if blocks == len(g.blocks):
+            return []
+        rest, g.blocks = g.blocks[blocks:], g.blocks[:blocks]
+        gid = next(self._ids)
+        tail = Grant(gid, g.room, rest, g.round, GrantState.READABLE, g.writer)
+        self._grants[gid] = tail
+        for b in rest:
+            self._owner[b] = gid
+        return [self._free(tail, Proof.CONSUMED)]
 
     def consumed(self, grant_id: int) -> list[LedgerAction]:
         """The reader is done with a readable grant (copied out, lease released, or room failed)."""

@@ -104,7 +104,8 @@ class SenderConnection:
 
     def __init__(self, address: str, *, ctx: zmq.Context[zmq.Socket[bytes]], config: TransferConfig,
                  layout: Layout, pool: BlockPool, rank: int, world: int, receiver_id: str, keeper: BlockKeeper,
-                 transport: GuardedTransport, returns: LeaseReturns, spawn: Callable[..., None]) -> None:
+                 transport: GuardedTransport, returns: LeaseReturns, spawn: Callable[..., None],
+                 next_epoch: Callable[[], int]) -> None:
         self.address = address
         self.config = config
         self.layout = layout
@@ -124,6 +125,10 @@ class SenderConnection:
         """Rooms that ended here with an ABORT the sender has not answered yet: their ids are not reused
         until it does (its ABORT_ACK would reach the new attempt, and the sender still holds the old one)."""
         self.epoch = 0
+        self._next_epoch = next_epoch
+        """The receiver's epochs, which grow across its connections: a connection to a sender that closed
+        (idle, evicted) and a new one to it must not both say session 1, or the sender, still holding the
+        old connection's later session, ignores the new one's HELLO (and the writers of both collide)."""
         self.sender_id: str | None = None
         self.writer: Writer | None = None
         """The writer of the last WELCOMEd session: frames that arrive are from it."""
@@ -233,7 +238,7 @@ class SenderConnection:
 
     async def _handshake(self) -> None:
         cfg = self.config
-        self.epoch += 1
+        self.epoch = self._next_epoch()
         self._answered = anyio.Event()
         self._lost = anyio.Event()
         hello = Hello(

@@ -343,6 +343,7 @@ class ReceiveRoomDriver:
             return False
         self.ctx.observer.round_finished(side="receiver", seconds=time.perf_counter() - self._round_started)
         if self.zero_copy and self.stream is None:  # a whole-room lease keeps every round
+            self._trim(grant, arrived.count)
             first = not self._readable
             self._readable.append((grant, arrived.count))
             if first:
@@ -642,6 +643,12 @@ class ReceiveRoomDriver:
         self._add_phase("allocate", t0)
         return grant
 
+    def _trim(self, grant: int, rows: int) -> None:
+        """A readable grant a lease will hold keeps only the blocks of its ``rows`` (see ``BlockLedger.trim``):
+        a short request's lease held its whole reservation (``default_tokens``), past its zero-copy claim."""
+        keeper = self.ctx.keeper
+        keeper.apply(keeper.ledger.trim(grant, max(1, -(-rows // self.ctx.config.block_size))))
+
     def _rows_of(self, grant: int, arrived: Arrived) -> tuple[int, ...]:
         """The blocks of ``grant`` holding ``arrived``'s rows (from its offset in the round on)."""
         skip = arrived.offset // self.ctx.config.block_size - self._split
@@ -680,6 +687,8 @@ class ReceiveRoomDriver:
             if arrived.partial:
                 held = ledger.split(grant, arrived.count // bs)
                 self._split += arrived.count // bs
+            else:
+                self._trim(held, arrived.count)  # the round's last chunk: the grant's rest holds no row
             views: dict[str, list[torch.Tensor]] = {name: [] for name in self.ctx.layout}
             for name, vs in self.ctx.pool.views(keeper.blocks_of(held), arrived.count).items():
                 views[name].extend(vs)

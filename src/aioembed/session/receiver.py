@@ -14,6 +14,7 @@ without cancelling the task that entered ``async with``, and returns within abou
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -104,6 +105,7 @@ class EmbeddingReceiver:
         self._transport: GuardedTransport | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._conns: dict[str, SenderConnection] = {}
+        self._epochs = itertools.count(1)  # handshake epochs, growing across connections (see SenderConnection)
         self._rooms: dict[RoomId, ReceiveRoomDriver | RoomAssembly] = {}
         self._room_ctx: RoomContext | None = None
         self._tasks = BackgroundTasks(f"receiver[{rank}]", log)
@@ -197,7 +199,7 @@ class EmbeddingReceiver:
         conn = SenderConnection(
             address, ctx=self._ctx, config=self.config, layout=self.layout, pool=self.pool, rank=self.rank,
             world=self.world, receiver_id=self.receiver_id, keeper=self.keeper, transport=self._transport,
-            returns=self._room_ctx.returns, spawn=self._spawn)
+            returns=self._room_ctx.returns, spawn=self._spawn, next_epoch=functools.partial(next, self._epochs))
         self._conns[address] = conn
         self._spawn(self._run_connection, conn)
         return conn
@@ -485,6 +487,7 @@ class EmbeddingReceiver:
             return await handle.result()
         except anyio.get_cancelled_exc_class():
             handle.cancel("receive() was cancelled")
+            await self._until_ended(handle, driver)
             raise
 
     async def receive_leased(self, room: int | str, *, expected_tokens: int | None = None,
@@ -502,7 +505,17 @@ class EmbeddingReceiver:
             return await handle.lease()
         except anyio.get_cancelled_exc_class():
             handle.cancel("receive_leased() was cancelled")
+            await self._until_ended(handle, driver)
             raise
+
+    @staticmethod
+    async def _until_ended(handle: ReceiveHandle, driver: ReceiveRoomDriver | None) -> None:
+        """After cancelling a room whose tasks run on their own (a room in parts): until they ended. A part
+        may be copying into the caller's ``out=`` in a thread, and the caller reuses those buffers once this
+        call returned. (A room driven in the caller's task has ended already.)"""
+        if driver is None:
+            with anyio.CancelScope(shield=True):
+                await handle.wait()
 
     @asynccontextmanager
     async def lease(self, room: int | str, *, expected_tokens: int | None = None,

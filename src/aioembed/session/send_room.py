@@ -77,6 +77,8 @@ class SendRoomDriver:
         self.abort_from: set[int] = set()
         self.finished: set[int] = set()
         """Ranks already told that the room is over."""
+        self.ended_by_receivers: set[str] = set()
+        """Receivers (ids) whose ABORT or REJECT ended the room."""
         self._scope: anyio.CancelScope | None = None
         """While :meth:`drive` runs: its scope, with the room's hard deadline."""
 

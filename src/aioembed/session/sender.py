@@ -18,10 +18,10 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import anyio
 import anyio.abc
@@ -97,6 +97,16 @@ STOP_GRACE = 1.0
 their ranks that the room ended."""
 
 
+class _Ended(NamedTuple):
+    """A room's tombstone: who ended it, why, when; and the receivers an INIT of it from is a new request
+    (those that ended it themselves), not a late one."""
+
+    by: str
+    reason: str
+    at: float
+    exempt: frozenset[str]
+
+
 @dataclass(frozen=True, slots=True)
 class _Source:
     """What one ``send()`` writes from: the caller's tensors (registered for it) or rows staged in the
@@ -130,7 +140,7 @@ class EmbeddingSender:
         self._peers = PeerDirectory()
         self._rooms: dict[RoomId, SendRoomDriver] = {}
         # Recently ended rooms, so the other side learns at once: (who ended it, why, when).
-        self._ended: OrderedDict[RoomId, tuple[str, str, float]] = OrderedDict()
+        self._ended: OrderedDict[RoomId, _Ended] = OrderedDict()
         self._ledger = WriteLedger()
         self._sources: dict[int, _Source] = {}
         self._staging: StagingArea | None = None
@@ -368,9 +378,9 @@ class EmbeddingSender:
         except ProtocolError as exc:
             raise InvalidRequest(f"room {room!r}: {exc} (max_metadata_bytes={cfg.max_metadata_bytes})") from None
         tomb = self._tombstone(room)
-        if tomb is not None and tomb[0] == "receiver":
+        if tomb is not None and tomb.by == "receiver":
             del self._ended[room]
-            raise TransferAborted(f"room {room!r} was ended by the receiver before send(): {tomb[1]}", room=room)
+            raise TransferAborted(f"room {room!r} was ended by the receiver before send(): {tomb.reason}", room=room)
         return num_tokens, meta
 
     async def _register(self, r: SendRoomDriver, regions: list[MemoryRegion]) -> bool:
@@ -427,8 +437,10 @@ class EmbeddingSender:
             nbytes=num_tokens * self.layout.bytes_per_token * len(r.machine.ranks), rounds=rounds,
             seconds=time.perf_counter() - t_start)
         if not ok:
-            # A rank that asks later learns at once that this room is over.
-            self._remember_ended(room, "sender", r.machine.error or "send() did not complete")
+            # A rank that asks later learns at once that this room is over; not a receiver that ended it
+            # (an ABORT, a REJECT): its next INIT of the room id is a new request (this send() raised).
+            self._remember_ended(room, "sender", r.machine.error or "send() did not complete",
+                                 exempt=r.ended_by_receivers)
         r.active = False
         r.sources = []
         self._drop_room(r)
@@ -662,10 +674,10 @@ class EmbeddingSender:
     def _on_init(self, peer: PeerSession, msg: Init) -> None:
         room = msg.room
         tomb = self._tombstone(room) if room not in self._rooms else None
-        if tomb is not None and tomb[0] == "sender":
+        if tomb is not None and tomb.by == "sender" and peer.key.receiver not in tomb.exempt:
             self._send_to(peer, Status(room=room, state=TransferStatus.ABORTED, total_tokens=0, sent_tokens=0,
                                        round=0, error=plain_text(f"the sender ended this room before rank "
-                                                                 f"{peer.rank} asked: {tomb[1]}")))
+                                                                 f"{peer.rank} asked: {tomb.reason}")))
             return
         if msg.expected_ranks != peer.world:
             raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
@@ -718,7 +730,7 @@ class EmbeddingSender:
             return
         r.abort_from.add(peer.rank)
         r.machine.fail(f"aborted by {peer}: {msg.reason}", aborted=True)
-        self._room_ended_by_receiver(r, msg.reason)  # acknowledged once no write of the room is in flight
+        self._room_ended_by_receiver(r, peer, msg.reason)  # acknowledged once no write of the room is in flight
 
     def _on_reject(self, peer: PeerSession, msg: Reject) -> None:
         log.warning("sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
@@ -730,12 +742,13 @@ class EmbeddingSender:
             log.warning("sender: room=%r: REJECT from %s, which is not a rank of the room, ignored", msg.room, peer)
             return
         r.machine.fail(f"{peer} rejected: {msg.reason}")
-        self._room_ended_by_receiver(r, f"{peer} rejected it: {msg.reason}")
+        self._room_ended_by_receiver(r, peer, f"{peer} rejected it: {msg.reason}")
 
-    def _room_ended_by_receiver(self, r: SendRoomDriver, reason: str) -> None:
-        """A receiver ended room ``r`` (its machine failed already): a ``send()`` driving it tells the ranks once
+    def _room_ended_by_receiver(self, r: SendRoomDriver, peer: PeerSession, reason: str) -> None:
+        """``peer`` ended room ``r`` (its machine failed already): a ``send()`` driving it tells the ranks once
         its writes are over; with none, they are told now (not at their input_timeout) and the room is
         forgotten, remembered as ended by the receiver (a later ``send()`` of it learns why)."""
+        r.ended_by_receivers.add(peer.key.receiver)
         if r.active:
             r.poke()
             return
@@ -743,16 +756,16 @@ class EmbeddingSender:
         self._drop_room(r)
         self._remember_ended(r.room, "receiver", reason)
 
-    def _remember_ended(self, room: RoomId, by: str, reason: str) -> None:
-        self._ended[room] = (by, reason, anyio.current_time())
+    def _remember_ended(self, room: RoomId, by: str, reason: str, *, exempt: Iterable[str] = ()) -> None:
+        self._ended[room] = _Ended(by, reason, anyio.current_time(), frozenset(exempt))
         self._ended.move_to_end(room)
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
 
-    def _tombstone(self, room: RoomId) -> tuple[str, str, float] | None:
+    def _tombstone(self, room: RoomId) -> _Ended | None:
         """A room ended within the last ``input_timeout`` (older ones may be a new request)."""
         tomb = self._ended.get(room)
-        if tomb is not None and anyio.current_time() - tomb[2] > self.config.input_timeout:
+        if tomb is not None and anyio.current_time() - tomb.at > self.config.input_timeout:
             del self._ended[room]
             return None
         return tomb

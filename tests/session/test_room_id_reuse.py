@@ -1,0 +1,101 @@
+"""A room id a receiver ended while its send() ran can be received again at once.
+
+The sender remembers a room it ended (a tombstone), so that a rank asking for it late learns at once
+that it is over. A room the *receiver* ended is not such a room for that receiver: its next INIT of the
+id is a new request (the LLM side retries first as often as the encoder does)."""
+
+from __future__ import annotations
+
+import functools
+from contextlib import suppress
+
+import anyio
+import pytest
+
+from aioembed import EmbeddingReceiver, EmbeddingSender, Part, TransferConfig, TransferError, TransferStatus
+from aioembed.testing import MockTransport, WriteFault
+
+from .conftest import LAYOUT, assert_same, make_request
+
+pytestmark = pytest.mark.anyio
+
+CFG = TransferConfig(default_tokens=256, max_round_tokens=256, pool_tokens=4096, resume_reserve_tokens=256,
+                     input_timeout=20.0, round_timeout=20.0, copy_chunk_tokens=0)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _slow_writes() -> MockTransport:
+    return MockTransport(faults=lambda call: WriteFault(delay=0.2))
+
+
+async def _until_acknowledged(receiver: EmbeddingReceiver, *rooms: object) -> None:
+    """Until the receiver lets the room ids go (its ABORT answered): the README's condition for reusing them."""
+    with anyio.fail_after(5):
+        while any(room in c.aborting for c in receiver._conns.values() for room in rooms):
+            await anyio.sleep(0.01)
+
+
+async def test_a_room_the_receiver_cancelled_mid_send_is_received_again_receiver_first() -> None:
+    async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes()) as s, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=None, transport=MockTransport()) as r:
+        src = make_request(2000, 1)
+        async with anyio.create_task_group() as tg:
+            async def first_send() -> None:
+                with pytest.raises(TransferError):
+                    await s.send("X", src)
+
+            tg.start_soon(first_send)
+            h = r.start("X", sender=s.address)
+            with anyio.fail_after(5):
+                while h.status is not TransferStatus.TRANSFERRING:
+                    await anyio.sleep(0.005)
+            h.cancel("the client went away")
+            await h.wait()
+        await _until_acknowledged(r, "X")
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                again = r.start("X", sender=s.address)  # the receiver asks first
+                await anyio.sleep(0.1)
+                tg.start_soon(s.send, "X", src)
+                got = await again.result()
+        assert_same(got.tensors, src)
+
+
+async def test_a_room_in_parts_is_received_again_after_one_part_failed() -> None:
+    async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes()) as a, \
+            EmbeddingSender(LAYOUT, CFG, transport=MockTransport()) as b, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport()) as r:
+        parts = [Part(a.address, 0, 1000), Part(b.address, 1000, 1500)]
+        src = make_request(1500, 2)
+        rows = [{n: t[p.start:p.end].contiguous() for n, t in src.items()} for p in parts]
+
+        async def quietly(call: functools.partial[object]) -> None:
+            with suppress(TransferError):
+                await call()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(quietly, functools.partial(a.send, "R", rows[0], part=0))
+            short = {n: t[:10] for n, t in rows[1].items()}  # part 1 is short: the receiver fails the room
+            tg.start_soon(quietly, functools.partial(b.send, "R", short, part=1))
+            with pytest.raises(TransferError):
+                await r.receive("R", parts=parts)
+        await _until_acknowledged(r, ("R", 0), ("R", 1))
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                again = r.start("R", parts=parts)
+                await anyio.sleep(0.1)
+                tg.start_soon(functools.partial(a.send, "R", rows[0], part=0))
+                tg.start_soon(functools.partial(b.send, "R", rows[1], part=1))
+                got = await again.result()
+        assert_same(got.tensors, src)
+
+
+async def test_a_room_the_sender_aborted_is_still_refused_to_a_rank_that_asks_late() -> None:
+    async with EmbeddingSender(LAYOUT, CFG) as s, EmbeddingReceiver(LAYOUT, CFG) as r:
+        s.abort("Z", "the encoder failed on the image")
+        with anyio.fail_after(5), pytest.raises(TransferError, match="the encoder failed on the image"):
+            await r.receive("Z", sender=s.address)
