@@ -344,6 +344,25 @@ def test_sender_input_before_init() -> None:
     assert s.state is TS.SUCCESS
 
 
+@pytest.mark.parametrize("input_first", [True, False])
+@pytest.mark.parametrize(("total", "fails"), [(8, False), (3, True), (9, True)])
+def test_sender_part_of_exact_length(input_first: bool, total: int, fails: bool) -> None:
+    """A part's INIT names its exact length: another input fails the room before any write, whichever came
+    first; the right length goes as any room."""
+    s = s_room()
+    if input_first:
+        s.on_input(total)
+    s.on_init(0, blocks=(1, 2), allocated_tokens=8, expected_ranks=1, exact_tokens=8)
+    if not input_first:
+        s.on_input(total)
+    if fails:
+        assert s.state is TS.FAILED and s.ready_ranks() == []
+        assert s.error is not None and f"gave {total} tokens" in s.error and "exactly 8 tokens" in s.error
+    else:
+        t = s.start_write(0)
+        assert t.count == 8 and s.write_done(t).state == "SUCCESS"
+
+
 @pytest.mark.parametrize("aborted", [False, True])
 def test_sender_fail(aborted: bool) -> None:
     s = s_room()

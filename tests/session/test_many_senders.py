@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack, suppress
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -261,13 +262,28 @@ async def test_parts_that_cannot_all_start_fail_the_call_and_leave_nothing() -> 
 
 
 @pytest.mark.parametrize("copy_chunk_tokens", [0, 128], ids=["whole_rounds", "in_chunks"])
-async def test_a_part_with_the_wrong_length_fails_naming_both_counts(copy_chunk_tokens: int) -> None:
-    """In chunks, the first PROGRESS carries the part's length already (it was not checked there: the error
-    blamed an ``out=`` the caller never passed)."""
+@pytest.mark.parametrize("sent", [2500, 10], ids=["too_long", "too_short"])
+@pytest.mark.parametrize("send_first", [True, False], ids=["send_first", "init_first"])
+async def test_a_part_with_the_wrong_length_fails_on_both_sides_naming_both_counts(
+        copy_chunk_tokens: int, sent: int, send_first: bool) -> None:
+    """The part's INIT says its length: the sender fails a send() of another length before writing a row, and
+    tells the receiver why. (A short part used to fit the first reservation: send() succeeded while the
+    receiver failed the room, and the encoder never learnt.)"""
     cfg = CFG.replace(copy_chunk_tokens=copy_chunk_tokens)
     async with EmbeddingSender(LAYOUT, cfg) as a, EmbeddingSender(LAYOUT, cfg) as b, \
             EmbeddingReceiver(LAYOUT, cfg) as receiver:
         parts = [Part(a.address, 0, 500), Part(b.address, 500, 1500)]
+        sent_error: list[BaseException] = []
+
+        async def send_part_1() -> None:
+            if not send_first:
+                with anyio.fail_after(5):
+                    while ("r", 1) not in b._rooms:  # its INIT is in
+                        await anyio.sleep(0.005)
+            try:
+                await b.send("r", make_request(sent, 2), part=1)  # not 1000 tokens
+            except TransferFailed as exc:
+                sent_error.append(exc)
 
         async def quietly(coro: Any) -> None:
             with suppress(TransferError):
@@ -275,9 +291,12 @@ async def test_a_part_with_the_wrong_length_fails_naming_both_counts(copy_chunk_
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(quietly, a.send("r", make_request(500, 1), part=0))
-            tg.start_soon(quietly, b.send("r", make_request(2500, 2), part=1))  # 2500, not 1000
-            with pytest.raises(TransferFailed, match="sends 2500 tokens for this part, the receiver expects 1000"):
+            tg.start_soon(send_part_1)
+            if send_first:
+                await anyio.sleep(0.05)
+            with pytest.raises(TransferFailed, match=f"send\\(\\) gave {sent} tokens for a part .* exactly 1000"):
                 await receiver.receive("r", parts=parts)
+        assert len(sent_error) == 1 and "exactly 1000 tokens" in str(sent_error[0])
         await wait_pools_free(a, receiver)
         await wait_pools_free(b, receiver)
 
@@ -290,8 +309,31 @@ async def test_parts_are_checked() -> None:
                 receiver.start("r", parts=parts)
         with pytest.raises(InvalidRequest, match="drop sender"):
             receiver.start("r", parts=[Part(s.address, 0, 10)], sender=s.address)
+        for bad in (Part(s.address, 0, 10.0), Part(s.address, False, 10), Part(s.address, 0, "10")):  # type: ignore[arg-type]
+            with pytest.raises(InvalidRequest, match="bounds must be integers"):
+                receiver.start("r", parts=[bad])
         with pytest.raises(InvalidRequest, match="part index"):
             await s.send("r", make_request(10, 1), part=-1)
+
+
+async def test_parts_with_numpy_bounds_and_their_status() -> None:
+    """Bounds from a prefix sum (numpy integers) are taken as ints; the room's status follows its parts."""
+    async with EmbeddingSender(LAYOUT, CFG) as a, EmbeddingSender(LAYOUT, CFG) as b, \
+            EmbeddingReceiver(LAYOUT, CFG) as receiver:
+        cuts = np.cumsum([0, 300, 200])
+        parts = [Part(a.address, cuts[0], cuts[1]), Part(b.address, cuts[1], cuts[2])]
+        src = make_request(500, 4)
+        handle = receiver.start("n", parts=parts)
+        assert handle.status is TransferStatus.BOOTSTRAPPING
+        with anyio.fail_after(5):
+            while handle.status is not TransferStatus.WAITING_FOR_INPUT:  # both parts asked their senders
+                await anyio.sleep(0.005)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(a.send, "n", {n: t[:300] for n, t in src.items()}, part=0))
+            tg.start_soon(functools.partial(b.send, "n", {n: t[300:] for n, t in src.items()}, part=1))
+            got = await handle.result()
+        assert handle.status is TransferStatus.SUCCESS
+        assert_same(got.tensors, src)
 
 
 class Counting(TransferObserver):

@@ -319,6 +319,10 @@ class Init(_Base):
     progress_tokens: int = 0
     """A streaming receiver: announce rows within a round (``PROGRESS``) every this many tokens, a
     multiple of the block size (0: only at the end of each round)."""
+    exact_tokens: int = 0
+    """A part of a room the receiver assembles from several senders: the part is exactly this many tokens,
+    and a ``send()`` of another length fails (it would otherwise succeed on the sender while the receiver
+    fails the room). 0: any length."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,7 +478,7 @@ Welcome.SCHEMA = {"sender_id": _str(64), "epoch": _EPOCH, "heartbeat_interval": 
 REJECT_CODES = ("bad_frame", "unknown_peer", "incompatible", "refused")
 Reject.SCHEMA = {"reason": _str(MAX_TEXT), "room": _optional(_ROOM), "code": _str(32, choices=REJECT_CODES)}
 Init.SCHEMA = {"room": _ROOM, "blocks": _block_list, "allocated_tokens": _TOKENS, "expected_ranks": _WORLD,
-               "progress_tokens": _TOKENS}
+               "progress_tokens": _TOKENS, "exact_tokens": _TOKENS}
 Progress.SCHEMA = {"room": _ROOM, "round": _ROUND, "sent_tokens": _TOKENS, "total_tokens": _TOKENS,
                    "metadata": _optional(_metadata)}
 Resume.SCHEMA = {

@@ -249,6 +249,8 @@ class _Rank:
     """Tokens announced (STATUS or PROGRESS)."""
     announced: bool = False
     """The room's metadata went out (with the first announcement)."""
+    exact: int = 0
+    """The rank's room is a part of exactly this many tokens (0: any length)."""
 
 
 class SenderRoomState:
@@ -296,8 +298,9 @@ class SenderRoomState:
             raise self._err("duplicate block ids in a reservation")
 
     def on_init(self, rank: int, *, blocks: tuple[int, ...], allocated_tokens: int, expected_ranks: int,
-                num_blocks: int | None = None, progress_tokens: int = 0) -> None:
-        """A rank's INIT arrived (asking for ``PROGRESS`` every ``progress_tokens`` within a round)."""
+                num_blocks: int | None = None, progress_tokens: int = 0, exact_tokens: int = 0) -> None:
+        """A rank's INIT arrived (asking for ``PROGRESS`` every ``progress_tokens`` within a round; for a part
+        of ``exact_tokens`` tokens, if not 0: an input of another length fails the room)."""
         if self.failed is not None:
             raise self._err("INIT after the room ended")
         if self.expected_ranks is not None and expected_ranks != self.expected_ranks:
@@ -311,7 +314,9 @@ class SenderRoomState:
             raise self._err(f"INIT from rank {rank} asks for PROGRESS every {progress_tokens} tokens: expected 0 or "
                             f"a multiple of the block size {self.block_size}")
         self.expected_ranks = expected_ranks
-        self.ranks[rank] = _Rank(RankPhase.READY, blocks, allocated_tokens, progress=progress_tokens)
+        self.ranks[rank] = _Rank(RankPhase.READY, blocks, allocated_tokens, progress=progress_tokens,
+                                 exact=exact_tokens)
+        self._check_exact()
 
     def on_input(self, total_tokens: int) -> None:
         """``send()`` supplied the request: ``total_tokens`` rows."""
@@ -322,6 +327,17 @@ class SenderRoomState:
         if total_tokens < 1:
             raise self._err(f"a request needs at least one token, got {total_tokens}")
         self.total = total_tokens
+        self._check_exact()
+
+    def _check_exact(self) -> None:
+        """A part's length against the input: a mismatch fails the room (every rank is told why)."""
+        if self.total is None or self.failed is not None:
+            return
+        for rank, p in sorted(self.ranks.items()):
+            if p.exact and p.exact != self.total:
+                self.fail(f"send() gave {self.total} tokens for a part that rank {rank} expects to be exactly "
+                          f"{p.exact} tokens long (the Part's end - start)")
+                return
 
     def ready_ranks(self) -> list[int]:
         """Ranks that can be written now."""

@@ -13,6 +13,7 @@ ownership rules (fenced where a write may still land).
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -45,23 +46,33 @@ class Part:
         return self.end - self.start
 
 
-def check_parts(room: RoomId, parts: Sequence[Part], max_tokens: int) -> int:
-    """Validate that ``parts`` tile ``[0, total)`` in order; returns ``total``."""
+def check_parts(room: RoomId, parts: Sequence[Part], max_tokens: int) -> list[Part]:
+    """Validate that ``parts`` tile ``[0, total)`` in order; returns them with plain ``int`` bounds (bounds
+    from a prefix sum are often numpy integers), the last one ending at ``total``."""
     if not parts or len(parts) > MAX_PARTS:
         raise InvalidRequest(f"room {room!r}: parts must list 1..{MAX_PARTS} parts, got {len(parts)}")
     expect = 0
+    checked = []
     for i, p in enumerate(parts):
         if not isinstance(p, Part):
             raise InvalidRequest(f"room {room!r}: parts[{i}] must be an aioembed.Part, got {type(p).__name__}")
         if not isinstance(p.sender, str) or not p.sender:
             raise InvalidRequest(f"room {room!r}: parts[{i}].sender must be a sender address, got {p.sender!r}")
-        if p.start != expect or p.end <= p.start:
+        try:
+            if isinstance(p.start, bool) or isinstance(p.end, bool):
+                raise TypeError
+            start, end = operator.index(p.start), operator.index(p.end)
+        except TypeError:
+            raise InvalidRequest(f"room {room!r}: parts[{i}] bounds must be integers, got start={p.start!r}, "
+                                 f"end={p.end!r}") from None
+        if start != expect or end <= start:
             raise InvalidRequest(f"room {room!r}: parts must cover tokens 0..total in order without gaps or "
-                                 f"overlaps; parts[{i}] is [{p.start}, {p.end}), expected it to start at {expect}")
-        expect = p.end
+                                 f"overlaps; parts[{i}] is [{start}, {end}), expected it to start at {expect}")
+        checked.append(Part(p.sender, start, end))
+        expect = end
     if expect > max_tokens:
         raise InvalidRequest(f"room {room!r}: {expect} tokens in its parts; max_request_tokens={max_tokens}")
-    return expect
+    return checked
 
 
 def part_output(output: Mapping[str, torch.Tensor] | None, part: Part) -> dict[str, torch.Tensor] | None:
@@ -82,6 +93,7 @@ class RoomAssembly:
         self.zero_copy = zero_copy
         self.output = output
         self._handles = list(handles)
+        handle._parts = self._handles
         self._failed: list[int] = []  # parts in the order they failed (the first failed on its own)
 
     async def run(self) -> None:

@@ -46,6 +46,9 @@ class Received:
     """For a room received in parts: each part's metadata, in part order (``metadata`` merges them)."""
 
 
+_PROGRESS = [TransferStatus.BOOTSTRAPPING, TransferStatus.WAITING_FOR_INPUT, TransferStatus.TRANSFERRING]
+
+
 class ReceiveHandle:
     """A room being received. Non-blocking ``status`` for schedulers that poll; awaitables otherwise."""
 
@@ -59,11 +62,17 @@ class ReceiveHandle:
         self._cancel_reason: str | None = None
         self._lease_taken = False
         self._stream: RoomStream[StreamItem] | None = None
+        self._parts: list[ReceiveHandle] | None = None
+        """A room received in parts: the parts' handles (its status until it ends is theirs)."""
 
     @property
     def status(self) -> TransferStatus:
-        """Current state; never blocks."""
-        return self._status
+        """Current state; never blocks. For a room received in parts, until it ends: the least advanced
+        state of the parts still going."""
+        if self._parts is None or self._status.terminal:
+            return self._status
+        going = [h._status for h in self._parts if not h._status.terminal]
+        return min(going, key=_PROGRESS.index) if going else TransferStatus.TRANSFERRING
 
     @property
     def done(self) -> bool:

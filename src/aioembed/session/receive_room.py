@@ -305,8 +305,10 @@ class ReceiveRoomDriver:
                 break
             keeper.apply(keeper.ledger.release_unannounced(grant))  # the session changed meanwhile
         blocks = keeper.blocks_of(grant)
+        exact = self.expected_tokens if self.exact_tokens and self.expected_tokens is not None else 0
         self._announce(grant, writer, Init(room=self.room, blocks=blocks, allocated_tokens=tokens,
-                                           expected_ranks=self.conn.world, progress_tokens=self.progress_tokens))
+                                           expected_ranks=self.conn.world, progress_tokens=self.progress_tokens,
+                                           exact_tokens=exact))
         self.machine.init_sent(blocks=len(blocks), allocated_tokens=tokens, progress_tokens=self.progress_tokens)
         self.handle._set_status(TransferStatus.WAITING_FOR_INPUT)
 

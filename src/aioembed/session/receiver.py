@@ -330,7 +330,8 @@ class EmbeddingReceiver:
             if sender is not None or expected_tokens is not None:
                 raise InvalidRequest("with parts=, each Part names its sender and its tokens: drop sender= and "
                                      "expected_tokens=")
-            total = check_parts(room, parts, self.config.max_request_tokens)
+            parts = check_parts(room, parts, self.config.max_request_tokens)
+            total = parts[-1].end
             output = None if zero_copy else self._output_for(room, total, out)
             drivers = self._part_drivers(room, parts, zero_copy=zero_copy, output=output)
             for d in drivers:

@@ -692,7 +692,7 @@ class EmbeddingSender:
             r = SendRoomDriver(room, self._room_ctx, anyio.current_time())
         r.machine.on_init(peer.rank, blocks=msg.blocks, allocated_tokens=msg.allocated_tokens,
                           expected_ranks=msg.expected_ranks, num_blocks=peer.num_blocks,
-                          progress_tokens=msg.progress_tokens)
+                          progress_tokens=msg.progress_tokens, exact_tokens=msg.exact_tokens)
         if new:  # only a valid INIT creates a room: refused frames leave nothing behind
             self._rooms[room] = r
         r.rank_peer[peer.rank] = peer

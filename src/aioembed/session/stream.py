@@ -111,6 +111,11 @@ class RoomStream(Generic[ItemT]):
         return self
 
     async def __anext__(self) -> ItemT:
+        if self._finished:  # ended, or closed: what it ended with, again
+            error = self.handle._error if self.handle.done else None
+            if error is not None:
+                raise error
+            raise StopAsyncIteration
         try:
             chunk = await self._chunks.receive()
         except anyio.EndOfStream:

@@ -185,6 +185,8 @@ class StreamingSuite:
             assert held and stream.handle.status.name == "ABORTED"
             if zero_copy:
                 assert all(c.released for c in held)
+            with pytest.raises(TransferAborted):  # iterated again: how it ended, not anyio's ClosedResourceError
+                await stream.__anext__()
             # the pair's exit checks that the allocator is back to 0 used
 
     @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero_copy"])
@@ -204,6 +206,9 @@ class StreamingSuite:
             assert held[-1].last and stream.delivered == held[-1].total
             with anyio.fail_after(10):
                 assert await stream.handle.wait() is TransferStatus.SUCCESS
+            assert [c async for c in stream] == []  # a closed, complete stream is exhausted
+            if zero_copy:  # each chunk holds the blocks of its rows, not the rest of its round's reservation
+                assert receiver.allocator.stats.used == sum(-(-(c.end - c.start) // BS) for c in held)
             # the next room takes pool memory while the chunks are held: it must not take theirs
             other = deterministic_request(LAYOUT, 2 * ROUND, "l2")
             async with anyio.create_task_group() as tg:
