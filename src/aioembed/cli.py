@@ -81,9 +81,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             from aioembed.bench.command import run
 
             code = run(args)
-    except AioembedError as exc:
-        print(f"aioembed: error: {exc}", file=sys.stderr)
+    except (AioembedError, BaseExceptionGroup) as exc:
+        error = _one_error(exc)
+        if error is None:
+            raise
+        print(f"aioembed: error: {error}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+def _one_error(exc: BaseException) -> AioembedError | None:
+    """The error to report in one line: ``exc``, or the one error inside a task group's exception group (the
+    demo's sender and receiver run in one: an ``InvalidRequest`` came wrapped, as a 48-line traceback)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, AioembedError) else None

@@ -15,11 +15,10 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from aioembed.errors import ConfigError
-from aioembed.protocol.messages import MAX_BLOCK_SIZE, MAX_METADATA_BYTES, MAX_POOL_BLOCKS
+from aioembed.protocol.messages import MAX_BLOCK_SIZE, MAX_BLOCKS_PER_MESSAGE, MAX_METADATA_BYTES, MAX_POOL_BLOCKS
 
 __all__ = ["ENV_PREFIX", "TransferConfig"]
 
@@ -116,7 +115,7 @@ class TransferConfig:
         ):
             raise ConfigError(f"transport_options must be a table (mapping of option names to values), "
                               f"got {self.transport_options!r}")
-        object.__setattr__(self, "transport_options", MappingProxyType(dict(self.transport_options)))
+        object.__setattr__(self, "transport_options", TransportOptions(self.transport_options))
         _check_str("transport", self.transport)
         for name in ("default_tokens", "pool_tokens", "max_request_tokens", "max_rooms_per_peer", "copy_threads",
                      "max_senders"):
@@ -163,6 +162,12 @@ class TransferConfig:
                 f"pool_tokens={self.pool_tokens} is smaller than one round "
                 f"(max_round_tokens={self.max_round_tokens}); allowed: max_round_tokens <= pool_tokens"
             )
+        largest = min(self.round_tokens, max(self.default_tokens, self.max_request_tokens))
+        if -(-largest // bs) > MAX_BLOCKS_PER_MESSAGE:
+            raise ConfigError(
+                f"a reservation of up to {largest} tokens is {-(-largest // bs)} blocks of block_size={bs}, more "
+                f"than one control message carries ({MAX_BLOCKS_PER_MESSAGE} block ids): every such room would "
+                "fail; raise block_size, or lower max_round_tokens")
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device={self.device!r} must be 'cpu', 'cuda' or 'cuda:N'")
         curve = (self.curve_secret_key_file, self.curve_server_public_key_file,
@@ -171,6 +176,12 @@ class TransferConfig:
                                 "curve_allowed_clients_dir"), curve, strict=True):
             if value is not None:
                 _check_str(name, value)
+        if self.curve_secret_key_file is None:
+            for name, value in (("curve_server_public_key_file", self.curve_server_public_key_file),
+                                ("curve_allowed_clients_dir", self.curve_allowed_clients_dir)):
+                if value is not None:
+                    raise ConfigError(f"{name} is set but curve_secret_key_file is not: CURVE authentication "
+                                      "would be off (it is on only with this side's secret key)")
 
     @property
     def round_tokens(self) -> int:
@@ -232,14 +243,51 @@ class TransferConfig:
         p = Path(path)
         try:
             data = tomllib.loads(p.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read TOML config {p}: {exc}") from exc
         table = data.get("aioembed", data)
         if not isinstance(table, dict):
             raise ConfigError(f"[aioembed] in {p} must be a table, got {type(table).__name__}")
+        if table is not data:
+            known = {f.name for f in dataclasses.fields(cls)}
+            outside = sorted(k for k in data if k != "aioembed" and k in known)
+            if outside:
+                raise ConfigError(f"setting(s) {outside} in {p} are outside its [aioembed] table, so they would "
+                                  "be ignored: move them under [aioembed]")
         values = dict(table)
         values.update(overrides)
         return cls.from_mapping(values, source=str(p))
+
+
+class TransportOptions(dict[str, Any]):
+    """``TransferConfig.transport_options``: a read-only dict. A config is a value (frozen, shared between
+    tasks and handed to plugins), and unlike a ``MappingProxyType`` this one pickles, deep-copies and goes
+    through ``dataclasses.asdict`` (a config sent to a spawned worker process)."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("TransferConfig.transport_options is read-only; use TransferConfig.replace(transport_"
+                        "options=...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TransportOptions:
+        import copy
+
+        return type(self)(copy.deepcopy(dict(self), memo))
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted((k, _hashable(v)) for k, v in self.items())))
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:

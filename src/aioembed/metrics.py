@@ -7,6 +7,9 @@ The sessions never import ``prometheus_client``: they report to a :class:`Transf
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aioembed.errors import ConfigError
@@ -109,6 +112,8 @@ class PrometheusMetrics(TransferObserver):
                                    ["reason", "sender"], namespace=namespace, registry=reg)
         self.fence_releases = prom.Counter("blocks_unfenced", "Fenced blocks released, by the proof that made it safe",
                                            ["proof", "sender"], namespace=namespace, registry=reg)
+        self._watched: dict[tuple[int, tuple[str, ...]], weakref.ref[Any]] = {}
+        """(metric, label values) -> the object whose gauge it reads (see :meth:`watch_receiver`)."""
         self._sender_series: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}
         """Per sender: the (metric, label values) series made for it, dropped by :meth:`sender_closed`."""
 
@@ -142,15 +147,45 @@ class PrometheusMetrics(TransferObserver):
             metric.remove(*labels)
 
     def watch_receiver(self, receiver: EmbeddingReceiver) -> None:
-        """Live gauges read from ``receiver`` at scrape time."""
+        """Live gauges read from ``receiver`` at scrape time, while it lives. Held weakly: a receiver the
+        application dropped is not kept (with its pool) for the scrape's sake, and its series go with it.
+        A later receiver of the same rank takes them over."""
         rank = str(receiver.rank)
-        self.free_blocks.labels(rank=rank).set_function(lambda: receiver.allocator.stats.free)
-        self.waiters.labels(rank=rank).set_function(lambda: receiver.allocator.stats.waiters)
-        self.fenced.labels(rank=rank).set_function(lambda: receiver.allocator.stats.fenced)
-        self.output_cache.labels(rank=rank).set_function(lambda: receiver.outputs.stats.idle_bytes)
-        self.rooms.labels(side="receiver").set_function(lambda: receiver.rooms_in_flight)
+        ref = weakref.ref(receiver)
+        series = [(self.free_blocks, (rank,), lambda r: r.allocator.stats.free),
+                  (self.waiters, (rank,), lambda r: r.allocator.stats.waiters),
+                  (self.fenced, (rank,), lambda r: r.allocator.stats.fenced),
+                  (self.output_cache, (rank,), lambda r: r.outputs.stats.idle_bytes),
+                  (self.rooms, ("receiver",), lambda r: r.rooms_in_flight)]
+        self._watch(ref, series)
 
     def watch_sender(self, sender: EmbeddingSender) -> None:
-        """Live gauges read from ``sender`` at scrape time."""
-        self.peers.set_function(lambda: len(sender.peers))
-        self.rooms.labels(side="sender").set_function(lambda: sender.rooms_in_flight)
+        """Live gauges read from ``sender`` at scrape time, while it lives (held weakly, as receivers are)."""
+        self._watch(weakref.ref(sender), [(self.peers, (), lambda s: len(s.peers)),
+                                          (self.rooms, ("sender",), lambda s: s.rooms_in_flight)])
+
+    def _watch(self, ref: weakref.ref[Any],
+               series: Sequence[tuple[Any, tuple[str, ...], Callable[[Any], float]]]) -> None:
+        for metric, labels, read in series:
+            self._watched[(id(metric), labels)] = ref
+            child = metric.labels(*labels) if labels else metric
+            child.set_function(functools.partial(_read_live, ref, read))
+        obj = ref()
+        assert obj is not None
+        weakref.finalize(obj, self._unwatch, ref, [(m, labels) for m, labels, _ in series])
+
+    def _unwatch(self, ref: weakref.ref[Any], series: list[tuple[Any, tuple[str, ...]]]) -> None:
+        """The watched object is gone: its series go, unless a newer object took them over."""
+        for metric, labels in series:
+            if self._watched.get((id(metric), labels)) is not ref:
+                continue
+            del self._watched[(id(metric), labels)]
+            if labels:
+                metric.remove(*labels)
+            else:
+                metric.set(0)
+
+
+def _read_live(ref: weakref.ref[Any], read: Callable[[Any], float]) -> float:
+    obj = ref()
+    return 0.0 if obj is None else float(read(obj))

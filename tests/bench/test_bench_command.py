@@ -6,6 +6,7 @@ Asserts the shape of the output only, never a timing: numbers depend on the mach
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -158,3 +159,15 @@ def test_a_gpu_pool_is_compared_only_with_a_baseline_that_moves_gpu_memory() -> 
     factory, info, notes = choose_baseline(None, cpu)
     assert factory is None and "reason" not in info
     assert any(n.startswith("no raw baseline for transport 'loopback'") for n in notes)
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"AIOEMBED_MAX_REQUEST_TOKENS": "256"}, "300 tokens; allowed 1..256 (max_request_tokens)"),  # in a task group
+    ({"AIOEMBED_DEVICE": "cuda:7"}, "device='cuda:7': this process sees"),
+])
+def test_the_demo_reports_a_library_error_in_one_line(env: dict[str, str], said: str) -> None:
+    """Errors raised inside the demo's task group came wrapped in an exception group: a 48-line traceback."""
+    proc = subprocess.run([sys.executable, "-m", "aioembed", "demo", "--tokens", "300", "--hidden", "64"],
+                          capture_output=True, text=True, timeout=120, check=False, env={**os.environ, **env})
+    assert proc.returncode == 2, proc.stderr
+    assert "aioembed: error:" in proc.stderr and said in proc.stderr and "Traceback" not in proc.stderr

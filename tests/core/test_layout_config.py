@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -388,6 +391,9 @@ def test_from_toml_top_level(tmp_path: Path) -> None:
         ("aioembed = 5\n", "table"),
         ("[aioembed\nblock_size = 1\n", "TOML"),
         ("block_size = 64\n[other]\nx = 1\n", "other"),
+        # a setting outside the table when there is one was silently dropped
+        ("block_size = 256\n[aioembed]\npool_tokens = 4096\n", "outside its [aioembed] table"),
+        ("block_size = 256\n[aioembed.transport_options]\nprotocol = 'tcp'\n", "outside its [aioembed] table"),
     ],
 )
 def test_from_toml_errors(tmp_path: Path, text: str, fragment: str) -> None:
@@ -396,6 +402,40 @@ def test_from_toml_errors(tmp_path: Path, text: str, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
         TransferConfig.from_toml(p)
     assert fragment in str(info.value)
+
+
+def test_from_toml_not_utf8(tmp_path: Path) -> None:
+    p = tmp_path / "utf16.toml"
+    p.write_bytes("[aioembed]\nblock_size = 64\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"cannot read TOML config .*utf16\.toml"):
+        TransferConfig.from_toml(p)
+
+
+def test_config_is_a_value_that_pickles_copies_and_hashes() -> None:
+    """A config goes to spawned worker processes (pickled) and through dataclasses.asdict; its transport
+    options stay read-only."""
+    c = TransferConfig(transport="mooncake", transport_options={"protocol": "tcp", "lanes": [1, 2]})
+    for copied in (pickle.loads(pickle.dumps(c)), copy.deepcopy(c), copy.copy(c)):
+        assert copied == c and hash(copied) == hash(c)
+        assert dict(copied.transport_options) == {"protocol": "tcp", "lanes": [1, 2]}
+    assert dataclasses.asdict(c)["transport_options"] == {"protocol": "tcp", "lanes": [1, 2]}
+    with pytest.raises(TypeError, match="read-only"):
+        c.transport_options["protocol"] = "rdma"  # type: ignore[index]
+    with pytest.raises(TypeError, match="read-only"):
+        c.transport_options.update(protocol="rdma")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("half", [{"curve_allowed_clients_dir": "/keys"}, {"curve_server_public_key_file": "/k.pub"}])
+def test_curve_without_a_secret_key_is_refused(half: dict[str, str]) -> None:
+    """CURVE is on only with this side's secret key: the other half alone left the sender unauthenticated."""
+    with pytest.raises(ConfigError, match="curve_secret_key_file is not: CURVE authentication would be off"):
+        TransferConfig(**half)
+
+
+def test_a_reservation_must_fit_one_control_message() -> None:
+    with pytest.raises(ConfigError, match="more than one control message carries"):
+        TransferConfig(block_size=1, default_tokens=1 << 21, pool_tokens=1 << 22)
+    TransferConfig(block_size=1, default_tokens=1 << 20, pool_tokens=1 << 22, max_round_tokens=1 << 20)
 
 
 def test_from_toml_missing_file(tmp_path: Path) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import anyio
 import prometheus_client
 import pytest
@@ -72,6 +75,28 @@ async def test_prometheus_exporter() -> None:
         assert value("aioembed_allocator_waiters", {"rank": "0"}) == 0
         assert value("aioembed_peers_alive") == 1
         assert "aioembed_fenced_blocks" in text
+
+
+async def test_watched_gauges_do_not_keep_a_dropped_receiver_alive() -> None:
+    """The gauges read a receiver weakly: once the application dropped it, its pool is freed and its series
+    go (they kept the receiver, and hundreds of MB of pool, for as long as the registry lived)."""
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096)
+    async with EmbeddingSender(LAYOUT, cfg) as sender:
+        async with EmbeddingReceiver(LAYOUT, cfg, connect=sender.address) as receiver:
+            metrics.watch_sender(sender)
+            metrics.watch_receiver(receiver)
+            await receiver.wait_connected()
+            assert registry.get_sample_value("aioembed_free_blocks", {"rank": "0"}) == 32
+            assert registry.get_sample_value("aioembed_peers_alive") == 1
+        pool = weakref.ref(receiver.pool)
+        del receiver
+        gc.collect()
+        assert pool() is None
+        assert registry.get_sample_value("aioembed_free_blocks", {"rank": "0"}) is None
+        assert registry.get_sample_value("aioembed_rooms_in_flight", {"side": "receiver"}) is None
+        assert registry.get_sample_value("aioembed_rooms_in_flight", {"side": "sender"}) == 0
 
 
 async def test_prometheus_gauge_of_the_output_cache() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from aioembed.errors import LayoutError, PlanError
+from aioembed.errors import ConfigError, LayoutError, PlanError
 from aioembed.layout import Layout
 from aioembed.memory.huge_pages import zeroed_memory
 from aioembed.memory.plan import RowRun, plan_row_runs
@@ -35,12 +35,22 @@ class BlockPool:
         self.block_size = block_size
         self.device = torch.device(device)
         rows = num_blocks * block_size
-        self.tensors: dict[str, torch.Tensor] = {
-            name: (f.rows_over(zeroed_memory(rows * f.row_bytes), rows)
-                   if self.device.type == "cpu"
-                   else torch.zeros((rows, *f.shape), dtype=f.dtype, device=self.device))
-            for name, f in layout.items()
-        }
+        if self.device.type == "cuda":
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (self.device.index or 0) >= visible:
+                raise ConfigError(f"device={device!r}: this process sees {visible} CUDA device(s)"
+                                  + ("" if torch.version.cuda else " (torch was built without CUDA)"))
+        try:
+            self.tensors: dict[str, torch.Tensor] = {
+                name: (f.rows_over(zeroed_memory(rows * f.row_bytes), rows)
+                       if self.device.type == "cpu"
+                       else torch.zeros((rows, *f.shape), dtype=f.dtype, device=self.device))
+                for name, f in layout.items()
+            }
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            raise ConfigError(f"the receive pool of {rows} tokens x {layout.bytes_per_token} B = "
+                              f"{rows * layout.bytes_per_token} B cannot be allocated on {device} (pool_tokens): "
+                              f"{exc}") from exc
         if self.device.type != "cpu" and self.tensors:
             # "cuda" is whatever device is current: name the one the pool is on ("cuda:0"), which is what
             # tensors made there report (an out= on it was refused as "on cuda:0; the pool is on cuda").

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aioembed.errors import AllocatorError
+from aioembed.errors import AllocatorError, ConfigError
 from aioembed.layout import Layout
 from aioembed.transports.base import MemoryRegion
 
@@ -96,9 +96,13 @@ class StagingArea:
         self.layout = layout
         self.max_tokens = max_tokens
         self._ranges = RangeAllocator(capacity)
-        self.tensors = layout.empty(capacity)
-        for t in self.tensors.values():
-            t.zero_()  # every page touched once here, not on the hot path
+        try:
+            self.tensors = layout.empty(capacity)
+            for t in self.tensors.values():
+                t.zero_()  # every page touched once here, not on the hot path
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            raise ConfigError(f"the sender's staging area of {capacity} tokens x {layout.bytes_per_token} B cannot "
+                              f"be allocated (staging_tokens): {exc}") from exc
 
     def regions(self) -> list[MemoryRegion]:
         """What to register with the transport (once)."""
