@@ -31,12 +31,19 @@ class RoundCopier:
         self.threads = threads
         self._stream: torch.cuda.Stream | None = None
 
-    def _copy_cuda(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int) -> None:
+    def _copy_cuda(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int,
+                   after: torch.cuda.Stream) -> None:
         """In a worker thread: the copy on a private stream, waited for by its own event (never a
         device-wide synchronize: the language model's kernels on that GPU are not waited for). A copy
-        into CPU memory (``out=``) is a device-to-host copy: it blocks this thread, never the loop."""
+        into CPU memory (``out=``) is a device-to-host copy: it blocks this thread, never the loop.
+
+        The copy is queued after the work already on ``after`` (the caller's stream when it asked): kernels
+        there may still read the caller's ``out=`` (its previous request's rows), and a fresh output was
+        allocated in that stream's order (the caching allocator may hand out memory kernels queued there
+        still use)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.pool.device)  # type: ignore[no-untyped-call]
+        self._stream.wait_stream(after)
         with torch.cuda.stream(self._stream):
             self.pool.copy_out(blocks, count, out, out_start=start)
         CudaFence(self._stream).wait()
@@ -49,7 +56,8 @@ class RoundCopier:
         pool = self.pool
         nbytes = count * pool.layout.bytes_per_token
         if pool.device.type == "cuda":
-            await anyio.to_thread.run_sync(self._copy_cuda, blocks, out, start, count, limiter=self.limiter)
+            after = torch.cuda.current_stream(pool.device)  # the caller's, on this thread (see _copy_cuda)
+            await anyio.to_thread.run_sync(self._copy_cuda, blocks, out, start, count, after, limiter=self.limiter)
             return
         if nbytes <= COPY_INLINE_BYTES:
             pool.copy_out(blocks, count, out, out_start=start)

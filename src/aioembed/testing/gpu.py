@@ -154,6 +154,25 @@ class CudaSuite:
             assert same_rows(_to_cpu(again.to_tensors()), _to_cpu(second))
             again.release()
 
+    async def test_a_copy_into_out_waits_for_kernels_still_reading_it(self) -> None:
+        """``receive(out=X)`` right after queuing kernels that read X (the previous request's rows): the copy
+        out of the pool (on a stream of its own) must not overwrite X before they ran."""
+        first = _on_gpu(deterministic_request(LAYOUT, 700, "prev"))
+        second = _on_gpu(deterministic_request(LAYOUT, 700, "next"))
+        async with self.pair() as (sender, receiver):
+            out = {n: t.clone() for n, t in first.items()}  # X holds the previous request's rows
+            seen = {n: torch.empty_like(t) for n, t in first.items()}
+            torch.cuda.synchronize()
+            _late()  # the model's kernels reading X, queued on the current stream, run late ...
+            for n, t in out.items():
+                seen[n].copy_(t)
+            async with anyio.create_task_group() as tg:  # ... and the next request is received into X at once
+                tg.start_soon(sender.send, "next", second)
+                got = await receiver.receive("next", out=out)
+            torch.cuda.synchronize()
+            assert same_rows(_to_cpu(seen), _to_cpu(first)), "the copy-out overwrote out= before kernels read it"
+            assert same_rows(_to_cpu(got.tensors), _to_cpu(second))
+
     @pytest.mark.parametrize("out_device", [None, "cuda:0", "cpu"])
     async def test_a_copying_receive_chunks_only_copies_that_leave_the_gpu(self, out_device: str | None) -> None:
         """``copy_chunk_tokens`` overlaps the copy-out with the writes. A copy from a CUDA pool into GPU memory
