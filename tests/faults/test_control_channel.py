@@ -269,3 +269,35 @@ async def test_once_the_io_task_stopped_a_message_goes_at_once_and_is_not_strand
         chan.close()
         router.close(linger=0)
         ctx.term()
+
+
+def test_a_flood_is_handled_a_batch_at_a_time_and_an_oversized_bundle_is_dropped(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Between batches the I/O task yields. A batch counted ZeroMQ messages, not the messages bundled in
+    them, and a bundle had no bound: one 16 MiB message of tiny frames held the loop for all of them."""
+    from aioembed.control.channel import _BUNDLE_MAX, _RECV_BATCH
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router, dealer = _bare_router_and_dealer(ctx)
+    handled: list[list[bytes]] = []
+    chan = ControlSocket(dealer, handled.append, name="test-dealer", bundles=True)  # no I/O task: _drain by hand
+    try:
+        dealer.send(b"hello")
+        identity, _ = router.recv_multipart()
+        router.send_multipart([identity, *[b"x"] * (_BUNDLE_MAX + 1)])  # over the bound: dropped
+        for _ in range(2 * _RECV_BATCH // _BUNDLE_MAX):
+            router.send_multipart([identity, *[b"y"] * _BUNDLE_MAX])
+        assert dealer.poll(5000)
+        deadline = time.monotonic() + 5
+        while len(handled) < 2 * _RECV_BATCH and time.monotonic() < deadline:
+            before = len(handled)
+            more = chan._drain()
+            assert len(handled) - before <= _RECV_BATCH + _BUNDLE_MAX - 1  # one batch, then back to the loop
+            if len(handled) < 2 * _RECV_BATCH:
+                assert more or dealer.poll(100)
+        assert len(handled) == 2 * _RECV_BATCH and all(m == [b"y"] for m in handled)
+        assert f"dropped a ZeroMQ message of {_BUNDLE_MAX + 1} payload frames" in caplog.text
+    finally:
+        chan.close()
+        router.close(linger=0)
+        ctx.term()

@@ -223,22 +223,29 @@ class ControlSocket:
         return self.received - before
 
     def _drain(self) -> bool:
-        """Receive up to one batch; True if the batch was full (more may be waiting)."""
+        """Receive up to one batch (``_RECV_BATCH`` messages, a bundle counting each of its messages); True if
+        the batch was full (more may be waiting). The I/O task yields between batches, so a peer flooding
+        this socket does not hold the event loop."""
         sock = self.sock
-        for _ in range(_RECV_BATCH):
+        budget = _RECV_BATCH
+        while budget > 0:
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return False
+            budget -= 1
             if not self._bundles:
                 messages = [frames]
-            elif self._routed:
-                if len(frames) < 2:
-                    log.warning("%s: dropped a message without a payload frame", self.name)
-                    continue
-                messages = [[frames[0], payload] for payload in frames[1:]]
             else:
-                messages = [[payload] for payload in frames]
+                payloads = frames[1:] if self._routed else frames
+                if not payloads or len(payloads) > _BUNDLE_MAX:
+                    # A peer bundles at most _BUNDLE_MAX messages: a larger one (say a million tiny frames in
+                    # one 16 MiB message) would be handled in one go, the loop held all the while.
+                    log.warning("%s: dropped a ZeroMQ message of %d payload frames (a bundle holds 1..%d)",
+                                self.name, len(payloads), _BUNDLE_MAX)
+                    continue
+                messages = [[frames[0], payload] for payload in payloads] if self._routed else [[p] for p in payloads]
+                budget -= len(messages) - 1
             for message in messages:
                 self.received += 1
                 try:
