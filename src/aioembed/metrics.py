@@ -7,6 +7,7 @@ The sessions never import ``prometheus_client``: they report to a :class:`Transf
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -79,6 +80,9 @@ class PrometheusMetrics(TransferObserver):
             raise ConfigError("PrometheusMetrics needs prometheus-client: pip install 'aioembed[prometheus]'") from exc
         reg = registry if registry is not None else prom.REGISTRY
         self.registry = reg
+        self._gone: collections.deque[tuple[weakref.ref[Any], list[tuple[Any, tuple[str, ...]]]]] = collections.deque()
+        """Series of watched objects that are gone, removed at the next scrape (see :meth:`_unwatch`)."""
+        reg.register(_Pruner(self._prune))  # first: each scrape prunes before the gauges are read
         self.transfers = prom.Counter("transfers", "Rooms finished, by side and outcome",
                                       ["side", "outcome"], namespace=namespace, registry=reg)
         self.bytes = prom.Counter("bytes", "Payload bytes moved by finished rooms", ["side"],
@@ -175,7 +179,18 @@ class PrometheusMetrics(TransferObserver):
         weakref.finalize(obj, self._unwatch, ref, [(m, labels) for m, labels, _ in series])
 
     def _unwatch(self, ref: weakref.ref[Any], series: list[tuple[Any, tuple[str, ...]]]) -> None:
-        """The watched object is gone: its series go, unless a newer object took them over."""
+        """The watched object is gone. Only noted here: a finalizer may run inside any allocation, the
+        garbage collector's included, and one inside a gauge's own (non-reentrant) lock would deadlock on
+        ``remove()``. The next scrape removes its series."""
+        self._gone.append((ref, series))
+
+    def _prune(self) -> None:
+        """Remove the series of watched objects that are gone, unless a newer object took them over."""
+        while self._gone:
+            ref, series = self._gone.popleft()
+            self._remove(ref, series)
+
+    def _remove(self, ref: weakref.ref[Any], series: list[tuple[Any, tuple[str, ...]]]) -> None:
         for metric, labels in series:
             if self._watched.get((id(metric), labels)) is not ref:
                 continue
@@ -184,6 +199,17 @@ class PrometheusMetrics(TransferObserver):
                 metric.remove(*labels)
             else:
                 metric.set(0)
+
+
+class _Pruner:
+    """A collector that yields nothing: registered first, it prunes dropped series at every scrape."""
+
+    def __init__(self, prune: Callable[[], None]) -> None:
+        self._prune = prune
+
+    def collect(self) -> list[Any]:
+        self._prune()
+        return []
 
 
 def _read_live(ref: weakref.ref[Any], read: Callable[[Any], float]) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import anyio
@@ -145,3 +146,28 @@ async def test_per_sender_series_go_when_the_connection_to_that_sender_closes() 
                 await anyio.sleep(0.01)  # the connection's tasks end a few loop turns after the close
         assert registry.get_sample_value("aioembed_sender_bytes_total", {"sender": sender.address}) is None
         assert registry.get_sample_value("aioembed_transfers_total", {"side": "receiver", "outcome": "success"}) == 1
+
+
+def test_a_watched_object_collected_inside_a_gauges_lock_does_not_deadlock() -> None:
+    """The cyclic garbage collector runs finalizers inside whatever allocation triggered it, a gauge's own
+    (non-reentrant) lock held included: removing the series there hung that thread for good."""
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096)
+
+    async def watched_and_dropped() -> None:
+        async with EmbeddingReceiver(LAYOUT, cfg) as receiver:
+            metrics.watch_receiver(receiver)
+    anyio.run(watched_and_dropped)
+    done = threading.Event()
+
+    def collect_inside_the_lock() -> None:
+        with metrics.free_blocks._lock:
+            gc.collect()
+        done.set()
+
+    thread = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert done.is_set(), "deadlocked"
+    assert registry.get_sample_value("aioembed_free_blocks", {"rank": "0"}) is None  # gone at the scrape

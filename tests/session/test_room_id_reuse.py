@@ -7,6 +7,7 @@ id is a new request (the LLM side retries first as often as the encoder does).""
 from __future__ import annotations
 
 import functools
+import time
 from contextlib import suppress
 
 import anyio
@@ -102,3 +103,30 @@ async def test_a_room_the_sender_aborted_is_still_refused_to_a_rank_that_asks_la
         s.abort("Z", "the encoder failed on the image")
         with anyio.fail_after(5), pytest.raises(TransferError, match="the encoder failed on the image"):
             await r.receive("Z", sender=s.address)
+
+
+async def test_a_room_the_sender_aborted_mid_write_is_refused_at_once_though_the_receiver_aborted_too() -> None:
+    """The receiver's ABORT crossed the sender's abort() on the wire: the sender ended the room first, so
+    the receiver's next ask is told at once (it waited input_timeout for a send() that never comes)."""
+    cfg = CFG.replace(input_timeout=3.0)
+    async with EmbeddingSender(LAYOUT, cfg, transport=_slow_writes()) as s, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=None, transport=MockTransport()) as r:
+        src = make_request(2000, 1)
+        async with anyio.create_task_group() as tg:
+            async def first_send() -> None:
+                with pytest.raises(TransferError):
+                    await s.send("X", src)
+
+            tg.start_soon(first_send)
+            h = r.start("X", sender=s.address)
+            with anyio.fail_after(5):
+                while h.status is not TransferStatus.TRANSFERRING:
+                    await anyio.sleep(0.005)
+            s.abort("X", "the encoder failed on the image")  # the sender ends it, a write in flight ...
+            h.cancel("the client went away")  # ... crossed by the receiver's ABORT
+            await h.wait()
+        await _until_acknowledged(r, "X")
+        t0 = time.monotonic()
+        with anyio.fail_after(5), pytest.raises(TransferError, match="the encoder failed on the image"):
+            await r.receive("X", sender=s.address)
+        assert time.monotonic() - t0 < 1.0  # told at once, not at input_timeout (3 s)

@@ -49,14 +49,16 @@ class RoundCopier:
         CudaFence(self._stream).wait()
 
     async def copy(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int, *,
-                   spread: bool = True) -> None:
+                   spread: bool = True, after: torch.cuda.Stream | None = None) -> None:
         """Rows of ``blocks`` (``count`` tokens) into ``out[...][start:start + count]``. ``spread=False``: one
         thread, for a chunk copied while the rest of its round is still being written (the transport needs
-        the other cores meanwhile)."""
+        the other cores meanwhile). ``after``: a CUDA pool's copy waits for the work queued on this stream
+        (the caller's when it asked for the room; default: the current one)."""
         pool = self.pool
         nbytes = count * pool.layout.bytes_per_token
         if pool.device.type == "cuda":
-            after = torch.cuda.current_stream(pool.device)  # the caller's, on this thread (see _copy_cuda)
+            if after is None:
+                after = torch.cuda.current_stream(pool.device)
             await anyio.to_thread.run_sync(self._copy_cuda, blocks, out, start, count, after, limiter=self.limiter)
             return
         if nbytes <= COPY_INLINE_BYTES:

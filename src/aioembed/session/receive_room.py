@@ -112,6 +112,9 @@ class ReceiveRoomDriver:
     progress_tokens: int = 0
     """``PROGRESS`` asked for every this many tokens within a round (0: none): a streamed room hands each
     chunk out, a copied one copies it out while the rest of the round is written."""
+    caller_stream: torch.cuda.Stream | None = None
+    """A CUDA pool: the stream current when the caller asked for the room; copies out of the pool wait for
+    the work queued on it (kernels may still read ``out``; see ``RoundCopier``)."""
     machine: ReceiverRoomState = field(init=False)
     writer: Writer | None = field(default=None, init=False)
     """The writer the room was announced to (``None`` until INIT)."""
@@ -663,7 +666,7 @@ class ReceiveRoomDriver:
             if self._output is None:
                 self._output = self._make_output(arrived.total)
             await self.ctx.copier.copy(self._rows_of(grant, arrived), self._output, arrived.start, arrived.count,
-                                       spread=not arrived.partial)
+                                       spread=not arrived.partial, after=self.caller_stream)
         finally:
             if consume:
                 keeper.apply(keeper.ledger.consumed(grant))  # read (or given up): nothing else writes it

@@ -451,7 +451,9 @@ class EmbeddingReceiver:
             progress_tokens = self._whole_blocks(self.config.copy_chunk_tokens)
         r = ReceiveRoomDriver(key, handle, conn, self._room_ctx, expected_tokens=expected_tokens,
                               zero_copy=zero_copy, out=out, exact_tokens=exact, stream=stream,
-                              progress_tokens=progress_tokens)
+                              progress_tokens=progress_tokens,
+                              caller_stream=(torch.cuda.current_stream(self.pool.device)
+                                             if self.pool.device.type == "cuda" else None))
         if not isinstance(key, tuple):
             self._rooms[key] = r
         conn.rooms[key] = r

@@ -729,6 +729,7 @@ class EmbeddingSender:
                 self._send_to(peer, AbortAck(room=msg.room))
             return
         r.abort_from.add(peer.rank)
+        self._exempt_if_first(r, peer)
         r.machine.fail(f"aborted by {peer}: {msg.reason}", aborted=True)
         self._room_ended_by_receiver(r, peer, msg.reason)  # acknowledged once no write of the room is in flight
 
@@ -741,6 +742,7 @@ class EmbeddingSender:
             # Only a rank of the room speaks for it: another receiver's REJECT must not end it for them.
             log.warning("sender: room=%r: REJECT from %s, which is not a rank of the room, ignored", msg.room, peer)
             return
+        self._exempt_if_first(r, peer)
         r.machine.fail(f"{peer} rejected: {msg.reason}")
         self._room_ended_by_receiver(r, peer, f"{peer} rejected it: {msg.reason}")
 
@@ -748,13 +750,21 @@ class EmbeddingSender:
         """``peer`` ended room ``r`` (its machine failed already): a ``send()`` driving it tells the ranks once
         its writes are over; with none, they are told now (not at their input_timeout) and the room is
         forgotten, remembered as ended by the receiver (a later ``send()`` of it learns why)."""
-        r.ended_by_receivers.add(peer.key.receiver)
         if r.active:
             r.poke()
             return
         r.notify_end()
         self._drop_room(r)
         self._remember_ended(r.room, "receiver", reason)
+
+    @staticmethod
+    def _exempt_if_first(r: SendRoomDriver, peer: PeerSession) -> None:
+        """``peer``'s ABORT or REJECT is ending room ``r``: its next INIT of the room id is a new request, not a
+        late one (see ``_send_finished``), if the receivers ended the room. Not if the sender had ended it
+        already (``abort()``, a failed write; the ABORT crossed its end on the wire): then the sender's
+        word stands, and a rank asking again is told at once."""
+        if r.machine.failed is None or r.ended_by_receivers:
+            r.ended_by_receivers.add(peer.key.receiver)
 
     def _remember_ended(self, room: RoomId, by: str, reason: str, *, exempt: Iterable[str] = ()) -> None:
         self._ended[room] = _Ended(by, reason, anyio.current_time(), frozenset(exempt))

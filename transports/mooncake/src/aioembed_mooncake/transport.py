@@ -558,6 +558,9 @@ class MooncakeTransport(Transport):
         which nothing else would poll while every writer waits here (credits held by writes in flight come
         back as their writers see them end)."""
         credits = link._credits
+        # The one cancellation point between a write's batches (its waits are shielded, a warm submit does not
+        # yield): a room's deadline or a cancelled send() stops a many-batch write here. No yield otherwise.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         taken = credits.take_now(n)
         if taken is not None:
             return taken
