@@ -12,6 +12,7 @@ from contextlib import suppress
 
 import anyio
 import pytest
+import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, Part, TransferConfig, TransferError, TransferStatus
 from aioembed.testing import MockTransport, WriteFault
@@ -40,23 +41,32 @@ async def _until_acknowledged(receiver: EmbeddingReceiver, *rooms: object) -> No
             await anyio.sleep(0.01)
 
 
+async def _cancel_mid_write(s: EmbeddingSender, r: EmbeddingReceiver, src: dict[str, torch.Tensor], *,
+                            sender_aborts_first: bool = False) -> None:
+    """Room "X" ends while its send() writes: the receiver cancels it (after the sender's own abort(), whose
+    end its ABORT then crosses on the wire, if ``sender_aborts_first``); until the receiver lets the id go."""
+    async with anyio.create_task_group() as tg:
+        async def first_send() -> None:
+            with pytest.raises(TransferError):
+                await s.send("X", src)
+
+        tg.start_soon(first_send)
+        h = r.start("X", sender=s.address)
+        with anyio.fail_after(5):
+            while h.status is not TransferStatus.TRANSFERRING:
+                await anyio.sleep(0.005)
+        if sender_aborts_first:
+            s.abort("X", "the encoder failed on the image")
+        h.cancel("the client went away")
+        await h.wait()
+    await _until_acknowledged(r, "X")
+
+
 async def test_a_room_the_receiver_cancelled_mid_send_is_received_again_receiver_first() -> None:
     async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes()) as s, \
             EmbeddingReceiver(LAYOUT, CFG, connect=None, transport=MockTransport()) as r:
         src = make_request(2000, 1)
-        async with anyio.create_task_group() as tg:
-            async def first_send() -> None:
-                with pytest.raises(TransferError):
-                    await s.send("X", src)
-
-            tg.start_soon(first_send)
-            h = r.start("X", sender=s.address)
-            with anyio.fail_after(5):
-                while h.status is not TransferStatus.TRANSFERRING:
-                    await anyio.sleep(0.005)
-            h.cancel("the client went away")
-            await h.wait()
-        await _until_acknowledged(r, "X")
+        await _cancel_mid_write(s, r, src)
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 again = r.start("X", sender=s.address)  # the receiver asks first
@@ -111,21 +121,7 @@ async def test_a_room_the_sender_aborted_mid_write_is_refused_at_once_though_the
     cfg = CFG.replace(input_timeout=3.0)
     async with EmbeddingSender(LAYOUT, cfg, transport=_slow_writes()) as s, \
             EmbeddingReceiver(LAYOUT, cfg, connect=None, transport=MockTransport()) as r:
-        src = make_request(2000, 1)
-        async with anyio.create_task_group() as tg:
-            async def first_send() -> None:
-                with pytest.raises(TransferError):
-                    await s.send("X", src)
-
-            tg.start_soon(first_send)
-            h = r.start("X", sender=s.address)
-            with anyio.fail_after(5):
-                while h.status is not TransferStatus.TRANSFERRING:
-                    await anyio.sleep(0.005)
-            s.abort("X", "the encoder failed on the image")  # the sender ends it, a write in flight ...
-            h.cancel("the client went away")  # ... crossed by the receiver's ABORT
-            await h.wait()
-        await _until_acknowledged(r, "X")
+        await _cancel_mid_write(s, r, make_request(2000, 1), sender_aborts_first=True)
         t0 = time.monotonic()
         with anyio.fail_after(5), pytest.raises(TransferError, match="the encoder failed on the image"):
             await r.receive("X", sender=s.address)
