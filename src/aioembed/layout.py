@@ -121,6 +121,9 @@ class Layout(Mapping[str, Field]):
             t = tensors[name]
             if not isinstance(t, torch.Tensor):
                 raise LayoutError(f"field {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise LayoutError(f"field {name!r}: expected a dense (strided) tensor, got layout {t.layout} "
+                                  "(call .to_dense() first)")
             if t.dtype != f.dtype:
                 raise LayoutError(f"field {name!r}: expected dtype {f.dtype}, got {t.dtype}")
             if t.dim() != 1 + len(f.shape) or tuple(t.shape[1:]) != f.shape:

@@ -149,6 +149,8 @@ def _tensors(**changes: Any) -> dict[str, Any]:
         (_tensors(embeddings=torch.zeros(64, dtype=torch.bfloat16)), ["embeddings", "shape"]),
         (_tensors(mrope_positions=torch.zeros(6, 3, dtype=torch.int64)), ["mrope_positions", "6", "5"]),
         (_tensors(token_ids=[1, 2, 3]), ["token_ids", "Tensor"]),
+        # a sparse tensor escaped as torch's RuntimeError later (and leaked the sender's staged rows)
+        (_tensors(token_ids=torch.zeros(5, dtype=torch.int32).to_sparse()), ["token_ids", "dense", "sparse"]),
     ],
 )
 def test_validate_errors_name_the_field(tensors: dict[str, Any], fragments: list[str]) -> None:

@@ -17,7 +17,16 @@ from typing import Any
 import anyio
 import pytest
 
-from aioembed import ConfigError, EmbeddingReceiver, EmbeddingSender, IncompatiblePeer, PeerDead, TransferConfig
+from aioembed import (
+    ConfigError,
+    EmbeddingReceiver,
+    EmbeddingSender,
+    IncompatiblePeer,
+    PeerDead,
+    TransferAborted,
+    TransferConfig,
+    TransferStatus,
+)
 from aioembed.protocol.messages import MAX_FRAME_BYTES, Abort, AbortAck, Hello, Init, Reject, Status, Welcome
 from aioembed.session import connection
 from aioembed.transports.loopback import LoopbackTransport
@@ -183,3 +192,27 @@ async def test_an_abort_crossing_a_ranks_final_status_is_acknowledged() -> None:
             rank1.send(Init(room=4, blocks=(0, 1), allocated_tokens=256, expected_ranks=2))  # the room goes on
             done = await rank1.expect(Status)
             assert isinstance(done, Status) and done.state == "SUCCESS"
+
+
+async def test_a_multi_rank_room_ended_by_one_rank_stays_ended_for_the_others_and_for_send() -> None:
+    """Before send(): rank 0 reserves room x and ABORTs it. Rank 1's INIT, just after, was taken as a new
+    request and erased the tombstone: send() then waited input_timeout for a rank 0 that never asks again
+    (and rank 1 with it). Rank 1 is told the room is over; send() learns it at once; rank 0, which ended
+    it, may ask for the id again."""
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, staging_tokens=0, heartbeat_interval=5.0,
+                         input_timeout=3.0)
+    async with EmbeddingSender(LAYOUT, cfg) as sender, \
+            raw_receiver(sender.address, LAYOUT, cfg) as a, raw_receiver(sender.address, LAYOUT, cfg) as b:
+        a.send(a.hello(LAYOUT, cfg, receiver_id="A", rank=0, world=2))
+        await a.expect(Welcome)
+        b.send(b.hello(LAYOUT, cfg, receiver_id="B", rank=1, world=2))
+        await b.expect(Welcome)
+        a.send(Init(room="x", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=2))
+        a.send(Abort(room="x", reason="receive() timed out"))
+        await a.expect(AbortAck)
+        b.send(Init(room="x", blocks=tuple(range(8, 16)), allocated_tokens=1024, expected_ranks=2))
+        told = await b.expect(Status)
+        assert isinstance(told, Status) and told.state is TransferStatus.ABORTED and not told.fence
+        assert "receive() timed out" in (told.error or "")
+        with anyio.fail_after(1), pytest.raises(TransferAborted, match="ended by the receiver before send"):
+            await sender.send("x", make_request(1000, 1))

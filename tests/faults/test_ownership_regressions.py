@@ -370,3 +370,55 @@ async def test_a_final_status_still_in_the_inbox_when_the_room_is_cancelled_free
             assert await handle.wait() is TransferStatus.ABORTED
             assert isinstance(await raw.expect(Abort), Abort)  # the raw sender never acknowledges it
             assert receiver.allocator.stats.used == 0  # the STATUS proved round 1's write over
+
+
+async def test_an_abort_crossing_a_fenced_status_is_not_acknowledged_while_the_write_may_land() -> None:
+    """The receiver's ABORT (its receive() cancelled) crosses the sender's STATUS(fence=True) on the wire and
+    reaches a sender that already dropped the room. It answered ABORT_ACK at once, and the receiver freed the
+    fenced blocks on it while the failed write was still due to land: in the next room's rows (a review
+    showed room y's rows overwritten). It is answered with the fence again; FENCE_RELEASE comes later."""
+    from aioembed.protocol.messages import decode
+
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=1024, staging_tokens=0, heartbeat_interval=5.0)
+    fault = WriteFault(error=RuntimeError("engine timeout; may still write"), fail_after=0.3, land_after=2.0)
+    transport = MockTransport(cancel_safe_writes=False, write_lifetime=3.0,
+                              faults=lambda call: fault if call.index == 0 else None)
+    sender = EmbeddingSender(LAYOUT, cfg, transport=transport)
+    on_frames = sender._on_frames
+
+    def slow_aborts(frames: list[bytes]) -> None:  # the ABORT is slow on the wire
+        try:
+            slow = isinstance(decode(frames[1]), Abort)
+        except Exception:
+            slow = False
+        if not slow:
+            on_frames(frames)
+            return
+
+        async def later() -> None:
+            await anyio.sleep(0.4)
+            on_frames(frames)
+        sender._spawn(later)
+
+    sender._on_frames = slow_aborts  # type: ignore[method-assign]
+    async with sender, EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as rx:
+        await rx.wait_connected()
+
+        async def first() -> None:
+            with pytest.raises(TransferError):
+                await sender.send("x", make_request(1000, 1))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            with anyio.move_on_after(0.1):
+                await rx.receive("x")  # cancelled: ABORT
+        await anyio.sleep(1.0)  # the ABORT reached the sender; the write has not landed yet
+        assert not fault.landed.is_set() and sender.writes_in_flight == 1
+        assert rx.allocator.stats.fenced == rx.allocator.stats.total  # still fenced: no ABORT_ACK freed them
+        src = make_request(1000, 2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "y", src)  # waits for the blocks: FENCE_RELEASE after the landing
+            lease = await rx.receive_leased("y")
+        assert fault.landed.is_set()
+        async with lease:
+            assert_same(lease.to_tensors(), src)

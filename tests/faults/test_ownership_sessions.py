@@ -378,3 +378,4 @@ def test_no_write_ever_lands_in_a_block_it_does_not_own_soak(backend: str, scrip
     """The same, with many more interleavings (``make soak``)."""
     found = anyio.run(run_script, script, revocable, backend=backend)
     assert not found, found
+

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, Part, TransferConfig, TransferError, TransferStatus
+from aioembed.session.handle import ReceiveHandle
 from aioembed.testing import MockTransport, WriteFault
 
 from .conftest import LAYOUT, assert_same, make_request
@@ -126,3 +127,49 @@ async def test_a_room_the_sender_aborted_mid_write_is_refused_at_once_though_the
         with anyio.fail_after(5), pytest.raises(TransferError, match="the encoder failed on the image"):
             await r.receive("X", sender=s.address)
         assert time.monotonic() - t0 < 1.0  # told at once, not at input_timeout (3 s)
+
+
+@pytest.mark.parametrize("receiver_first", [False, True])
+async def test_an_abort_while_send_prepares_its_rows_is_not_lost(receiver_first: bool) -> None:
+    """abort() while send() still made its sources (a large non-contiguous field copied in a thread, or the
+    wait for a CUDA producer) found no room being sent and only left a tombstone: send() then sent the room
+    as if never aborted, or waited input_timeout for an INIT the aborted receiver never sent again."""
+    cfg = CFG.replace(staging_tokens=0, input_timeout=3.0)
+    async with EmbeddingSender(LAYOUT, cfg) as s, EmbeddingReceiver(LAYOUT, cfg, connect=s.address) as r:
+        await r.wait_connected()
+        making, made = anyio.Event(), anyio.Event()
+        sources_of = s._sources_of
+
+        async def slow_sources(*args: object) -> list[torch.Tensor]:
+            making.set()
+            await made.wait()
+            return await sources_of(*args)  # type: ignore[arg-type]
+
+        s._sources_of = slow_sources  # type: ignore[method-assign]
+        outcome: dict[str, BaseException] = {}
+
+        async def send() -> None:
+            with pytest.raises(TransferError) as info:
+                await s.send("x", make_request(200, 1))
+            outcome["send"] = info.value
+
+        async def receive(handle: ReceiveHandle | None = None) -> None:
+            with pytest.raises(TransferError) as info:
+                await (handle.result() if handle is not None else r.receive("x"))
+            outcome["receive"] = info.value
+
+        with anyio.fail_after(2):  # well within input_timeout
+            async with anyio.create_task_group() as tg:
+                if receiver_first:
+                    h = r.start("x")
+                    while h.status is not TransferStatus.WAITING_FOR_INPUT:
+                        await anyio.sleep(0.005)
+                    tg.start_soon(receive, h)
+                tg.start_soon(send)
+                await making.wait()
+                s.abort("x", "the encoder's request was cancelled")
+                made.set()
+                if not receiver_first:
+                    tg.start_soon(receive)
+        assert "the encoder's request was cancelled" in str(outcome["send"])
+        assert "the encoder's request was cancelled" in str(outcome["receive"])

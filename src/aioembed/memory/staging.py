@@ -116,16 +116,20 @@ class StagingArea:
         if start is None:
             return None
         out = {}
-        for name, area in self.tensors.items():
-            dst = area[start:start + num_tokens]
-            src = tensors[name]
-            if src.is_contiguous():
-                # One memmove on this thread: torch's copy_ of a few hundred KB goes to its intra-op
-                # threads, whose hand-off costs far more than the copy on a busy 2-core host.
-                ctypes.memmove(dst.data_ptr(), src.data_ptr(), num_tokens * self.layout[name].row_bytes)
-            else:
-                dst.copy_(src)
-            out[name] = dst
+        try:
+            for name, area in self.tensors.items():
+                dst = area[start:start + num_tokens]
+                src = tensors[name]
+                if src.is_contiguous():
+                    # One memmove on this thread: torch's copy_ of a few hundred KB goes to its intra-op
+                    # threads, whose hand-off costs far more than the copy on a busy 2-core host.
+                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), num_tokens * self.layout[name].row_bytes)
+                else:
+                    dst.copy_(src)
+                out[name] = dst
+        except BaseException:
+            self._ranges.give(start)  # nothing was sent from them: the rows go back
+            raise
         return StagedRows(start, out)
 
     def release(self, rows: StagedRows) -> None:

@@ -304,14 +304,8 @@ class EmbeddingSender:
     async def _send_key(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                         metadata: Mapping[str, Any] | None, stream: torch.cuda.Stream | None = None) -> None:
         """``send()`` of the room (or room part) with wire id ``room``."""
-        staged: StagedRows | None = None
         try:
-            num_tokens, meta = self._check_request(room, tensors, metadata)
-            if self._staging is not None:
-                staged = self._staging.stage(tensors, num_tokens)
-            sources = list(staged.tensors.values()) if staged else await self._sources_of(room, tensors, stream)
-            if self._closing:  # aclose() began while the sources were being made: it cannot see this room
-                raise TransferAborted(f"room {room!r}: aborted: sender closing", room=room)
+            num_tokens, meta, sources, staged = await self._input_of(room, tensors, metadata, stream)
         except (InvalidRequest, LayoutError) as exc:
             # A receiver that already asked for the room learns why at once, not at its input_timeout.
             if self._room_is_waiting(room):
@@ -349,6 +343,29 @@ class EmbeddingSender:
         finally:
             await self._send_finished(r, source=source, registered=registered, num_tokens=num_tokens,
                                       t_start=t_start, error=error)
+
+    async def _input_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None,
+                        stream: torch.cuda.Stream | None) -> tuple[int, dict[str, Any], list[torch.Tensor],
+                                                                   StagedRows | None]:
+        """The request checked, and the tensors its writes read: (tokens, metadata, sources, staged rows)."""
+        num_tokens, meta = self._check_request(room, tensors, metadata)
+        if self._staging is not None:
+            staged = self._staging.stage(tensors, num_tokens)
+            if staged is not None:
+                return num_tokens, meta, list(staged.tensors.values()), staged
+        tomb = self._ended.get(room)
+        sources = await self._sources_of(room, tensors, stream)
+        if self._closing:  # aclose() began while the sources were being made: it cannot see this room
+            raise TransferAborted(f"room {room!r}: aborted: sender closing", room=room)
+        ended = self._ended.get(room)
+        if ended is not None and ended is not tomb:
+            # abort() (or a receiver's ABORT) while the sources were being made found no room being sent: it
+            # only left this tombstone. Honour it now, or the room would be sent as if it was never aborted.
+            if ended.by == "receiver":
+                del self._ended[room]
+            raise TransferAborted(f"room {room!r} was ended by the {ended.by} while send() prepared its rows: "
+                                  f"{ended.reason}", room=room)
+        return num_tokens, meta, sources, None
 
     @staticmethod
     def _room_key(room: int | str, part: int | None) -> RoomId:
@@ -548,6 +565,21 @@ class EmbeddingSender:
 
     # -- control messages --------------------------------------------------------------------
 
+    def _answer_ended(self, peer: PeerSession, room: RoomId, answer: Message) -> None:
+        """Answer ``peer`` about a room this sender does not drive for it (an ABORT_ACK, an ABORTED
+        STATUS, a REJECT naming the room): each tells the receiver that no write of the room can reach
+        its blocks, and it frees every block of the room it holds fenced. So while a failed write of the
+        room into this session may still land (the room ended with ``STATUS(fence=True)`` an instant ago),
+        the answer is that fence again: ``FENCE_RELEASE`` follows once the write cannot land."""
+        if not self._ledger.in_flight(peer.key, room):
+            self._send_to(peer, answer)
+            return
+        log.info("sender: room=%r: %s to %s held back: a write of the room may still land there (fenced)",
+                 room, answer.TYPE, peer)
+        self._send_to(peer, Status(room=room, state=TransferStatus.FAILED, total_tokens=0, sent_tokens=0, round=0,
+                                   error="a write of this room may still land: its blocks stay fenced", fence=True))
+        self._apply(self._ledger.fence_told(peer.key, room))
+
     def _send_to(self, peer: PeerSession, msg: Message) -> bool:
         """Queue ``msg`` for a live session (never a frame for a session after it ended)."""
         return peer.alive and self._send_identity(peer.identity, msg)
@@ -601,7 +633,11 @@ class EmbeddingSender:
             handler(peer, msg)
         except ProtocolError as exc:
             log.warning("sender: room=%s: %s from %s refused: %s", exc.room, msg.TYPE, peer, exc)
-            self._send_to(peer, Reject(reason=plain_text(exc), room=exc.room))
+            reject = Reject(reason=plain_text(exc), room=exc.room)
+            if exc.room is None:
+                self._send_to(peer, reject)
+            else:
+                self._answer_ended(peer, exc.room, reject)
 
     async def _handshake(self, identity: bytes, hello: Hello) -> None:
         cfg = self.config
@@ -674,10 +710,13 @@ class EmbeddingSender:
     def _on_init(self, peer: PeerSession, msg: Init) -> None:
         room = msg.room
         tomb = self._tombstone(room) if room not in self._rooms else None
-        if tomb is not None and tomb.by == "sender" and peer.key.receiver not in tomb.exempt:
-            self._send_to(peer, Status(room=room, state=TransferStatus.ABORTED, total_tokens=0, sent_tokens=0,
-                                       round=0, error=plain_text(f"the sender ended this room before rank "
-                                                                 f"{peer.rank} asked: {tomb.reason}")))
+        # A room the sender ended is over for any rank asking late, and one that a receiver ended is over for
+        # the other ranks of a multi-rank room; a receiver that ended it itself asks again with a new request.
+        if tomb is not None and peer.key.receiver not in tomb.exempt and (
+                tomb.by == "sender" or msg.expected_ranks > 1):
+            self._answer_ended(peer, room, Status(
+                room=room, state=TransferStatus.ABORTED, total_tokens=0, sent_tokens=0, round=0,
+                error=plain_text(f"the sender ended this room before rank {peer.rank} asked: {tomb.reason}")))
             return
         if msg.expected_ranks != peer.world:
             raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
@@ -718,7 +757,7 @@ class EmbeddingSender:
     def _on_abort(self, peer: PeerSession, msg: Abort) -> None:
         r = self._rooms.get(msg.room)
         if r is None or r.rank_peer.get(peer.rank) is not peer:
-            self._send_to(peer, AbortAck(room=msg.room))
+            self._answer_ended(peer, msg.room, AbortAck(room=msg.room))
             return
         log.info("sender: room=%r: aborted by %s: %s", msg.room, peer, msg.reason)
         if peer.rank in r.finished:
@@ -755,7 +794,7 @@ class EmbeddingSender:
             return
         r.notify_end()
         self._drop_room(r)
-        self._remember_ended(r.room, "receiver", reason)
+        self._remember_ended(r.room, "receiver", reason, exempt=r.ended_by_receivers)
 
     @staticmethod
     def _exempt_if_first(r: SendRoomDriver, peer: PeerSession) -> None:
@@ -814,6 +853,10 @@ class EmbeddingSender:
             if not r.active:
                 r.notify_end()  # the room's other ranks hold reservations too
                 self._drop_room(r)
+                if (r.machine.expected_ranks or 1) > 1:
+                    # Its other ranks were told it failed: a later send() learns at once, and a late INIT (this
+                    # rank's, from its next session) is told it is over. (One rank alone reopens the room.)
+                    self._remember_ended(room, "receiver", reason)
         peer.rooms.clear()
         if self._ledger.writes_into(peer.key):
             self._draining[peer.key] = peer  # its link closes once its last write ended
