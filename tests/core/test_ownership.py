@@ -670,6 +670,16 @@ def test_write_ledger_holds_fence_release_until_the_fence_status() -> None:
     assert ledger.source_done(src) == [ReleaseSource(src)]
 
 
+@pytest.mark.parametrize("outcome", [WriteOutcome.LANDED, WriteOutcome.FAILED_CLEANLY])
+def test_a_fence_told_while_a_clean_write_runs_is_released_when_it_ends(outcome: WriteOutcome) -> None:
+    """The fence was told about a room whose write was still going and then landed (or failed cleanly): the
+    FENCE_RELEASE it is owed was sent only after poisoned writes, so it never came."""
+    ledger, key, src, w = _one_write()
+    assert ledger.fence_told(key, "room") == []  # the write is still in flight
+    assert ledger.ended(w, outcome, now=0.0, lifetime=3.0) == [SendFenceRelease(key, "room")]
+    assert ledger.source_done(src) == [ReleaseSource(src)]
+
+
 def test_a_settling_write_lands_until_its_transport_says_it_ended_and_its_lifetime_passed() -> None:
     ledger, key, src, w = _one_write()
     assert ledger.ended(w, WriteOutcome.POISONED, now=0.0, lifetime=3.0, settling=True) == []

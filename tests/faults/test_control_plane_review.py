@@ -216,3 +216,36 @@ async def test_a_multi_rank_room_ended_by_one_rank_stays_ended_for_the_others_an
         assert "receive() timed out" in (told.error or "")
         with anyio.fail_after(1), pytest.raises(TransferAborted, match="ended by the receiver before send"):
             await sender.send("x", make_request(1000, 1))
+
+
+@pytest.mark.parametrize("rank_1_first", [True, False])
+async def test_a_multi_rank_pair_retries_a_room_one_of_its_ranks_aborted(rank_1_first: bool) -> None:
+    """Both ranks had asked; rank 0 aborted and rank 1 was told. Their retry of the id is a new attempt,
+    whichever rank asks first (rank 1 first was refused as a late INIT, and send() then timed out)."""
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, staging_tokens=0, heartbeat_interval=5.0,
+                         input_timeout=3.0)
+    async with EmbeddingSender(LAYOUT, cfg) as sender, \
+            raw_receiver(sender.address, LAYOUT, cfg) as a, raw_receiver(sender.address, LAYOUT, cfg) as b:
+        a.send(a.hello(LAYOUT, cfg, receiver_id="A", rank=0, world=2))
+        await a.expect(Welcome)
+        b.send(b.hello(LAYOUT, cfg, receiver_id="B", rank=1, world=2))
+        await b.expect(Welcome)
+        inits = {a: Init(room="x", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=2),
+                 b: Init(room="x", blocks=tuple(range(8, 16)), allocated_tokens=1024, expected_ranks=2)}
+        for raw, init in inits.items():
+            raw.send(init)
+        with anyio.fail_after(5):
+            while "x" not in sender._rooms or len(sender._rooms["x"].rank_peer) < 2:
+                await anyio.sleep(0.01)
+        a.send(Abort(room="x", reason="rank 0 timed out"))
+        await a.expect(AbortAck)
+        assert (await b.expect(Status)).state is TransferStatus.ABORTED
+        for raw in ((b, a) if rank_1_first else (a, b)):
+            raw.send(inits[raw])
+            await anyio.sleep(0.05)
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "x", make_request(500, 1))
+                for raw in (a, b):
+                    done = await raw.expect(Status)
+                    assert done.state is TransferStatus.SUCCESS, done.error

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -422,3 +423,42 @@ async def test_an_abort_crossing_a_fenced_status_is_not_acknowledged_while_the_w
         assert fault.landed.is_set()
         async with lease:
             assert_same(lease.to_tensors(), src)
+
+
+async def test_a_bad_frame_naming_a_room_being_written_is_answered_with_the_fence() -> None:
+    """A frame the sender cannot decode but that names a room was answered with a REJECT naming it: the
+    receiver freed the room's blocks on it while the room's write still ran, and the write then landed in
+    the next room's rows (found by a review)."""
+    import msgpack
+
+    from aioembed.protocol.messages import PROTOCOL_VERSION
+
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=1024, staging_tokens=0, heartbeat_interval=5.0)
+    fault = WriteFault(delay=1.0)
+    transport = MockTransport(faults=lambda call: fault if call.index == 0 else None)
+    async with EmbeddingSender(LAYOUT, cfg, transport=transport) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as rx:
+        await rx.wait_connected()
+        y = make_request(1000, 2)
+
+        async def quietly(call: Callable[[], Any]) -> None:
+            with contextlib.suppress(TransferError):
+                await call()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(quietly, lambda: rx.receive("x"))
+            tg.start_soon(quietly, lambda: sender.send("x", make_request(1000, 1)))
+            with anyio.fail_after(5):
+                while sender.writes_in_flight == 0:
+                    await anyio.sleep(0.01)
+            (peer,) = sender._peers.sessions()
+            bad = msgpack.packb({"type": "RESUME", "v": PROTOCOL_VERSION, "room": "x", "round": "bogus"})
+            sender._on_frames([peer.identity, bad])
+            await anyio.sleep(0.2)
+            assert not fault.landed.is_set()
+            assert rx.allocator.stats.free == 0  # x's blocks stay held or fenced while its write runs
+            tg.start_soon(sender.send, "y", y)
+            lease = await rx.receive_leased("y")  # gets x's blocks only once x's write ended
+            assert fault.landed.is_set()
+            async with lease:
+                assert_same(lease.to_tensors(), y)

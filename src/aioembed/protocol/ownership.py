@@ -721,12 +721,13 @@ class WriteLedger:
     # -- internals -----------------------------------------------------------------------------
 
     def _retire(self, w: _Write) -> list[WriterAction]:
-        poisoned = w.expires is not None
         del self._writes[w.id]
         out: list[WriterAction] = []
         session = w.session
         told = (session, w.room) in self._fence_told
-        if poisoned and told and not self.in_flight(session, w.room):
+        # Owed once the room's last write ended, however it ended: the fence may have been told while a write
+        # that then landed or failed cleanly was still going (an answer about a room that ended meanwhile).
+        if told and not self.in_flight(session, w.room):
             self._fence_told.discard((session, w.room))
             if self.is_open(session):
                 out.append(SendFenceRelease(session, w.room))

@@ -98,13 +98,17 @@ their ranks that the room ended."""
 
 
 class _Ended(NamedTuple):
-    """A room's tombstone: who ended it, why, when; and the receivers an INIT of it from is a new request
-    (those that ended it themselves), not a late one."""
+    """A room's tombstone: who ended it, why, when; the receivers whose INIT of it is a new request (those
+    that ended it themselves), not a late one; the ranks that had asked for it when it ended (told of its
+    end, so their next INIT is a new attempt too); and whether an ``abort()`` or ABORT ended it (not a
+    failure of its own ``send()``)."""
 
     by: str
     reason: str
     at: float
     exempt: frozenset[str]
+    ranks: frozenset[int]
+    aborted: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +362,7 @@ class EmbeddingSender:
         if self._closing:  # aclose() began while the sources were being made: it cannot see this room
             raise TransferAborted(f"room {room!r}: aborted: sender closing", room=room)
         ended = self._ended.get(room)
-        if ended is not None and ended is not tomb:
+        if ended is not None and ended is not tomb and ended.aborted:
             # abort() (or a receiver's ABORT) while the sources were being made found no room being sent: it
             # only left this tombstone. Honour it now, or the room would be sent as if it was never aborted.
             if ended.by == "receiver":
@@ -457,7 +461,7 @@ class EmbeddingSender:
             # A rank that asks later learns at once that this room is over; not a receiver that ended it
             # (an ABORT, a REJECT): its next INIT of the room id is a new request (this send() raised).
             self._remember_ended(room, "sender", r.machine.error or "send() did not complete",
-                                 exempt=r.ended_by_receivers)
+                                 exempt=r.ended_by_receivers, ranks=r.rank_peer)
         r.active = False
         r.sources = []
         self._drop_room(r)
@@ -527,7 +531,7 @@ class EmbeddingSender:
                 return
             r.notify_end()
             self._drop_room(r)
-        self._remember_ended(room, "sender", reason)
+        self._remember_ended(room, "sender", reason, aborted=True)
 
     def _drop_room(self, r: SendRoomDriver) -> None:
         """Forget ``r``: out of the room table and out of every peer's room set."""
@@ -576,8 +580,15 @@ class EmbeddingSender:
             return
         log.info("sender: room=%r: %s to %s held back: a write of the room may still land there (fenced)",
                  room, answer.TYPE, peer)
-        self._send_to(peer, Status(room=room, state=TransferStatus.FAILED, total_tokens=0, sent_tokens=0, round=0,
-                                   error="a write of this room may still land: its blocks stay fenced", fence=True))
+        if isinstance(answer, Status):
+            state, why = answer.state, answer.error or ""
+        elif isinstance(answer, Reject):
+            state, why = TransferStatus.FAILED, answer.reason
+        else:
+            state, why = TransferStatus.ABORTED, "aborted"
+        self._send_to(peer, Status(room=room, state=state, total_tokens=0, sent_tokens=0, round=0, fence=True,
+                                   error=plain_text(f"{why}; a write of this room may still land: its blocks "
+                                                    "stay fenced")))
         self._apply(self._ledger.fence_told(peer.key, room))
 
     def _send_to(self, peer: PeerSession, msg: Message) -> bool:
@@ -603,8 +614,12 @@ class EmbeddingSender:
             msg = decode(payload)
         except ProtocolError as exc:
             log.warning("sender: bad frame from %r (room=%s): %s", identity, exc.room, exc)
-            self._send_identity(identity, Reject(reason=plain_text(f"bad frame: {exc}"), room=exc.room,
-                                                 code="bad_frame"))
+            reject = Reject(reason=plain_text(f"bad frame: {exc}"), room=exc.room, code="bad_frame")
+            known = self._peers.at(identity)
+            if known is not None and exc.room is not None:
+                self._answer_ended(known, exc.room, reject)  # a REJECT naming a room frees its blocks there
+            else:
+                self._send_identity(identity, reject)
             return
         peer = self._peers.at(identity)
         if peer is not None:
@@ -710,13 +725,16 @@ class EmbeddingSender:
     def _on_init(self, peer: PeerSession, msg: Init) -> None:
         room = msg.room
         tomb = self._tombstone(room) if room not in self._rooms else None
-        # A room the sender ended is over for any rank asking late, and one that a receiver ended is over for
-        # the other ranks of a multi-rank room; a receiver that ended it itself asks again with a new request.
+        # A room the sender ended (abort(), a failure of its own) is over for any rank asking late. One that
+        # receivers ended first (ABORT, REJECT) is over only for a rank of a multi-rank room that had not
+        # asked yet: ranks told of its end, and the receivers that ended it, ask again with a new request.
+        by_receivers = tomb is not None and (tomb.by == "receiver" or bool(tomb.exempt))
         if tomb is not None and peer.key.receiver not in tomb.exempt and (
-                tomb.by == "sender" or msg.expected_ranks > 1):
+                not by_receivers or (msg.expected_ranks > 1 and peer.rank not in tomb.ranks)):
+            who = "another rank's receiver" if by_receivers else "the sender"
             self._answer_ended(peer, room, Status(
                 room=room, state=TransferStatus.ABORTED, total_tokens=0, sent_tokens=0, round=0,
-                error=plain_text(f"the sender ended this room before rank {peer.rank} asked: {tomb.reason}")))
+                error=plain_text(f"{who} ended this room before rank {peer.rank} asked: {tomb.reason}")))
             return
         if msg.expected_ranks != peer.world:
             raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
@@ -794,7 +812,7 @@ class EmbeddingSender:
             return
         r.notify_end()
         self._drop_room(r)
-        self._remember_ended(r.room, "receiver", reason, exempt=r.ended_by_receivers)
+        self._remember_ended(r.room, "receiver", reason, exempt=r.ended_by_receivers, ranks=r.rank_peer, aborted=True)
 
     @staticmethod
     def _exempt_if_first(r: SendRoomDriver, peer: PeerSession) -> None:
@@ -805,8 +823,9 @@ class EmbeddingSender:
         if r.machine.failed is None or r.ended_by_receivers:
             r.ended_by_receivers.add(peer.key.receiver)
 
-    def _remember_ended(self, room: RoomId, by: str, reason: str, *, exempt: Iterable[str] = ()) -> None:
-        self._ended[room] = _Ended(by, reason, anyio.current_time(), frozenset(exempt))
+    def _remember_ended(self, room: RoomId, by: str, reason: str, *, exempt: Iterable[str] = (),
+                        ranks: Iterable[int] = (), aborted: bool = False) -> None:
+        self._ended[room] = _Ended(by, reason, anyio.current_time(), frozenset(exempt), frozenset(ranks), aborted)
         self._ended.move_to_end(room)
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
@@ -853,10 +872,6 @@ class EmbeddingSender:
             if not r.active:
                 r.notify_end()  # the room's other ranks hold reservations too
                 self._drop_room(r)
-                if (r.machine.expected_ranks or 1) > 1:
-                    # Its other ranks were told it failed: a later send() learns at once, and a late INIT (this
-                    # rank's, from its next session) is told it is over. (One rank alone reopens the room.)
-                    self._remember_ended(room, "receiver", reason)
         peer.rooms.clear()
         if self._ledger.writes_into(peer.key):
             self._draining[peer.key] = peer  # its link closes once its last write ended
