@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -32,7 +34,7 @@ from aioembed.session import connection
 from aioembed.transports.loopback import LoopbackTransport
 
 from ..session.conftest import LAYOUT, assert_same, make_request
-from .rawpeer import raw_receiver, raw_sender
+from .rawpeer import RawReceiver, raw_receiver, raw_sender
 
 pytestmark = pytest.mark.anyio
 
@@ -194,19 +196,27 @@ async def test_an_abort_crossing_a_ranks_final_status_is_acknowledged() -> None:
             assert isinstance(done, Status) and done.state == "SUCCESS"
 
 
+WORLD_2 = TransferConfig(default_tokens=1024, pool_tokens=4096, staging_tokens=0, heartbeat_interval=5.0,
+                         input_timeout=3.0)
+
+
+@asynccontextmanager
+async def _two_raw_ranks() -> AsyncIterator[tuple[EmbeddingSender, RawReceiver, RawReceiver]]:
+    """A sender and two hand-driven ranks (receivers "A" and "B") of one world of 2, both handshaken."""
+    async with EmbeddingSender(LAYOUT, WORLD_2) as sender, \
+            raw_receiver(sender.address, LAYOUT, WORLD_2) as a, raw_receiver(sender.address, LAYOUT, WORLD_2) as b:
+        for raw, name, rank in ((a, "A", 0), (b, "B", 1)):
+            raw.send(raw.hello(LAYOUT, WORLD_2, receiver_id=name, rank=rank, world=2))
+            await raw.expect(Welcome)
+        yield sender, a, b
+
+
 async def test_a_multi_rank_room_ended_by_one_rank_stays_ended_for_the_others_and_for_send() -> None:
     """Before send(): rank 0 reserves room x and ABORTs it. Rank 1's INIT, just after, was taken as a new
     request and erased the tombstone: send() then waited input_timeout for a rank 0 that never asks again
     (and rank 1 with it). Rank 1 is told the room is over; send() learns it at once; rank 0, which ended
     it, may ask for the id again."""
-    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, staging_tokens=0, heartbeat_interval=5.0,
-                         input_timeout=3.0)
-    async with EmbeddingSender(LAYOUT, cfg) as sender, \
-            raw_receiver(sender.address, LAYOUT, cfg) as a, raw_receiver(sender.address, LAYOUT, cfg) as b:
-        a.send(a.hello(LAYOUT, cfg, receiver_id="A", rank=0, world=2))
-        await a.expect(Welcome)
-        b.send(b.hello(LAYOUT, cfg, receiver_id="B", rank=1, world=2))
-        await b.expect(Welcome)
+    async with _two_raw_ranks() as (sender, a, b):
         a.send(Init(room="x", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=2))
         a.send(Abort(room="x", reason="receive() timed out"))
         await a.expect(AbortAck)
@@ -222,14 +232,7 @@ async def test_a_multi_rank_room_ended_by_one_rank_stays_ended_for_the_others_an
 async def test_a_multi_rank_pair_retries_a_room_one_of_its_ranks_aborted(rank_1_first: bool) -> None:
     """Both ranks had asked; rank 0 aborted and rank 1 was told. Their retry of the id is a new attempt,
     whichever rank asks first (rank 1 first was refused as a late INIT, and send() then timed out)."""
-    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, staging_tokens=0, heartbeat_interval=5.0,
-                         input_timeout=3.0)
-    async with EmbeddingSender(LAYOUT, cfg) as sender, \
-            raw_receiver(sender.address, LAYOUT, cfg) as a, raw_receiver(sender.address, LAYOUT, cfg) as b:
-        a.send(a.hello(LAYOUT, cfg, receiver_id="A", rank=0, world=2))
-        await a.expect(Welcome)
-        b.send(b.hello(LAYOUT, cfg, receiver_id="B", rank=1, world=2))
-        await b.expect(Welcome)
+    async with _two_raw_ranks() as (sender, a, b):
         inits = {a: Init(room="x", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=2),
                  b: Init(room="x", blocks=tuple(range(8, 16)), allocated_tokens=1024, expected_ranks=2)}
         for raw, init in inits.items():
