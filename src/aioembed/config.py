@@ -6,6 +6,7 @@ the setting's name and its allowed range, not minutes later inside a transfer.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -274,8 +275,6 @@ class TransportOptions(dict[str, Any]):
         return (type(self), (dict(self),))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TransportOptions:
-        import copy
-
         return type(self)(copy.deepcopy(dict(self), memo))
 
     def __hash__(self) -> int:  # type: ignore[override]

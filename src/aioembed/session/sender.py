@@ -143,7 +143,7 @@ class EmbeddingSender:
         self.address = ""
         self._peers = PeerDirectory()
         self._rooms: dict[RoomId, SendRoomDriver] = {}
-        # Recently ended rooms, so the other side learns at once: (who ended it, why, when).
+        # Recently ended rooms, so the other side learns at once (see _Ended).
         self._ended: OrderedDict[RoomId, _Ended] = OrderedDict()
         self._ledger = WriteLedger()
         self._sources: dict[int, _Source] = {}
@@ -781,14 +781,12 @@ class EmbeddingSender:
         if peer.rank in r.finished:
             # It crossed this rank's final STATUS on the wire, and no write goes to it any more: answer now
             # (notify_end skips finished ranks, and the receiver holds the room id until it hears back).
-            # After a STATUS(fence=True), FENCE_RELEASE answers it instead.
-            if not self._ledger.poisoned(peer.key, msg.room):
-                self._send_to(peer, AbortAck(room=msg.room))
+            # After a STATUS(fence=True) the answer is that fence again, and FENCE_RELEASE follows.
+            self._answer_ended(peer, msg.room, AbortAck(room=msg.room))
             return
         r.abort_from.add(peer.rank)
-        self._exempt_if_first(r, peer)
-        r.machine.fail(f"aborted by {peer}: {msg.reason}", aborted=True)
-        self._room_ended_by_receiver(r, peer, msg.reason)  # acknowledged once no write of the room is in flight
+        # acknowledged once no write of the room is in flight
+        self._room_ended_by_receiver(r, peer, f"aborted by {peer}: {msg.reason}", tombstone=msg.reason, aborted=True)
 
     def _on_reject(self, peer: PeerSession, msg: Reject) -> None:
         log.warning("sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
@@ -799,29 +797,27 @@ class EmbeddingSender:
             # Only a rank of the room speaks for it: another receiver's REJECT must not end it for them.
             log.warning("sender: room=%r: REJECT from %s, which is not a rank of the room, ignored", msg.room, peer)
             return
-        self._exempt_if_first(r, peer)
-        r.machine.fail(f"{peer} rejected: {msg.reason}")
-        self._room_ended_by_receiver(r, peer, f"{peer} rejected it: {msg.reason}")
+        self._room_ended_by_receiver(r, peer, f"{peer} rejected: {msg.reason}",
+                                     tombstone=f"{peer} rejected it: {msg.reason}")
 
-    def _room_ended_by_receiver(self, r: SendRoomDriver, peer: PeerSession, reason: str) -> None:
-        """``peer`` ended room ``r`` (its machine failed already): a ``send()`` driving it tells the ranks once
-        its writes are over; with none, they are told now (not at their input_timeout) and the room is
-        forgotten, remembered as ended by the receiver (a later ``send()`` of it learns why)."""
+    def _room_ended_by_receiver(self, r: SendRoomDriver, peer: PeerSession, failure: str, *, tombstone: str,
+                                aborted: bool = False) -> None:
+        """``peer``'s ABORT or REJECT ends room ``r`` (``failure``: why, for the room; ``tombstone``: for a
+        later ``send()`` of it). A ``send()`` driving it tells the ranks once its writes are over; with none,
+        they are told now (not at their input_timeout) and the room is forgotten, remembered as ended by the
+        receiver. ``peer``'s next INIT of the room id is a new request, not a late one, if the receivers
+        ended the room; not if the sender had ended it already (``abort()``, a failed write: the ABORT
+        crossed its end on the wire), whose word then stands: a rank asking again is told at once."""
+        if r.machine.failed is None or r.ended_by_receivers:
+            r.ended_by_receivers.add(peer.key.receiver)
+        r.machine.fail(failure, aborted=aborted)
         if r.active:
             r.poke()
             return
         r.notify_end()
         self._drop_room(r)
-        self._remember_ended(r.room, "receiver", reason, exempt=r.ended_by_receivers, ranks=r.rank_peer, aborted=True)
-
-    @staticmethod
-    def _exempt_if_first(r: SendRoomDriver, peer: PeerSession) -> None:
-        """``peer``'s ABORT or REJECT is ending room ``r``: its next INIT of the room id is a new request, not a
-        late one (see ``_send_finished``), if the receivers ended the room. Not if the sender had ended it
-        already (``abort()``, a failed write; the ABORT crossed its end on the wire): then the sender's
-        word stands, and a rank asking again is told at once."""
-        if r.machine.failed is None or r.ended_by_receivers:
-            r.ended_by_receivers.add(peer.key.receiver)
+        self._remember_ended(r.room, "receiver", tombstone, exempt=r.ended_by_receivers, ranks=r.rank_peer,
+                             aborted=True)
 
     def _remember_ended(self, room: RoomId, by: str, reason: str, *, exempt: Iterable[str] = (),
                         ranks: Iterable[int] = (), aborted: bool = False) -> None:

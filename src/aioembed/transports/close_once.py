@@ -21,11 +21,6 @@ class CloseOnce:
     def __init__(self) -> None:
         self._ended: anyio.Event | None = None
 
-    @property
-    def started(self) -> bool:
-        """The first :meth:`run` began (the endpoint counts as closed from then on)."""
-        return self._ended is not None
-
     async def run(self, close: Callable[[], Awaitable[None]]) -> None:
         """The first call awaits ``close()`` shielded (a close cut short by a cancellation could never be
         retried: the endpoint already counts as closed); later calls wait, cancellably, until it ended
