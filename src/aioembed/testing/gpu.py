@@ -154,21 +154,26 @@ class CudaSuite:
             assert same_rows(_to_cpu(again.to_tensors()), _to_cpu(second))
             again.release()
 
-    async def test_a_copy_into_out_waits_for_kernels_still_reading_it(self) -> None:
+    @pytest.mark.parametrize("where", ["current", "side"])
+    async def test_a_copy_into_out_waits_for_kernels_still_reading_it(self, where: str) -> None:
         """``receive(out=X)`` right after queuing kernels that read X (the previous request's rows): the copy
-        out of the pool (on a stream of its own) must not overwrite X before they ran."""
+        out of the pool (on a stream of its own) must not overwrite X before they ran. On torch's default
+        stream a new stream waits for it anyway (legacy default-stream semantics); a caller whose model runs
+        on a side stream, current while it asks, is the case only the copy's explicit wait covers."""
         first = _on_gpu(deterministic_request(LAYOUT, 700, "prev"))
         second = _on_gpu(deterministic_request(LAYOUT, 700, "next"))
         async with self.pair() as (sender, receiver):
             out = {n: t.clone() for n, t in first.items()}  # X holds the previous request's rows
             seen = {n: torch.empty_like(t) for n, t in first.items()}
             torch.cuda.synchronize()
-            _late()  # the model's kernels reading X, queued on the current stream, run late ...
-            for n, t in out.items():
-                seen[n].copy_(t)
-            async with anyio.create_task_group() as tg:  # ... and the next request is received into X at once
-                tg.start_soon(sender.send, "next", second)
-                got = await receiver.receive("next", out=out)
+            with torch.cuda.stream(_stream() if where == "side" else torch.cuda.current_stream()):
+                _late()  # the model's kernels reading X, queued on the caller's stream, run late ...
+                for n, t in out.items():
+                    seen[n].copy_(t)
+                async with anyio.create_task_group() as tg:  # ... and the next request is received into X at once
+                    # (its rows are ready: the sender must not wait for the caller's stream, or the rows land late)
+                    tg.start_soon(lambda: sender.send("next", second, stream=_stream()))
+                    got = await receiver.receive("next", out=out)
             torch.cuda.synchronize()
             assert same_rows(_to_cpu(seen), _to_cpu(first)), "the copy-out overwrote out= before kernels read it"
             assert same_rows(_to_cpu(got.tensors), _to_cpu(second))
