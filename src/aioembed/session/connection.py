@@ -104,7 +104,7 @@ class SenderConnection:
 
     def __init__(self, address: str, *, ctx: zmq.Context[zmq.Socket[bytes]], config: TransferConfig,
                  layout: Layout, pool: BlockPool, rank: int, world: int, receiver_id: str, keeper: BlockKeeper,
-                 transport: GuardedTransport, returns: LeaseReturns, spawn: Callable[..., None],
+                 transport: GuardedTransport, returns: LeaseReturns, spawn: Callable[..., object],
                  next_epoch: Callable[[], int]) -> None:
         self.address = address
         self.config = config

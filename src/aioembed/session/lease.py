@@ -32,7 +32,7 @@ class LeaseReturns:
     consumer's device work on them is done (a :class:`~aioembed.memory.device_order.Fence`)."""
 
     def __init__(self, give_back: Callable[[list[int]], None],
-                 spawn: Callable[..., None] | None = None) -> None:
+                 spawn: Callable[..., object] | None = None) -> None:
         self._give_back = give_back
         self._spawn = spawn
         self._loop_thread = threading.get_ident()

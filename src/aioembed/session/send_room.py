@@ -55,7 +55,7 @@ class SendContext:
     apply: Callable[[list[WriterAction]], None]
     last_refusal: Callable[[], str | None]
     """Why the last handshake with a receiver failed, if one did (named when a room times out)."""
-    spawn: Callable[..., None]
+    spawn: Callable[..., object]
     """Start a task owned by the sender (cancelled when it closes)."""
 
 

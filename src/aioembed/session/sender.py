@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
@@ -40,6 +40,7 @@ from aioembed.errors import (
     ProtocolError,
     TransferAborted,
     TransferFailed,
+    TransferTimeout,
     TransportError,
 )
 from aioembed.layout import Layout
@@ -119,6 +120,17 @@ class _Source:
     regions: list[MemoryRegion]
     tensors: list[torch.Tensor]
     staged: StagedRows | None
+
+
+@dataclass(eq=False, slots=True)
+class _Registration:
+    """The registration of one ``send()``'s own tensors, run in a task the sender owns (see ``_register``)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    registered: bool = False  # the transport registered the regions
+    error: Exception | None = None  # what its register() raised
+    owner_left: bool = False  # send() ended before it did: the task undoes it and gives the source back
+
 
 log = logging.getLogger(__name__)
 
@@ -332,11 +344,12 @@ class EmbeddingSender:
         self._active_sends += 1
         self._idle = anyio.Event() if self._active_sends == 1 else self._idle
         t_start = time.perf_counter()
-        registered = False
+        registration = None if staged else _Registration()
         error: BaseException | None = None
         try:
             r.machine.on_input(num_tokens)
-            registered = True if staged else await self._register(r, regions)
+            if registration is not None:
+                await self._register(r, source, regions, registration)
             await r.drive()
         except ProtocolError as exc:
             error = TransferFailed(str(exc), room=room)
@@ -345,7 +358,7 @@ class EmbeddingSender:
             error = exc
             raise
         finally:
-            await self._send_finished(r, source=source, registered=registered, num_tokens=num_tokens,
+            await self._send_finished(r, source=source, registration=registration, num_tokens=num_tokens,
                                       t_start=t_start, error=error)
 
     async def _input_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None,
@@ -404,19 +417,66 @@ class EmbeddingSender:
             raise TransferAborted(f"room {room!r} was ended by the receiver before send(): {tomb.reason}", room=room)
         return num_tokens, meta
 
-    async def _register(self, r: SendRoomDriver, regions: list[MemoryRegion]) -> bool:
-        """Register the source (never lost to a cancel); a failure ends the room on both sides."""
+    async def _register(self, r: SendRoomDriver, source: int, regions: list[MemoryRegion],
+                        registration: _Registration) -> None:
+        """Register the source; a failure ends the room on both sides.
+
+        A plugin's ``register()`` runs shielded (its engine's books must match what it pinned) and may stall
+        on its engine (pinning a large buffer, a wedged driver). So it runs in a task the sender owns, and
+        ``send()`` waits for it cancellably and within ``room_timeout``: a registration is never lost to a
+        cancel, and a stalled one does not hold ``send()``. If ``send()`` leaves first, that task undoes the
+        registration once it completes (the source counts in ``sources_held`` until then)."""
+        assert self._transport is not None
+        if not self._spawn(self._run_registration, source, regions, registration):
+            registration.done.set()  # nothing runs: the sender is closing
+            raise TransferAborted(f"room {r.room!r}: aborted: sender closing", room=r.room)
+        m = r.machine
+        try:
+            with anyio.move_on_after(max(0.0, r.created + self.config.room_timeout - anyio.current_time())):
+                await registration.done.wait()
+        except BaseException:
+            if not m.state.terminal:  # cancelled: the ranks that asked learn it now (drive() never ran)
+                m.fail("send() was cancelled", aborted=True)
+            r.notify_end()
+            raise
+        exc = registration.error
+        if not registration.done.is_set():
+            message = (f"room {r.room!r}: timed out in phase 'room': transport {self._transport.name!r} did not "
+                       f"register the source within room_timeout={self.config.room_timeout} s")
+            log.warning("sender: %s (the registration is undone once it completes)", message)
+            m.fail(message)
+            r.notify_end()
+            raise TransferTimeout(message, room=r.room, phase="room")
+        if exc is None and not registration.registered:  # its task was cancelled: aclose()
+            m.fail("sender closing", aborted=True)
+            r.notify_end()
+            raise TransferAborted(f"room {r.room!r}: aborted: sender closing", room=r.room)
+        if exc is not None:
+            m.fail(f"cannot register the source with transport {self._transport.name!r}: {exc}")
+            r.notify_end()  # the receivers learn why at once
+            if isinstance(exc, TransportError):
+                raise TransferFailed(f"room {r.room!r}: {m.error}", room=r.room) from exc
+            raise exc  # a ConfigError names a setting to fix
+
+    async def _run_registration(self, source: int, regions: list[MemoryRegion], registration: _Registration) -> None:
+        """``_register``'s task: the plugin's ``register()``, then, if ``send()`` has left, its undoing."""
         assert self._transport is not None
         try:
-            with anyio.CancelScope(shield=True):
-                await self._transport.register(regions)
-        except (TransportError, ConfigError) as exc:
-            r.machine.fail(f"cannot register the source with transport {self._transport.name!r}: {exc}")
-            r.notify_end()  # the receivers learn why at once
-            if isinstance(exc, ConfigError):
-                raise  # a setting to fix, named in the message
-            raise TransferFailed(f"room {r.room!r}: {r.machine.error}", room=r.room) from exc
-        return True
+            await self._transport.register(regions)
+            registration.registered = True
+        except Exception as exc:  # send() raises it (or logs it below, if it has left)
+            registration.error = exc
+        finally:
+            registration.done.set()
+            if registration.owner_left:
+                entry = self._sources.pop(source, None)
+                if registration.registered and entry is not None:
+                    log.info("sender: undoing the registration of a source whose send() ended first")
+                    with anyio.CancelScope(shield=True):
+                        await self._unregister(entry)
+                elif registration.error is not None:
+                    log.warning("sender: registering a source whose send() ended first failed: %s",
+                                registration.error)
 
     def _room_is_waiting(self, room: RoomId) -> bool:
         """A receiver reserved ``room`` and its input has not come (so a refused send() ends it)."""
@@ -446,10 +506,11 @@ class EmbeddingSender:
         await wait_fence(fence_after(sources, stream))
         return sources
 
-    async def _send_finished(self, r: SendRoomDriver, *, source: int, registered: bool, num_tokens: int,
-                             t_start: float, error: BaseException | None) -> None:
+    async def _send_finished(self, r: SendRoomDriver, *, source: int, registration: _Registration | None,
+                             num_tokens: int, t_start: float, error: BaseException | None) -> None:
         """The room's ``send()`` is over (also when it was cancelled: this only awaits shielded, and only to
-        unregister the caller's own tensors; staged rows are freed at once)."""
+        unregister the caller's own tensors; staged rows are freed at once). ``registration``: ``None`` for
+        staged rows (registered with the staging area)."""
         room = r.room
         rounds = max((p.round + 1 for p in r.machine.ranks.values()), default=0)
         ok = r.machine.state is TransferStatus.SUCCESS
@@ -465,15 +526,17 @@ class EmbeddingSender:
         r.active = False
         r.sources = []
         self._drop_room(r)
-        if not registered:
-            entry = self._sources.pop(source, None)
-            if entry is not None and entry.staged is not None:
-                self._staging_release(entry.staged)  # nothing was written from it
+        registering = registration is not None and not registration.done.is_set()
+        if registration is not None and registering:
+            registration.owner_left = True  # its task gives the source back once register() returns
+        elif registration is not None and not registration.registered:
+            self._sources.pop(source, None)  # nothing was registered, so nothing was written from it
         unregister = None
         later = []
         for action in self._ledger.source_done(source):
             if isinstance(action, ReleaseSource) and action.source == source:
-                unregister = self._take_source(source)
+                if not registering:  # no write was started from it: it had not been registered
+                    unregister = self._take_source(source)
             else:
                 later.append(action)
         if unregister is not None:

@@ -95,15 +95,16 @@ class BackgroundTasks:
         """Tasks started and not yet ended."""
         return self._count
 
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Run ``fn(*args)`` as an owned task; nothing starts once the owner is closing."""
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
+        """Run ``fn(*args)`` as an owned task; nothing starts once the owner is closing (then ``False``)."""
         if self._tg is None or self._closing:
             self._log.debug("%s: not starting %s: closing", self.name, getattr(fn, "__name__", fn))
-            return
+            return False
         self._count += 1
         if self._count == 1:
             self._done = anyio.Event()
         self._tg.start_soon(self._owned, fn, args)
+        return True
 
     async def _owned(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
         try:
