@@ -126,7 +126,9 @@ async def test_a_room_the_sender_aborted_mid_write_is_refused_at_once_though_the
         t0 = time.monotonic()
         with anyio.fail_after(5), pytest.raises(TransferError, match="the encoder failed on the image"):
             await r.receive("X", sender=s.address)
-        assert time.monotonic() - t0 < 1.0  # told at once, not at input_timeout (3 s)
+        # Told at once (the message is the sender's reason), not at input_timeout (3 s); the bound leaves room
+        # for a loaded 2-core CI host (it failed once at 1 s under the parallel suite).
+        assert time.monotonic() - t0 < cfg.input_timeout - 0.5
 
 
 @pytest.mark.parametrize("receiver_first", [False, True])

@@ -129,7 +129,9 @@ class RoomAssembly:
             for h in self._handles:
                 await h.wait()
         error = self._first_error()
-        self._release(results)
+        # What the parts ended with, not what they had when the group ended: a part whose last frame was
+        # handed to it before its cancel completes anyway, with a lease.
+        self._release([h._result for h in self._handles])
         status = TransferStatus.ABORTED if isinstance(error, TransferAborted) else TransferStatus.FAILED
         self.handle._finish(error=error, status=status)
 

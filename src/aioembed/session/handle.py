@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from aioembed.errors import TransferError
+from aioembed.errors import TransferAborted, TransferError
 from aioembed.protocol.messages import RoomId, TransferStatus
 
 if TYPE_CHECKING:
@@ -100,6 +100,9 @@ class ReceiveHandle:
             raise self._error
         if isinstance(self._result, Received) or self._result is None:
             raise TransferError(f"room {self.room!r} was not received zero-copy: use result()", room=self.room)
+        if self._result.released and not self._lease_taken:  # cancel() gave it back before anyone took it
+            raise TransferAborted(f"room {self.room!r}: cancelled after it was received; its lease was given back",
+                                  room=self.room)
         self._lease_taken = True
         return self._result
 

@@ -10,6 +10,7 @@ its next release, reservation or heartbeat.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 import weakref
@@ -37,6 +38,8 @@ class LeaseReturns:
         self._spawn = spawn
         self._loop_thread = threading.get_ident()
         self._pending: deque[tuple[list[int], Fence | None]] = deque()
+        self._waiting: dict[int, tuple[Fence, list[int]]] = {}  # releases whose fence was still pending
+        self._keys = itertools.count()
         self.fenced = 0
         """Releases waiting for their consumer's device work to complete."""
 
@@ -63,21 +66,41 @@ class LeaseReturns:
     def _return(self, grants: list[int], fence: Fence | None) -> None:
         if fence is None or fence.done():
             self._give_back(grants)
-        elif self._spawn is None:
-            fence.wait()  # no loop to wait on (a receiver closing): wait here rather than free early
-            self._give_back(grants)
+            return
+        key = next(self._keys)
+        self._waiting[key] = (fence, grants)  # until settled: by _after, or by close() if it never ran
+        self.fenced += 1
+        if self._spawn is None:
+            self._settle(key, wait=True)
         else:
-            self.fenced += 1
-            self._spawn(self._after, fence, grants)
+            self._spawn(self._after, key)  # a closing receiver starts no task: close() returns them then
 
-    async def _after(self, fence: Fence, grants: list[int]) -> None:
+    async def _after(self, key: int) -> None:
         try:
-            await wait_fence(fence)
+            await wait_fence(self._waiting[key][0])
         finally:
             # Done, or the receiver is closing (its tasks are cancelled): no room lands in its pool any
             # more, and the views keep the pool's memory alive, so the blocks may go back either way.
-            self.fenced -= 1
-            self._give_back(grants)
+            self._settle(key, wait=False)
+
+    def _settle(self, key: int, *, wait: bool) -> None:
+        entry = self._waiting.pop(key, None)
+        if entry is None:
+            return
+        fence, grants = entry
+        self.fenced -= 1
+        if wait:
+            fence.wait()  # no loop to wait on (a receiver closing): wait here rather than free early
+        self._give_back(grants)
+
+    def close(self) -> None:
+        """The receiver's tasks have ended: return what is still queued (released off the loop's thread) or
+        waiting for its fence (its task refused, or never started, once the receiver was closing); later
+        releases return at once."""
+        self._spawn = None
+        self.drain()
+        for key in list(self._waiting):
+            self._settle(key, wait=True)
 
     @property
     def pending(self) -> int:

@@ -707,6 +707,8 @@ class ReceiveRoomDriver:
             if isinstance(item, LeasedChunk):
                 item.release()
             raise TransferAborted(f"room {self.room!r}: the stream was closed", room=self.room) from None
+        if isinstance(item, LeasedChunk) and self.handle._stream is not None:
+            self.handle._stream._sent_chunk(item)  # the stream releases it if it never reaches the caller
 
     def _holds_chunks(self, first: bool) -> bool:
         """A later round of a zero-copy stream: the caller may hold this room's chunks while it waits (only

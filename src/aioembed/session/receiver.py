@@ -167,6 +167,8 @@ class EmbeddingReceiver:
                         await c.chan.drain()  # the ABORT frames must leave
                 self._tasks.cancel_all()
                 await self._tasks.wait_done(CLOSE_GRACE)
+                if self._room_ctx is not None:
+                    self._room_ctx.returns.close()  # releases queued off the loop, or waiting for a fence
                 await self._teardown()
             finally:
                 self._closed.set()

@@ -95,6 +95,7 @@ class RoomStream(Generic[ItemT]):
         self._chunks = chunks
         self._delivered = 0
         self._held: list[LeasedChunk] = []
+        self._sent: list[LeasedChunk] = []  # sent by the room's driver, not yet handed out (see _release_unseen)
         self._finished = False
         self._total: int | None = None
 
@@ -128,6 +129,7 @@ class RoomStream(Generic[ItemT]):
             raise StopAsyncIteration from None
         except anyio.get_cancelled_exc_class():
             self.handle.cancel("stream() was cancelled")
+            self._release_unseen()  # asyncio drops an item handed to a receiver cancelled before it resumed
             raise
         if chunk.start != self._delivered:  # the driver delivers in order: anything else is a bug
             raise TransferError(f"room {self.room!r}: chunk {chunk.start}..{chunk.end} after "
@@ -137,6 +139,7 @@ class RoomStream(Generic[ItemT]):
         if isinstance(chunk, LeasedChunk):
             self._held = [c for c in self._held if not c.released]
             self._held.append(chunk)
+            self._sent = [c for c in self._sent if c.start >= self._delivered]
         return chunk  # type: ignore[return-value]  # the receiver's overloads tie ItemT to zero_copy
 
     async def aclose(self) -> None:
@@ -152,6 +155,7 @@ class RoomStream(Generic[ItemT]):
             for c in self._held:
                 c.release()
         self._held = []
+        self._release_unseen()
         while True:  # chunks never handed out
             try:
                 left = self._chunks.receive_nowait()
@@ -161,6 +165,18 @@ class RoomStream(Generic[ItemT]):
                 left.release()
         self._chunks.close()
         self._finished = True
+
+    def _sent_chunk(self, chunk: LeasedChunk) -> None:
+        """The room's driver sent ``chunk`` into this stream (it is this stream's to release until handed out)."""
+        self._sent.append(chunk)
+
+    def _release_unseen(self) -> None:
+        """Release every leased chunk sent and never handed out: in the buffer, or lost by a ``receive()``
+        cancelled after the chunk was handed to it (asyncio's ``Task.cancel()``: anyio drops the item)."""
+        unseen, self._sent = self._sent, []
+        for c in unseen:
+            if c.start >= self._delivered:
+                c.release()
 
     async def __aenter__(self) -> Self:
         return self

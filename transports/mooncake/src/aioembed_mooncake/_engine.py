@@ -2,12 +2,16 @@
 
 Everything here is synchronous; the transport calls it from worker threads.
 
-The engine reads its settings from environment variables at three different moments:
-``MC_LOG_LEVEL`` when ``mooncake.engine`` is imported, ``MC_TRANSFER_TIMEOUT`` when a
-``TransferEngine`` is constructed, and ``MC_FORCE_TCP`` plus the TCP transport's timeouts
-in ``initialize()``. So that two endpoints with different options can live in one process,
-:func:`start_engine` sets the variables it needs, constructs and initializes the engine, and
-restores the previous values, all under one process-wide lock.
+The engine reads its settings from environment variables at several moments: ``MC_LOG_LEVEL``
+when ``mooncake.engine`` is imported, ``MC_TRANSFER_TIMEOUT`` when a ``TransferEngine`` is
+constructed, ``MC_FORCE_TCP`` in ``initialize()``, and the TCP transport's timeouts
+(``MC_TCP_PROGRESS_TIMEOUT_SEC``, ``MC_TCP_STATUS_TIMEOUT_SEC``) on its own threads, for every
+transfer (measured on 0.3.13.post1: set for the process, a write to a stopped peer ended after
+the value set; set only around ``initialize()``, or only around the submit, after the default 30
+s). So :func:`start_engine` sets the first kind around construction and ``initialize()`` and
+restores them (two endpoints with different options can live in one process), but the TCP
+timeouts once, for the process, before its first engine starts (changing the environment while
+engine threads read it would race): the first endpoint that asks decides them.
 """
 
 from __future__ import annotations
@@ -169,6 +173,27 @@ def _env(values: Mapping[str, str | None]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+TCP_TIMEOUT_VARIABLES = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+_engines_started = False
+"""An engine of this process was constructed: its threads may read the environment from now on."""
+
+
+def _set_tcp_timeouts(seconds: int) -> None:
+    """Let the TCP lanes give up on a stalled peer as soon as the caller does, so that a write reported as
+    failed stops moving bytes (and is settled) as early as the engine allows. The engine's threads read
+    these per transfer, so they are set for the process and only before its first engine starts; a
+    value already there (the user's, or an earlier endpoint's) is kept, and a different wish is logged."""
+    for name in TCP_TIMEOUT_VARIABLES:
+        current = os.environ.get(name)
+        if current is None and not _engines_started:
+            os.environ[name] = str(seconds)
+        elif current != str(seconds):
+            log.warning("mooncake transport: transfer_timeout=%d s, but the engine's TCP lanes drop a stalled peer "
+                        "after %s=%s (set for the process before this endpoint; the engine reads it on its own "
+                        "threads, so it is not changed while engines run)", seconds, name,
+                        current if current is not None else "unset: the engine's default, 30 s")
+
+
 def start_engine(settings: EngineSettings) -> StartedEngine:
     """Construct and initialize an engine (blocking; run it in a worker thread)."""
     mod = load_engine_module()
@@ -180,14 +205,12 @@ def start_engine(settings: EngineSettings) -> StartedEngine:
     else:
         env["MC_FORCE_TCP"] = None
     if settings.transfer_timeout is not None:
-        t = str(settings.transfer_timeout)
-        env["MC_TRANSFER_TIMEOUT"] = t
-        # Let the TCP lanes give up on a stalled peer as soon as the caller does, so a write
-        # reported as failed stops moving bytes as early as the engine allows.
-        for k in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
-            if k not in os.environ:
-                env[k] = t
+        env["MC_TRANSFER_TIMEOUT"] = str(settings.transfer_timeout)
     with _ENV_LOCK, _env(env):
+        if settings.transfer_timeout is not None:
+            _set_tcp_timeouts(settings.transfer_timeout)
+        global _engines_started  # noqa: PLW0603  (process state: see _set_tcp_timeouts)
+        _engines_started = True
         engine = mod.TransferEngine()
         rc = engine.initialize(settings.hostname, settings.metadata_server, settings.protocol, settings.device_name)
         if rc != 0:

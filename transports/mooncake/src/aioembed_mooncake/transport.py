@@ -286,8 +286,9 @@ class MooncakeTransport(Transport):
     @property
     def progress_timeout(self) -> int:
         """Seconds without progress after which the engine's TCP lane drops a connection. The engine
-        reads ``MC_TCP_PROGRESS_TIMEOUT_SEC`` when it opens a lane (from the process environment then;
-        default 30), so the value in the environment now is the best estimate, never below 30."""
+        reads ``MC_TCP_PROGRESS_TIMEOUT_SEC`` for every transfer (default 30; the plugin sets it for the
+        process from the first ``transfer_timeout``, see ``_engine``); as a bound on when a failed write's
+        bytes may still land, never taken below 30."""
         try:
             return max(30, int(os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")))
         except ValueError:
