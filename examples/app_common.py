@@ -13,6 +13,7 @@ for a real deployment:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import signal
@@ -27,9 +28,23 @@ from starlette.types import ASGIApp
 
 from aioembed import TransferConfig
 
-__all__ = ["StopSignal", "describe", "load_config", "run_main", "serving"]
+__all__ = ["LOG_LEVELS", "StopSignal", "describe", "load_config", "port_number", "run_main", "serving"]
 
 log = logging.getLogger("examples")
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+"""``--log-level`` choices (the names logging and uvicorn both take)."""
+
+
+def port_number(text: str) -> int:
+    """``argparse`` type of a TCP port: a bad ``--port`` is a usage error, not a traceback at bind time."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0..65535; 0: any free port)")
+    return port
 
 
 def load_config(path: str | Path | None) -> TransferConfig:

@@ -32,7 +32,7 @@ from aioembed import AioembedError, EmbeddingReceiver, EmbeddingSender, Transfer
 
 import encoder_server
 import language_server
-from app_common import StopSignal, describe, load_config, run_main, serving
+from app_common import LOG_LEVELS, StopSignal, describe, load_config, port_number, run_main, serving
 from tiny_vit import LAYOUT, build_model, test_pattern
 
 DEMO_SIZES = ((224, 224), (448, 336), (1344, 896))  # 64, 192 and 1536 image tokens
@@ -106,10 +106,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=os.environ.get("EXAMPLE_CONFIG"),
                    help="TOML transfer config (default: AIOEMBED_* environment variables, else loopback)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--encoder-port", type=int, default=8001, help="encoder HTTP port (0: any free port)")
-    p.add_argument("--port", type=int, default=8000, help="language server HTTP port (0: any free port)")
+    p.add_argument("--encoder-port", type=port_number, default=8001, help="encoder HTTP port (0: any free port)")
+    p.add_argument("--port", type=port_number, default=8000, help="language server HTTP port (0: any free port)")
     p.add_argument("--demo", action="store_true", help="post a few images, print the summaries and exit")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning")
     return p.parse_args(argv)
 
 

@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from aioembed import AioembedError, EmbeddingSender
 
-from app_common import StopSignal, describe, load_config, run_main, serving
+from app_common import LOG_LEVELS, StopSignal, describe, load_config, port_number, run_main, serving
 from tiny_vit import LAYOUT, MODEL_NAME, PATCH, Image, TinyViT, build_model, encode
 
 log = logging.getLogger("encoder_server")
@@ -192,12 +192,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=os.environ.get("EXAMPLE_CONFIG"),
                    help="TOML transfer config (default: AIOEMBED_* environment variables)")
     p.add_argument("--host", default=os.environ.get("ENCODER_HOST", "127.0.0.1"), help="HTTP host")
-    p.add_argument("--port", type=int, default=int(os.environ.get("ENCODER_PORT", "8001")),
+    p.add_argument("--port", type=port_number, default=os.environ.get("ENCODER_PORT", "8001"),
                    help="HTTP port (0: any free port)")
     p.add_argument("--bind", default=os.environ.get("ENCODER_CONTROL_BIND", "tcp://127.0.0.1:0"),
                    help="ZeroMQ address of the sender's control socket (port 0: any free port)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random encoder weights")
-    p.add_argument("--log-level", default="warning", help="logging level (debug, info, warning)")
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning", help="logging level")
     return p.parse_args(argv)
 
 

@@ -59,7 +59,7 @@ from aioembed import (
 )
 from aioembed.samples import checksum
 
-from app_common import StopSignal, describe, load_config, run_main, serving
+from app_common import LOG_LEVELS, StopSignal, describe, load_config, port_number, run_main, serving
 from tiny_vit import IMAGE_PAD_ID, LAYOUT, Image, summarize_embeddings
 
 log = logging.getLogger("language_server")
@@ -308,7 +308,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=os.environ.get("EXAMPLE_CONFIG"),
                    help="TOML transfer config (default: AIOEMBED_* environment variables)")
     p.add_argument("--host", default=os.environ.get("LANGUAGE_HOST", "127.0.0.1"), help="HTTP host")
-    p.add_argument("--port", type=int, default=int(os.environ.get("LANGUAGE_PORT", "8000")),
+    p.add_argument("--port", type=port_number, default=os.environ.get("LANGUAGE_PORT", "8000"),
                    help="HTTP port (0: any free port)")
     p.add_argument("--encoder-url", action="append", default=None,
                    help="an encoder server's HTTP URL; repeat for several encoders (default: $ENCODER_URLS, "
@@ -320,7 +320,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-tokens", type=int, default=int(os.environ.get("LANGUAGE_CHUNK_TOKENS", "256")),
                    help="stream single-image rooms in chunks of this many tokens (as a chunked prefill would take "
                         "them); 0: receive whole (default 256)")
-    p.add_argument("--log-level", default="warning", help="logging level (debug, info, warning)")
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning", help="logging level")
     args = p.parse_args(argv)
     if args.encoder_url is None:
         args.encoder_url = _env_list("ENCODER_URLS") or _env_list("ENCODER_URL") or ["http://127.0.0.1:8001"]

@@ -28,6 +28,7 @@ ENV_PREFIX = "AIOEMBED_"
 log = logging.getLogger(__name__)
 
 _MAX_INT = 1 << 40
+_WARNED: set[str] = set()  # contradictory-timeout warnings already logged (see _warn_contradictory_timeouts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,9 +134,14 @@ class TransferConfig:
         _check_int("output_cache_bytes", self.output_cache_bytes, 0, _MAX_INT)
         _check_int("staging_tokens", self.staging_tokens, 0, _MAX_INT)
         _check_int("staging_max_tokens", self.staging_max_tokens, 1, _MAX_INT)
+        if 0 < self.staging_tokens < self.staging_max_tokens:
+            raise ConfigError(f"staging_max_tokens={self.staging_max_tokens} exceeds staging_tokens="
+                              f"{self.staging_tokens}: a request that size could never be staged (allowed: "
+                              "staging_max_tokens <= staging_tokens, or staging_tokens = 0 for no staging area)")
         for name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeout",
                      "heartbeat_interval", "sender_idle_timeout"):
             _check_seconds(name, getattr(self, name))
+        self._warn_contradictory_timeouts()
         bs = self.block_size
         if self.resume_reserve_tokens is not None:
             _check_int("resume_reserve_tokens", self.resume_reserve_tokens, 0, _MAX_INT)
@@ -184,6 +190,25 @@ class TransferConfig:
                     raise ConfigError(f"{name} is set but curve_secret_key_file is not: CURVE authentication "
                                       "would be off (it is on only with this side's secret key)")
 
+    def _warn_contradictory_timeouts(self) -> None:
+        """Timeouts that cannot take effect as written: valid (the earlier deadline wins), but likely not what
+        was meant, so say so once per process and combination."""
+        said = []
+        whole = self.room_timeout
+        for name in ("input_timeout", "round_timeout"):
+            if getattr(self, name) > whole:
+                said.append(f"{name}={getattr(self, name)} s exceeds room_timeout={whole} s: a room ends at "
+                            f"room_timeout first")
+        silence = self.heartbeat_interval * self.heartbeat_misses
+        if silence >= whole:
+            said.append(f"heartbeat_interval={self.heartbeat_interval} s x heartbeat_misses={self.heartbeat_misses} "
+                        f"= {silence} s of silence before a peer is declared dead is not less than room_timeout="
+                        f"{whole} s: rooms with a dead peer time out instead of failing as PeerDead")
+        for line in said:
+            if line not in _WARNED:
+                _WARNED.add(line)
+                log.warning("configuration: %s", line)
+
     @property
     def round_tokens(self) -> int:
         """Tokens reserved per resume round."""
@@ -204,6 +229,10 @@ class TransferConfig:
 
     def replace(self, **changes: Any) -> TransferConfig:
         """A copy with ``changes`` applied (and validated)."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {unknown} in replace(); known settings: {sorted(known)}")
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import pickle
 from pathlib import Path
@@ -451,3 +452,33 @@ def test_from_toml_unknown_key_names_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         TransferConfig.from_toml(p)
     assert str(p) in str(info.value) and "speed" in str(info.value)
+
+
+def test_staging_max_tokens_must_fit_the_staging_area() -> None:
+    """It was clamped to staging_tokens without a word: requests up to the setting were not all staged."""
+    with pytest.raises(ConfigError, match="staging_max_tokens=512 exceeds staging_tokens=256"):
+        TransferConfig(staging_tokens=256, staging_max_tokens=512)
+    TransferConfig(staging_tokens=256, staging_max_tokens=256)
+    TransferConfig(staging_tokens=0, staging_max_tokens=512)  # no staging area: nothing to fit
+
+
+def test_replace_refuses_unknown_settings() -> None:
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['defualt_tokens'\] in replace\(\)"):
+        TransferConfig().replace(defualt_tokens=64)
+
+
+def test_contradictory_timeouts_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Valid (the earlier deadline wins) but not what was meant: said once per process and combination."""
+    with caplog.at_level(logging.WARNING, logger="aioembed.config"):
+        TransferConfig(room_timeout=7.25, input_timeout=9.0, round_timeout=5.0, heartbeat_interval=2.0,
+                       heartbeat_misses=4)
+        TransferConfig(room_timeout=7.25, input_timeout=9.0, round_timeout=5.0, heartbeat_interval=2.0,
+                       heartbeat_misses=4)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "input_timeout=9.0 s exceeds room_timeout=7.25 s" in said[0]
+    assert "= 8.0 s of silence before a peer is declared dead is not less than room_timeout=7.25 s" in said[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aioembed.config"):
+        TransferConfig()
+    assert not caplog.records

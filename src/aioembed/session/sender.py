@@ -221,7 +221,7 @@ class EmbeddingSender:
         tensors instead (logged: small requests are slower then, nothing else changes)."""
         assert self._transport is not None
         cfg = self.config
-        staging = StagingArea(self.layout, cfg.staging_tokens, min(cfg.staging_max_tokens, cfg.staging_tokens))
+        staging = StagingArea(self.layout, cfg.staging_tokens, cfg.staging_max_tokens)
         try:
             await self._transport.register(staging.regions())
         except (TransportError, ConfigError) as exc:
