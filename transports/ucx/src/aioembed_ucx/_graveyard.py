@@ -2,9 +2,9 @@
 
 A posted ucxx receive does not keep its buffer alive (only our reference does), and cancelling or
 aborting can lag behind the Python code that stops waiting: a receive already matched to a rendezvous,
-ucxx's progress thread in ``thread`` mode. So whoever abandons posted messages (a failed connect, a
-failed or cancelled write) buries them here with their endpoint, and they are let go only once that
-endpoint is no longer alive and a grace period has passed.
+ucxx's progress thread in ``thread`` mode. So whoever abandons posted messages (a failed connect, an
+incoming connection's handshake given up, a failed or cancelled write) buries them here with their
+endpoint, and they are let go only once that endpoint is no longer alive and a grace period has passed.
 """
 
 from __future__ import annotations

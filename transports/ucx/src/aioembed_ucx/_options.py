@@ -59,7 +59,8 @@ class UcxOptions:
     write_timeout: float = 30.0
     """Seconds one ``Link.write`` (and the matching receive on the owning side) may take."""
     connect_timeout: float = 10.0
-    """Seconds to open a UCX endpoint to a peer and check that it is the announced one."""
+    """Seconds to open a UCX endpoint to a peer and check that it is the announced one; as the owning side,
+    the most an incoming connection may take for its UCX handshake before the listener closes it."""
     inline_bytes: int = 0
     """Ops of at most this many bytes (CPU to CPU) travel together in one message that the owning
     side copies into place; 0 sends every op as its own message straight into the pool."""

@@ -50,6 +50,7 @@ from aioembed.transports.close_once import CloseOnce
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import ensure_context, load_ucxx
 from aioembed_ucx._graveyard import GRAVEYARD as _GRAVEYARD
+from aioembed_ucx._listener import Listener
 from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
 from aioembed_ucx._progress import Posted, cancel_posted, kick, post, tag_recv, tag_send, wait_posted, wait_request
 
@@ -196,7 +197,7 @@ class UcxTransport(Transport):
         self._memory = _Memory()
         self._ucxx = ucxx
         self._errors: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError,)
-        self._listener: Any = None
+        self._listener: Listener | None = None
         self._loop = asyncio.get_running_loop()
         self._serving: set[asyncio.Task[None]] = set()
         self._server_eps: set[Any] = set()
@@ -214,7 +215,7 @@ class UcxTransport(Transport):
     @property
     def port(self) -> int | None:
         """The listener's port, once ``descriptor()`` has started it."""
-        return None if self._listener is None else int(self._listener.port)
+        return None if self._listener is None else self._listener.port
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> Self:
@@ -285,10 +286,10 @@ class UcxTransport(Transport):
         if running is not self._loop:
             raise TransportError("ucx: descriptor() must be called on the event loop the endpoint was opened on")
         try:
-            # A huge connect_timeout: ucxx's timeout path frees buffers UCX still writes into (see
-            # _create_endpoint); a connecting peer that dies instead fails the exchange at once.
-            self._listener = self._ucxx.create_listener(self._accept, port=self.options.port,
-                                                        endpoint_error_handling=True, connect_timeout=1e9)
+            # Not ucxx's create_listener: its handshake polls on every loop turn while a peer keeps it waiting,
+            # and its timeout path frees buffers UCX still writes into (see _listener).
+            self._listener = Listener(self._ucxx, self.options.port, self._accept,
+                                      handshake_timeout=self.options.connect_timeout)
         except Exception as exc:
             raise TransportError(f"ucx endpoint {self.id[:8]} cannot listen on port {self.options.port}: "
                                  f"{exc!r}") from exc
@@ -350,9 +351,8 @@ class UcxTransport(Transport):
             _abort(ep)
         self._server_eps.clear()
         if self._listener is not None:
-            await asyncio.sleep(0)  # let ucxx retire its handler futures first
-            self._listener.close()
-            self._listener = None
+            listener, self._listener = self._listener, None
+            await listener.aclose()  # and the handshakes still under way
         self._memory = _Memory()
 
     # -- the owning side -----------------------------------------------------------------

@@ -1,0 +1,168 @@
+"""The owning side's UCX listener: ucxx's accept path, without its busy wait and with a deadline.
+
+ucxx 0.52's ``create_listener`` runs the peer-info exchange (16 bytes each way: the message tag
+each side receives on, and its hash) in a handler coroutine that awaits ``request.wait()``, which
+outside ucxx's thread modes is ``wait_yield``: ``while not completed: await asyncio.sleep(0)``. A
+peer that connects at the UCX level and then never sends its half (frozen, or not speaking ucxx)
+kept the owner at 1 CPU-s/s for as long as the connection lasted, which was for good: its
+``connect_timeout`` path frees the exchange buffers while UCX still has a receive posted into them,
+so the plugin had to pass ``connect_timeout=1e9``.
+
+:class:`Listener` takes the endpoint that UCX creates for each connection request
+(``UCXListener.create(..., deliver_endpoint=True)``, as ucxx's own listener does) and runs the same
+exchange itself, in the same order (the listener sends first, then receives; ucxx's and this plugin's
+connecting sides receive first), waiting through :func:`~aioembed_ucx._progress.wait_request` (in
+``blocking`` mode the loop's event-driven progress: no polling). A handshake that has not completed
+within ``handshake_timeout`` seconds (the endpoint's ``connect_timeout``) is given up: its endpoint and
+buffers go to the graveyard (kept while UCX may still write into them) and the endpoint is closed.
+Each connection has its own task, so a stuck handshake never holds up another peer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib
+import logging
+import os
+import struct
+import types
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aioembed_ucx._graveyard import GRAVEYARD
+from aioembed_ucx._progress import kick, wait_request
+
+__all__ = ["Listener"]
+
+log = logging.getLogger("aioembed.transports.ucx")
+
+_PEER_INFO = struct.Struct("QQ")
+"""ucxx's peer-info message: the tag its sender receives on, and ``hash64bits`` of it."""
+
+
+@functools.cache
+def _ucxx() -> types.SimpleNamespace:
+    """The ucxx internals (untyped) that ``create_listener`` and its handler use in ucxx 0.52."""
+    return types.SimpleNamespace(
+        UCXListener=importlib.import_module("ucxx._lib.libucxx").UCXListener,
+        Array=importlib.import_module("ucxx._lib.arr").Array,
+        Endpoint=importlib.import_module("ucxx._lib_async.endpoint").Endpoint,
+        hash64bits=importlib.import_module("ucxx._lib_async.utils").hash64bits,
+    )
+
+
+class Listener:
+    """A UCX listener on ``port`` (0: any) that hands each connection, once its peer-info exchange is
+    done, to ``on_endpoint`` (a ucxx ``Endpoint``), in a task of the listener's own. Create it on the
+    event loop that serves it; :meth:`aclose` stops it and cancels its tasks."""
+
+    def __init__(self, ucxx: Any, port: int, on_endpoint: Callable[[Any], Awaitable[None]],
+                 handshake_timeout: float) -> None:
+        u = _ucxx()
+        self._loop = asyncio.get_running_loop()
+        self._ctx = ucxx.core._get_ctx()
+        self._ctx.continuous_ucx_progress()  # as create_listener (a no-op where the loop has progress)
+        self._on_endpoint = on_endpoint
+        self.handshake_timeout = handshake_timeout
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.handshaking = 0
+        """Connections whose peer-info exchange is under way."""
+        self.handshakes_given_up = 0
+        """Connections closed because their exchange did not complete within ``handshake_timeout``."""
+        # The callback holds the listener weakly: UCX keeps the callback's arguments for the listener's life.
+        self._raw: Any = u.UCXListener.create(worker=self._ctx.worker, port=port, cb_func=_on_connection,
+                                              cb_args=(weakref.ref(self),), deliver_endpoint=True)
+        self.port = int(self._raw.port)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _accepted(self, endpoint: Any) -> None:
+        """On the loop: a new connection's endpoint (UCX created it from the connection request)."""
+        if self._closed:
+            _close(endpoint)
+            return
+        task = self._loop.create_task(self._handshake(endpoint))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handshake(self, endpoint: Any) -> None:
+        u = _ucxx()
+        msg_tag = u.hash64bits("msg_tag", os.urandom(16), endpoint.handle)
+        mine = _PEER_INFO.pack(msg_tag, u.hash64bits(msg_tag))
+        theirs = bytearray(_PEER_INFO.size)
+        mine_arr, theirs_arr = u.Array(mine), u.Array(theirs)
+        failure: str | None = None
+        self.handshaking += 1
+        try:
+            try:
+                async with asyncio.timeout(self.handshake_timeout):
+                    await wait_request(endpoint.stream_send(mine_arr))
+                    await wait_request(endpoint.stream_recv(theirs_arr))
+            except TimeoutError:
+                self.handshakes_given_up += 1
+                failure = "timeout"
+            except Exception as exc:  # a UCX error: the peer went away (or closed) before it was done
+                failure = repr(exc)
+        except BaseException:  # cancelled: the listener is closing
+            _give_up(endpoint, mine, theirs, mine_arr, theirs_arr)
+            raise
+        finally:
+            self.handshaking -= 1
+        if failure is not None:
+            # A receive may still be posted into ``theirs``: UCX can write into it until the endpoint is closed.
+            _give_up(endpoint, mine, theirs, mine_arr, theirs_arr)
+            if failure == "timeout":
+                log.warning("ucx: a peer connected but did not complete the UCX handshake within "
+                            "connect_timeout=%s s (frozen, or not a ucxx peer); its connection was closed",
+                            self.handshake_timeout)
+            else:
+                log.debug("ucx: an incoming connection ended during its UCX handshake: %s", failure)
+            return
+        peer_tag, checksum = _PEER_INFO.unpack(theirs)
+        if checksum != u.hash64bits(peer_tag):
+            log.warning("ucx: an incoming connection sent a bad UCX handshake (checksum mismatch); closed it")
+            _close(endpoint)
+            return
+        ep = u.Endpoint(endpoint=endpoint, ctx=self._ctx, tags={"msg_send": peer_tag, "msg_recv": msg_tag})
+        await self._on_endpoint(ep)
+
+    async def aclose(self) -> None:
+        """Stop listening and cancel every connection's task (handshakes and what they handed over)."""
+        self._closed = True
+        self._raw = None  # ucxx's listener stops when its object goes
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._ctx = None
+
+
+def _on_connection(endpoint: Any, listener_ref: weakref.ref[Listener]) -> None:
+    """UCX's connection callback: inside the worker's progress (on the loop's thread, or on ucxx's progress
+    thread in the thread modes). Hands the endpoint to the listener's loop, which closes it if the listener
+    closed meanwhile; never raises into UCX, and never closes an endpoint in the middle of a progress."""
+    listener = listener_ref()
+    if listener is None:
+        return  # the listener is gone (so is UCX's, with it): dropping the endpoint's object closes it
+    with contextlib.suppress(RuntimeError):  # the loop closed: as above
+        listener._loop.call_soon_threadsafe(listener._accepted, endpoint)
+
+
+def _close(endpoint: Any) -> None:
+    with contextlib.suppress(Exception):
+        endpoint.close_blocking(period=10**8, max_attempts=1)
+    with contextlib.suppress(RuntimeError):  # no running loop here (ucxx's progress thread)
+        kick()  # the peer learns at once that the connection ended
+
+
+def _give_up(endpoint: Any, *buffers: object) -> None:
+    """Close a connection that may have a receive posted, keeping its buffers while UCX may write into them."""
+    GRAVEYARD.bury(endpoint, *buffers)
+    _close(endpoint)
