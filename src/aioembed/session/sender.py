@@ -130,6 +130,7 @@ class _Registration:
     registered: bool = False  # the transport registered the regions
     error: Exception | None = None  # what its register() raised
     owner_left: bool = False  # send() ended before it did: the task undoes it and gives the source back
+    poke: Callable[[], None] | None = None  # wakes the waiting send() (its room's driver) once done
 
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,8 @@ class EmbeddingSender:
     async def aclose(self) -> None:
         """Fail rooms in flight (telling their receivers), then close everything. Safe from any task,
         bounded (about ``CLOSE_GRACE`` seconds, plus ``STOP_GRACE`` when writes still running must be
-        cancelled), idempotent."""
+        cancelled), idempotent. One wait is not bounded here: a transport's ``register()`` in progress
+        (the transport is not closed under it; plugins bound their own)."""
         await self._close()
 
     async def _close(self) -> None:
@@ -431,15 +433,22 @@ class EmbeddingSender:
             registration.done.set()  # nothing runs: the sender is closing
             raise TransferAborted(f"room {r.room!r}: aborted: sender closing", room=r.room)
         m = r.machine
+        registration.poke = r.poke
         try:
             with anyio.move_on_after(max(0.0, r.created + self.config.room_timeout - anyio.current_time())):
-                await registration.done.wait()
+                # Until it is done, or the room ends meanwhile (abort(), a receiver's ABORT, aclose()).
+                while not registration.done.is_set() and not m.state.terminal:
+                    await r.wake.wait()
+                    r.wake = anyio.Event()
         except BaseException:
             if not m.state.terminal:  # cancelled: the ranks that asked learn it now (drive() never ran)
                 m.fail("send() was cancelled", aborted=True)
             r.notify_end()
             raise
         exc = registration.error
+        if not registration.done.is_set() and m.state.terminal:  # ended meanwhile: its ranks learn it now
+            r.notify_end()
+            raise r._failure()
         if not registration.done.is_set():
             message = (f"room {r.room!r}: timed out in phase 'room': transport {self._transport.name!r} did not "
                        f"register the source within room_timeout={self.config.room_timeout} s")
@@ -447,7 +456,7 @@ class EmbeddingSender:
             m.fail(message)
             r.notify_end()
             raise TransferTimeout(message, room=r.room, phase="room")
-        if exc is None and not registration.registered:  # its task was cancelled: aclose()
+        if exc is None and not registration.registered:  # its task was cancelled (aclose()), or not an Exception
             m.fail("sender closing", aborted=True)
             r.notify_end()
             raise TransferAborted(f"room {r.room!r}: aborted: sender closing", room=r.room)
@@ -468,6 +477,8 @@ class EmbeddingSender:
             registration.error = exc
         finally:
             registration.done.set()
+            if registration.poke is not None:
+                registration.poke()
             if registration.owner_left:
                 entry = self._sources.pop(source, None)
                 if registration.registered and entry is not None:

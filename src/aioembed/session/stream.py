@@ -129,7 +129,7 @@ class RoomStream(Generic[ItemT]):
             raise StopAsyncIteration from None
         except anyio.get_cancelled_exc_class():
             self.handle.cancel("stream() was cancelled")
-            self._release_unseen()  # asyncio drops an item handed to a receiver cancelled before it resumed
+            self._release_lost()  # asyncio drops an item handed to a receiver cancelled before it resumed
             raise
         if chunk.start != self._delivered:  # the driver delivers in order: anything else is a bug
             raise TransferError(f"room {self.room!r}: chunk {chunk.start}..{chunk.end} after "
@@ -169,6 +169,16 @@ class RoomStream(Generic[ItemT]):
     def _sent_chunk(self, chunk: LeasedChunk) -> None:
         """The room's driver sent ``chunk`` into this stream (it is this stream's to release until handed out)."""
         self._sent.append(chunk)
+
+    def _release_lost(self) -> None:
+        """Release the leased chunks sent and neither handed out nor still in the buffer (the one a cancelled
+        ``receive()`` dropped): the buffer holds the last ones sent, in order, and a later ``__anext__`` hands
+        those out."""
+        keep = len(self._sent) - self._chunks.statistics().current_buffer_used
+        lost, self._sent = self._sent[:max(0, keep)], self._sent[max(0, keep):]
+        for c in lost:
+            if c.start >= self._delivered:
+                c.release()
 
     def _release_unseen(self) -> None:
         """Release every leased chunk sent and never handed out: in the buffer, or lost by a ``receive()``
