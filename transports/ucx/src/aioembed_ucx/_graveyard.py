@@ -54,7 +54,9 @@ class Graveyard:
             if alive:
                 kept.append((endpoint, buffers, None))
             elif dead_since is None:
-                kept.append((endpoint, buffers, now))
+                # Dead: let go of the endpoint now (it holds its ucxx listener, and that one its port); the
+                # buffers stay for the grace period.
+                kept.append((None, buffers, now))
             elif now - dead_since < self.GRACE:
                 kept.append((endpoint, buffers, dead_since))
         self._entries = kept

@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 import struct
+import time
 import types
 import weakref
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,11 @@ from aioembed_ucx._graveyard import GRAVEYARD
 from aioembed_ucx._progress import kick, wait_request
 
 __all__ = ["Listener"]
+
+_RETIRED: list[Any] = []
+"""ucxx listeners of closed :class:`Listener` s that gave up a handshake with its receive posted: ucxx keeps
+that endpoint, and with it its C++ listener, which calls back with the Python object's data; so the object
+is kept too (one per such close; a late connection is then closed at once instead of meeting freed data)."""
 
 log = logging.getLogger("aioembed.transports.ucx")
 
@@ -69,6 +75,7 @@ class Listener:
         self.handshake_timeout = handshake_timeout
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._outlived = False
         self.handshaking = 0
         """Connections whose peer-info exchange is under way."""
         self.handshakes_given_up = 0
@@ -110,11 +117,13 @@ class Listener:
             except Exception as exc:  # a UCX error: the peer went away (or closed) before it was done
                 failure = repr(exc)
         except BaseException:  # cancelled: the listener is closing
+            self._outlived = True
             _give_up(endpoint, mine, theirs, mine_arr, theirs_arr)
             raise
         finally:
             self.handshaking -= 1
         if failure is not None:
+            self._outlived = True
             # A receive may still be posted into ``theirs``: UCX can write into it until the endpoint is closed.
             _give_up(endpoint, mine, theirs, mine_arr, theirs_arr)
             if failure == "timeout":
@@ -130,17 +139,23 @@ class Listener:
             _close(endpoint)
             return
         ep = u.Endpoint(endpoint=endpoint, ctx=self._ctx, tags={"msg_send": peer_tag, "msg_recv": msg_tag})
+        ep._aioembed_ucx_listener = self._raw  # its callback data must outlive every endpoint of it
         await self._on_endpoint(ep)
 
     async def aclose(self) -> None:
         """Stop listening and cancel every connection's task (handshakes and what they handed over)."""
         self._closed = True
-        self._raw = None  # ucxx's listener stops when its object goes
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        GRAVEYARD.prune(time.monotonic())  # dead endpoints let go of ucxx's listener (and its port) now
+        if self._outlived:
+            # An endpoint of a handshake given up with its receive posted stays referenced inside ucxx, and
+            # with it ucxx's C++ listener, which calls back with this object's data: keep it.
+            _RETIRED.append(self._raw)
+        self._raw = None
         self._ctx = None
 
 
@@ -150,7 +165,7 @@ def _on_connection(endpoint: Any, listener_ref: weakref.ref[Listener]) -> None:
     closed meanwhile; never raises into UCX, and never closes an endpoint in the middle of a progress."""
     listener = listener_ref()
     if listener is None:
-        return  # the listener is gone (so is UCX's, with it): dropping the endpoint's object closes it
+        return  # our listener is gone (ucxx's may live on, kept by an endpoint): dropping the endpoint closes it
     with contextlib.suppress(RuntimeError):  # the loop closed: as above
         listener._loop.call_soon_threadsafe(listener._accepted, endpoint)
 
