@@ -6,21 +6,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferConfig
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferError
+from aioembed.session.handle import ReceiveHandle
 from aioembed.testing import MockTransport
 from aioembed.transports.base import MemoryRegion
 
 from ..session.conftest import LAYOUT, make_request
+from .test_register_stall import CFG
 
 pytestmark = pytest.mark.anyio
-
-CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, staging_tokens=0, handshake_timeout=1.0,
-                     input_timeout=5.0, round_timeout=5.0, heartbeat_interval=0.2)
 
 
 class SlowRegister(MockTransport):
@@ -44,6 +44,24 @@ class SlowRegister(MockTransport):
             self.after_register()
 
 
+@asynccontextmanager
+async def _send_stalled_in_register(sender: EmbeddingSender, receiver: EmbeddingReceiver,
+                                    writer: SlowRegister) -> AsyncIterator[ReceiveHandle]:
+    """A rank asked for room "r", and ``send("r")`` waits for a ``register()`` that stalls (how the room ends
+    is the test's to check, through the rank)."""
+    handle = receiver.start("r")
+    while "r" not in sender._rooms:
+        await anyio.sleep(0.01)
+    writer.stall = True
+    async with anyio.create_task_group() as tg:
+        async def send() -> None:
+            with contextlib.suppress(TransferError):
+                await sender.send("r", make_request(1500, 1))
+        tg.start_soon(send)
+        await writer.entered.wait()
+        yield handle
+
+
 async def test_abort_during_a_stalled_register_tells_the_receiver_at_once() -> None:
     """sender.abort(room) while its send() waits for register(): the rank that asked should learn at once
     (abort()'s docstring: 'Ranks that already asked for it are told at once'); it waits for the register
@@ -52,16 +70,7 @@ async def test_abort_during_a_stalled_register_tells_the_receiver_at_once() -> N
     async with EmbeddingSender(LAYOUT, dataclasses.replace(CFG, room_timeout=30.0), transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         await receiver.wait_connected()
-        handle = receiver.start("r")
-        while "r" not in sender._rooms:
-            await anyio.sleep(0.01)
-        writer.stall = True
-        async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                with contextlib.suppress(Exception):
-                    await sender.send("r", make_request(1500, 1))
-            tg.start_soon(send)
-            await writer.entered.wait()
+        async with _send_stalled_in_register(sender, receiver, writer) as handle:
             sender.abort("r", "encoder failed")
             t0 = time.monotonic()
             with pytest.raises(TransferAborted):
@@ -115,16 +124,7 @@ async def test_receiver_cancel_during_a_stalled_register_is_acknowledged_at_once
     async with EmbeddingSender(LAYOUT, dataclasses.replace(CFG, room_timeout=30.0), transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         await receiver.wait_connected()
-        handle = receiver.start("r")
-        while "r" not in sender._rooms:
-            await anyio.sleep(0.01)
-        writer.stall = True
-        async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                with contextlib.suppress(Exception):
-                    await sender.send("r", make_request(1500, 1))
-            tg.start_soon(send)
-            await writer.entered.wait()
+        async with _send_stalled_in_register(sender, receiver, writer) as handle:
             handle.cancel("the client went away")
             t0 = time.monotonic()
             await handle.wait()

@@ -13,24 +13,18 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
-from aioembed import (
-    EmbeddingReceiver,
-    EmbeddingSender,
-    TransferAborted,
-    TransferConfig,
-    TransferFailed,
-    TransferTimeout,
-)
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferFailed, TransferTimeout
 from aioembed.testing import MockTransport
 from aioembed.transports.base import MemoryRegion
 
-from ..session.conftest import LAYOUT, assert_same, make_request
+from ..session.conftest import LAYOUT, make_request
+from . import test_failure_boundary as boundary
+from .test_failure_boundary import _serves
 
 pytestmark = pytest.mark.anyio
 
 # No staging area: every send() registers the caller's tensors.
-CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, staging_tokens=0, handshake_timeout=1.0,
-                     input_timeout=5.0, round_timeout=5.0, heartbeat_interval=0.2)
+CFG = boundary.CFG.replace(staging_tokens=0, input_timeout=5.0)
 
 
 class StallingRegister(MockTransport):
@@ -62,14 +56,6 @@ async def _stalled_send(sender: EmbeddingSender, writer: StallingRegister, room:
     except BaseException as exc:
         outcome.append(exc)
         raise
-
-
-async def _serves(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str) -> None:
-    src = make_request(1500, 9)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sender.send, room, src)
-        got = await receiver.receive(room)
-    assert_same(got.tensors, src)
 
 
 @pytest.mark.parametrize("register_fails", [False, True])
