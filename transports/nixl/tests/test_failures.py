@@ -5,12 +5,14 @@ The owner runs in its own process (``_owner.py``); each test waits for its ready
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -151,6 +153,36 @@ async def test_writes_to_a_frozen_owner_over_tcp_cannot_be_cancelled_and_still_l
             assert owner.ask("zero")["ok"] and owner.ask("unregister")["ok"]
             await link.write([WriteOp(src.data_ptr(), owner.address, SMALL)])
             assert owner.ask("sum")["nonzero"] == SMALL
+
+
+async def test_aclose_destroys_the_agent_before_a_failed_write_is_settled() -> None:
+    """``aclose()`` stops a write still in flight by destroying the agent, and only then may its error's
+    ``settled`` return. Each transfer record held ``agent.check_xfer_state``, a bound method of the agent's
+    wrapper: a failed write's error (which the sender keeps for its fence) kept the native agent alive, and
+    ``settled`` was set before teardown, so the sender freed the source and reused the blocks while the
+    write went on landing: all 128 MiB after the owner resumed (found by a review)."""
+    options = dict(NIXL_TCP_OPTIONS, write_timeout=1.0)
+    with owner_process(options, LARGE) as owner:
+        t = await open_transport("nixl", options)
+        src = torch.randint(1, 256, (LARGE,), dtype=torch.uint8)
+        await t.register([region_of(src)])
+        link = await t.connect(owner.descriptor)
+        await link.write([WriteOp(src.data_ptr(), owner.address, 4096)])  # wired up while the owner runs
+        assert owner.ask("zero")["ok"]
+        owner.signal(signal.SIGSTOP)
+        with pytest.raises(TransportError, match="write_timeout") as failed:
+            await link.write([WriteOp(src.data_ptr(), owner.address, LARGE)])
+        settled = failed.value.settled  # kept, as the sender keeps it for its fence
+        assert settled is not None
+        agent = weakref.ref(t._engine.agent)  # type: ignore[attr-defined]  # the plugin's, through the boundary
+        await t.aclose()
+        with anyio.fail_after(5):
+            await settled()
+        gc.collect()
+        assert agent() is None, "aclose() and settled() returned, yet the NIXL agent lives on"
+        owner.signal(signal.SIGCONT)
+        await anyio.sleep(4.0)  # more than orphan_lifetime: only what the kernel's socket buffers held lands
+        assert owner.ask("sum")["nonzero"] < LARGE // 4, "the write went on landing after aclose() and settled()"
 
 
 async def test_over_shared_memory_a_writer_needs_nothing_from_the_owner() -> None:

@@ -275,7 +275,9 @@ class Engine:
         if prepared is not None:
             prepared.users += 1
         link.peer.inflight += 1
-        posted = Posted(xfer, plan.nbytes, self.agent.check_xfer_state, res.release)
+        # Not ``self.agent.check_xfer_state``: a bound method of the wrapper would keep the native agent alive
+        # (and its transfers moving) for as long as anyone holds the Posted, e.g. a failed write's ``settled``.
+        posted = Posted(xfer, plan.nbytes, self._check, res.release)
         try:
             state = self.agent.transfer(xfer)
         except BaseException:
@@ -292,6 +294,11 @@ class Engine:
             if state != "DONE":
                 raise RuntimeError(f"transfer() returned {state!r}")
 
+    def _check(self, handle: Any) -> str:
+        if self.agent is None:
+            raise RuntimeError("the agent was destroyed")
+        return str(self.agent.check_xfer_state(handle))
+
     # -- teardown -------------------------------------------------------------------------
 
     def teardown(self, worker: AgentWorker) -> None:
@@ -305,16 +312,21 @@ class Engine:
             except Exception as exc:
                 problems.append(f"{what}: {type(exc).__name__}: {exc}")
 
-        for posted in worker.drain_inflight("the endpoint closed"):
-            attempt("releasing a transfer in flight", posted.release, posted, False)
-        for link in list(self._links):
-            attempt("closing a link", self.close_link, link)
-        attempt("deregistering memory", self.deregister, list(self._regs))
-        for peer in list(self._peers.values()):
-            del self._peers[peer.name]
-            if peer.name != self.name:
-                attempt(f"forgetting agent {peer.name}", self.agent.remove_remote_agent, peer.name)
-        agent, self.agent = self.agent, None
-        del agent  # the last reference: the native agent is destroyed here
+        drained = worker.drain_inflight("the endpoint closed")
+        try:
+            for posted in [p for job in drained for p in job.pending]:
+                attempt("releasing a transfer in flight", posted.release, posted, False)
+            for link in list(self._links):
+                attempt("closing a link", self.close_link, link)
+            attempt("deregistering memory", self.deregister, list(self._regs))
+            for peer in list(self._peers.values()):
+                del self._peers[peer.name]
+                if peer.name != self.name:
+                    attempt(f"forgetting agent {peer.name}", self.agent.remove_remote_agent, peer.name)
+            agent, self.agent = self.agent, None
+            del agent  # the last reference: the native agent is destroyed here
+        finally:
+            for job in drained:
+                worker.settle(job)  # only now does nothing of them move any more
         if problems:
             log.warning("nixl agent %s: teardown: %s", self.name, "; ".join(problems))

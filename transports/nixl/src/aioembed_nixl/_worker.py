@@ -336,11 +336,14 @@ class AgentWorker:
         for job in queued:
             self._resolve(job, RuntimeError(f"the NIXL worker of agent {self.name} has stopped"))
 
-    def drain_inflight(self, reason: str) -> list[Posted]:
-        """Called by the teardown job (on this thread): fail every write still in flight and return its
-        transfers, for the teardown to release before it destroys the agent."""
+    def drain_inflight(self, reason: str) -> list[WriteJob]:
+        """Called by the teardown job (on this thread): fail every write still in flight and return it, for
+        the teardown to release its transfers and destroy the agent, and only then :meth:`settle` it."""
         jobs, self._inflight = self._inflight, []
         for job in jobs:
             self._resolve(job, RuntimeError(f"{reason} with {job.what} in flight"))
-            self._settle(job)  # the teardown destroys the agent next, which stops them
-        return [p for job in jobs for p in job.pending]
+        return jobs
+
+    def settle(self, job: WriteJob) -> None:
+        """For the teardown, once the agent that moved ``job`` is destroyed."""
+        self._settle(job)
