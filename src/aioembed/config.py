@@ -39,6 +39,18 @@ class TransferConfig:
     to the transport plugin unchanged; the plugin validates it.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TransferConfig:
+        # Before the dataclass's __init__, whose TypeError for a misspelt setting would be the one error of a
+        # bad configuration outside AioembedError. (Unpickling and copying call this with no arguments.)
+        if args:
+            raise ConfigError(f"TransferConfig takes settings by name (e.g. TransferConfig(pool_tokens=...)), "
+                              f"got {len(args)} positional argument(s)")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {unknown}; known settings: {sorted(known)}")
+        return super().__new__(cls)
+
     transport: str = "loopback"
     """Name of the transport: ``loopback`` (built in) or a plugin from ``aioembed.transports``."""
     transport_options: Mapping[str, Any] = field(default_factory=dict)
@@ -229,10 +241,6 @@ class TransferConfig:
 
     def replace(self, **changes: Any) -> TransferConfig:
         """A copy with ``changes`` applied (and validated)."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {unknown} in replace(); known settings: {sorted(known)}")
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -462,9 +462,16 @@ def test_staging_max_tokens_must_fit_the_staging_area() -> None:
     TransferConfig(staging_tokens=0, staging_max_tokens=512)  # no staging area: nothing to fit
 
 
-def test_replace_refuses_unknown_settings() -> None:
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['defualt_tokens'\] in replace\(\)"):
+def test_unknown_settings_are_config_errors_everywhere() -> None:
+    """The constructor and replace() raised Python's TypeError (only from_mapping said ConfigError)."""
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['defualt_tokens'\]; known settings: \["):
         TransferConfig().replace(defualt_tokens=64)
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['bogus'\]"):
+        TransferConfig(bogus=1)
+    with pytest.raises(ConfigError, match="takes settings by name"):
+        TransferConfig("loopback")  # type: ignore[misc]
+    c = TransferConfig(pool_tokens=8192)
+    assert pickle.loads(pickle.dumps(c)) == c and copy.deepcopy(c) == c and copy.copy(c) == c
 
 
 def test_contradictory_timeouts_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
