@@ -45,10 +45,7 @@ class TransferConfig:
         if args:
             raise ConfigError(f"TransferConfig takes settings by name (e.g. TransferConfig(pool_tokens=...)), "
                               f"got {len(args)} positional argument(s)")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {unknown}; known settings: {sorted(known)}")
+        _check_names(kwargs, "")
         return super().__new__(cls)
 
     transport: str = "loopback"
@@ -246,10 +243,7 @@ class TransferConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> TransferConfig:
         """Build from a mapping of setting names, refusing unknown names."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {unknown} in {source}; known settings: {sorted(known)}")
+        _check_names(values, f" in {source}")
         try:
             return cls(**values)
         except TypeError as exc:  # pragma: no cover - dataclass signature errors
@@ -324,6 +318,13 @@ def _hashable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_hashable(v) for v in value)
     return value
+
+
+def _check_names(settings: Mapping[str, Any], where: str) -> None:
+    known = {f.name for f in dataclasses.fields(TransferConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {unknown}{where}; known settings: {sorted(known)}")
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:

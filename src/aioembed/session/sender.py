@@ -130,7 +130,7 @@ class _Registration:
     registered: bool = False  # the transport registered the regions
     error: Exception | None = None  # what its register() raised
     owner_left: bool = False  # send() ended before it did: the task undoes it and gives the source back
-    poke: Callable[[], None] | None = None  # wakes the waiting send() (its room's driver) once done
+    poke: Callable[[], None] = lambda: None  # wakes the waiting send() (its room's driver) once done
 
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class EmbeddingSender:
         self._active_sends += 1
         self._idle = anyio.Event() if self._active_sends == 1 else self._idle
         t_start = time.perf_counter()
-        registration = None if staged else _Registration()
+        registration = None if staged else _Registration(poke=r.poke)
         error: BaseException | None = None
         try:
             r.machine.on_input(num_tokens)
@@ -430,10 +430,8 @@ class EmbeddingSender:
         registration once it completes (the source counts in ``sources_held`` until then)."""
         assert self._transport is not None
         if not self._spawn(self._run_registration, source, regions, registration):
-            registration.done.set()  # nothing runs: the sender is closing
-            raise TransferAborted(f"room {r.room!r}: aborted: sender closing", room=r.room)
+            registration.done.set()  # nothing runs (the sender is closing): as if its task was cancelled
         m = r.machine
-        registration.poke = r.poke
         try:
             with anyio.move_on_after(max(0.0, r.created + self.config.room_timeout - anyio.current_time())):
                 # Until it is done, or the room ends meanwhile (abort(), a receiver's ABORT, aclose()).
@@ -456,7 +454,7 @@ class EmbeddingSender:
             m.fail(message)
             r.notify_end()
             raise TransferTimeout(message, room=r.room, phase="room")
-        if exc is None and not registration.registered:  # its task was cancelled (aclose()), or not an Exception
+        if exc is None and not registration.registered:  # its task was cancelled or never ran (aclose())
             m.fail("sender closing", aborted=True)
             r.notify_end()
             raise TransferAborted(f"room {r.room!r}: aborted: sender closing", room=r.room)
@@ -477,8 +475,7 @@ class EmbeddingSender:
             registration.error = exc
         finally:
             registration.done.set()
-            if registration.poke is not None:
-                registration.poke()
+            registration.poke()
             if registration.owner_left:
                 entry = self._sources.pop(source, None)
                 if registration.registered and entry is not None:
@@ -537,11 +534,13 @@ class EmbeddingSender:
         r.active = False
         r.sources = []
         self._drop_room(r)
-        registering = registration is not None and not registration.done.is_set()
-        if registration is not None and registering:
-            registration.owner_left = True  # its task gives the source back once register() returns
-        elif registration is not None and not registration.registered:
-            self._sources.pop(source, None)  # nothing was registered, so nothing was written from it
+        registering = False
+        if registration is not None:
+            registering = not registration.done.is_set()
+            if registering:
+                registration.owner_left = True  # its task gives the source back once register() returns
+            elif not registration.registered:
+                self._sources.pop(source, None)  # nothing was registered, so nothing was written from it
         unregister = None
         later = []
         for action in self._ledger.source_done(source):

@@ -95,7 +95,7 @@ class RoomStream(Generic[ItemT]):
         self._chunks = chunks
         self._delivered = 0
         self._held: list[LeasedChunk] = []
-        self._sent: list[LeasedChunk] = []  # sent by the room's driver, not yet handed out (see _release_unseen)
+        self._sent: list[LeasedChunk] = []  # sent by the room's driver, not yet handed out (see _release_lost)
         self._finished = False
         self._total: int | None = None
 
@@ -155,8 +155,9 @@ class RoomStream(Generic[ItemT]):
             for c in self._held:
                 c.release()
         self._held = []
-        self._release_unseen()
-        while True:  # chunks never handed out
+        self._release_lost()
+        self._sent = []
+        while True:  # chunks never handed out (still buffered)
             try:
                 left = self._chunks.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
@@ -171,20 +172,12 @@ class RoomStream(Generic[ItemT]):
         self._sent.append(chunk)
 
     def _release_lost(self) -> None:
-        """Release the leased chunks sent and neither handed out nor still in the buffer (the one a cancelled
-        ``receive()`` dropped): the buffer holds the last ones sent, in order, and a later ``__anext__`` hands
-        those out."""
+        """Release the leased chunks sent and neither handed out nor still in the buffer: the one a ``receive()``
+        cancelled after the chunk was handed to it dropped (asyncio's ``Task.cancel()``). The buffer holds the
+        last ones sent, in order: a later ``__anext__`` hands those out, or ``aclose()`` releases them."""
         keep = len(self._sent) - self._chunks.statistics().current_buffer_used
         lost, self._sent = self._sent[:max(0, keep)], self._sent[max(0, keep):]
         for c in lost:
-            if c.start >= self._delivered:
-                c.release()
-
-    def _release_unseen(self) -> None:
-        """Release every leased chunk sent and never handed out: in the buffer, or lost by a ``receive()``
-        cancelled after the chunk was handed to it (asyncio's ``Task.cancel()``: anyio drops the item)."""
-        unseen, self._sent = self._sent, []
-        for c in unseen:
             if c.start >= self._delivered:
                 c.release()
 
