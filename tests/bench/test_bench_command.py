@@ -171,3 +171,22 @@ def test_the_demo_reports_a_library_error_in_one_line(env: dict[str, str], said:
                           capture_output=True, text=True, timeout=120, check=False, env={**os.environ, **env})
     assert proc.returncode == 2, proc.stderr
     assert "aioembed: error:" in proc.stderr and said in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.anyio
+async def test_an_unknown_receive_mode_is_refused_not_measured_as_another() -> None:
+    """A misspelt mode ("leased" is a goals column, not a mode) used to run receive() into a fresh output."""
+    from aioembed.bench.measure import Measurer
+    from aioembed.bench.workloads import RECEIVE_MODES, check_receive_mode
+
+    assert [check_receive_mode(m) for m in RECEIVE_MODES] == list(RECEIVE_MODES)
+    base = TransferConfig(transport="loopback")
+    m = Measurer(BenchOptions(base_config=base), None, lambda s: None)
+    src = m.source(8)
+    async with m._session(base.replace(pool_tokens=1024, default_tokens=128)) as pair:
+        with pytest.raises(ValueError, match="unknown receive mode 'leased'; known: copy, out, lease"):
+            await pair.series(["r0"], src, expected=8, mode="leased", concurrency=1, check=None)
+        with pytest.raises(ValueError, match="unknown receive mode 'leased'"):
+            await pair.one("r1", src, expected=8, mode="leased", check=None)
+        times, _ = await pair.series(["r2"], src, expected=8, mode="lease", concurrency=1, check=[m.opts.seed, 8])
+        assert len(times) == 1

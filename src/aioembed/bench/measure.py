@@ -45,6 +45,7 @@ from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
     REQUEST_MIXES,
     TRACE_KINDS,
+    check_receive_mode,
     concurrency_sizes,
     generate_trace,
     make_source,
@@ -319,6 +320,7 @@ class _LocalPair(_Pair):
 
     async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
                   check: list[int] | None) -> tuple[float, int]:
+        check_receive_mode(mode)
         sender = self.senders[0]
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
@@ -328,6 +330,7 @@ class _LocalPair(_Pair):
 
     async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
                      mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:
+        check_receive_mode(mode)
         n = len(rooms)
         starts, ends, send_starts, send_ends = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         recv_it, send_it = iter(enumerate(rooms)), iter(enumerate(rooms))
@@ -486,6 +489,7 @@ class _RemotePair(_Pair):
         """The child holds the rows until both sides are done, then checks them: a check that ran as soon as
         the rows were in hand would share the cores with this process's ``send()`` still finishing (and
         on 2 cores measurably slow it: W1 ``out=`` 36.7 -> 41.5 ms)."""
+        check_receive_mode(mode)
         n = next(iter(data.values())).shape[0]
         cid = next(self._ids)
         try:
@@ -512,6 +516,7 @@ class _RemotePair(_Pair):
 
     async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
                      mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:
+        check_receive_mode(mode)
         n = len(rooms)
         send_starts, send_ends = [0.0] * n, [0.0] * n
         it = iter(enumerate(rooms))

@@ -47,7 +47,7 @@ from typing import Any
 import anyio
 import torch
 
-from aioembed.bench.workloads import make_source
+from aioembed.bench.workloads import check_receive_mode, make_source
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
 from aioembed.samples import same_rows, standard_layout
@@ -99,8 +99,8 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
     """One room as ``cmd`` says (``mode``: copy, out or lease): (``time.monotonic()`` once the rows were in
     hand, rounds, ``finish``). ``finish()`` compares the rows with the source and lets them go (a lease is
     released); it raises if they differ."""
-    expected, sender, mode = cmd.get("expected"), cmd.get("sender"), cmd.get("mode") or (
-        "lease" if cmd.get("lease") else "copy")
+    expected, sender = cmd.get("expected"), cmd.get("sender")
+    mode = check_receive_mode(cmd.get("mode") or ("lease" if cmd.get("lease") else "copy"))
     check = cmd.get("check")
     if mode == "lease":
         lease = await receiver.receive_leased(room, expected_tokens=expected, sender=sender)

@@ -31,6 +31,17 @@ import torch
 
 from aioembed.layout import Layout
 
+RECEIVE_MODES = ("copy", "out", "lease")
+"""How a benchmark's receiving side takes a room's rows: ``receive()`` into a fresh output, ``receive(out=...)``
+into reused buffers, ``receive_leased()``. Anything else is refused (a misspelt mode must not measure another)."""
+
+
+def check_receive_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`RECEIVE_MODES`; ``ValueError`` naming the known ones otherwise."""
+    if mode not in RECEIVE_MODES:
+        raise ValueError(f"unknown receive mode {mode!r}; known: {', '.join(RECEIVE_MODES)}")
+    return mode
+
 __all__ = [
     "FULL_CONCURRENCY",
     "FULL_SIZES",
@@ -38,10 +49,12 @@ __all__ = [
     "MULTI_IMAGE_COUNT",
     "QUICK_CONCURRENCY",
     "QUICK_SIZES",
+    "RECEIVE_MODES",
     "REQUEST_MIXES",
     "TRACE_KINDS",
     "VIDEO_TOKENS",
     "TraceRequest",
+    "check_receive_mode",
     "concurrency_sizes",
     "generate_trace",
     "make_source",
