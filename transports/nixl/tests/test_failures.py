@@ -185,6 +185,39 @@ async def test_aclose_destroys_the_agent_before_a_failed_write_is_settled() -> N
         assert owner.ask("sum")["nonzero"] < LARGE // 4, "the write went on landing after aclose() and settled()"
 
 
+async def test_an_endpoint_dropped_without_aclose_settles_a_write_only_once_its_agent_is_destroyed() -> None:
+    """An endpoint its owner lost without ``aclose()`` (dropped, collected) while a cancelled write is still
+    in flight: the write's ``settled`` may return only once the agent is destroyed. The finalizer only
+    stopped the worker thread, which settled the write while the write's own records (kept by ``settled``)
+    held the agent alive, and all 128 MiB landed after ``settled()`` returned (found by a review). A cancelled
+    write is the case: a timed-out one's error held the endpoint alive through its traceback."""
+    options = dict(NIXL_TCP_OPTIONS, write_timeout=1.0)
+    with owner_process(options, LARGE) as owner:
+        t = await open_transport("nixl", options)
+        src = torch.randint(1, 256, (LARGE,), dtype=torch.uint8)
+        await t.register([region_of(src)])
+        link = await t.connect(owner.descriptor)
+        await link.write([WriteOp(src.data_ptr(), owner.address, 4096)])  # wired up while the owner runs
+        assert owner.ask("zero")["ok"]
+        owner.signal(signal.SIGSTOP)
+        with anyio.move_on_after(0.2), pytest.raises(TransportError, match="cancelled while in flight") as cut:
+            await link.write([WriteOp(src.data_ptr(), owner.address, LARGE)])
+        settled = cut.value.settled  # kept, as the sender keeps it for its fence
+        assert settled is not None
+        agent = weakref.ref(t._engine.agent)  # type: ignore[attr-defined]  # the plugin's, through the boundary
+        endpoint = weakref.ref(t.inner)
+        del t, link, cut
+        gc.collect()
+        assert endpoint() is None, "the endpoint was not collected: this test tests nothing"
+        with anyio.fail_after(10):
+            await settled()
+        gc.collect()
+        assert agent() is None, "the dropped endpoint's write settled, yet its NIXL agent lives on"
+        owner.signal(signal.SIGCONT)
+        await anyio.sleep(4.0)  # more than orphan_lifetime: only what the kernel's socket buffers held lands
+        assert owner.ask("sum")["nonzero"] < LARGE // 4, "the write went on landing after settled()"
+
+
 async def test_over_shared_memory_a_writer_needs_nothing_from_the_owner() -> None:
     """Over shared memory (UCX's cma) the writer copies straight into the owner's pages: a frozen owner
     receives the write, and deregistering the memory does not stop a writer either."""
@@ -265,6 +298,39 @@ async def test_a_forged_descriptor_does_not_break_a_live_link_to_the_agent_it_na
             await t.connect(msgpack.packb(forged))
         dst.zero_()
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SMALL)])  # it used to fail: NOT_FOUND
+        assert torch.equal(dst, src)
+
+
+async def test_a_connect_that_fails_after_loading_the_metadata_unloads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connect refused after ``add_remote_agent`` left that agent's metadata (and NIXL's connection to it)
+    loaded for as long as the agent lived, one per failed connect: a descriptor naming a live peer but
+    carrying another agent's metadata, and ``make_connection`` raising (injected: it did not fail for real
+    here, for a frozen peer or a dead one, whose metadata NIXL refuses to load). Found by a review."""
+    async with await open_transport("nixl", NIXL_OPTIONS) as owner, \
+            await open_transport("nixl", NIXL_OPTIONS) as other, writer(NIXL_OPTIONS, SMALL) as (t, src):
+        agent = t._engine.agent  # type: ignore[attr-defined]  # the plugin's, through the boundary
+        dst = torch.zeros(SMALL, dtype=torch.uint8)
+        await owner.register([region_of(dst)])
+        link = await t.connect(owner.descriptor())
+        forged = msgpack.unpackb(owner.descriptor())
+        forged["md"] = msgpack.unpackb(other.descriptor())["md"]  # names the live peer, carries another agent
+        with pytest.raises(TransportError, match="metadata is agent"):
+            await t.connect(msgpack.packb(forged))
+        assert not agent.check_remote_metadata(other.writer_id), "the refused descriptor's metadata stayed loaded"
+        assert agent.check_remote_metadata(owner.writer_id)  # the live peer's is kept
+        await link.aclose()
+        assert not agent.check_remote_metadata(owner.writer_id)
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+
+        monkeypatch.setattr(agent, "make_connection", refuse)
+        with pytest.raises(TransportError, match="injected"):
+            await t.connect(owner.descriptor())
+        monkeypatch.undo()
+        assert not agent.check_remote_metadata(owner.writer_id), "a failed connect left the metadata loaded"
+        link = await t.connect(owner.descriptor())  # the same peer connects again, and its writes land
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SMALL)])
         assert torch.equal(dst, src)
 
 

@@ -130,3 +130,36 @@ async def test_a_stuck_write_times_out_while_other_writes_to_its_peer_complete()
     assert isinstance(stuck.error, TimeoutError) and "did not end within" in str(stuck.error)
     assert time.monotonic() - t0 >= STALL_CAP * timeout * 0.9
     assert stuck.timed_out and stuck.pending  # still in flight, still tracked
+
+
+@pytest.mark.anyio
+async def test_a_failed_worker_thread_never_settles_a_write_it_leaves_in_flight() -> None:
+    """A write still in flight when the worker thread ends without a teardown (the thread failed) may still
+    move: its waiter fails, but it is never settled (its memory stays fenced). It used to be settled on the
+    way out, which also settled the writes of an endpoint dropped without ``aclose()`` (found by a review)."""
+    from aioembed_nixl._loop import LoopWaker
+    from aioembed_nixl._worker import AgentWorker, WriteJob
+
+    class Bug(BaseException):
+        pass
+
+    worker = AgentWorker("abandon-test", LoopWaker())
+    polls = 0
+
+    def check(handle: Any) -> str:
+        nonlocal polls
+        polls += 1
+        if polls > 3:
+            raise Bug  # not an Exception: out of the poll loop, as a bug in it would go
+        return "PROC"
+
+    def post(job: WriteJob) -> None:
+        job.posted.append(Posted(object(), 64, check=check, release=lambda p, ended: None))
+
+    job = WriteJob(post, 10.0, "a write", peer="peer")
+    with anyio.fail_after(5), pytest.raises(RuntimeError, match="in flight"):
+        await worker.write(job)
+    await worker.join()
+    with anyio.move_on_after(0.2):
+        await job.settled.wait()
+    assert not job.settled.is_set(), "settled while the agent that moves it was never torn down"

@@ -185,19 +185,34 @@ class Engine:
                                  "metadata")
             name = self.name
         else:
-            known = desc.agent in self._peers
             loaded = self.agent.add_remote_agent(desc.metadata)
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        try:
             if name != desc.agent:
-                if name != self.name and name not in self._peers and not known:
-                    self.agent.remove_remote_agent(name)  # only what this call loaded: never a live peer's
                 raise ValueError(f"the descriptor names agent {desc.agent!r} but its metadata is agent {name!r}")
-            self.agent.make_connection(name, backends=self._backends)
-        peer = self._peers.setdefault(name, _Peer(name))
+            if name != self.name:
+                self.agent.make_connection(name, backends=self._backends)
+            peer = self._peers.get(name) or _Peer(name)
+            link = LinkState(peer, desc.regions)
+        except BaseException:
+            # What this call loaded goes with it (it was left loaded for as long as the agent lived, once per
+            # failed connect); never a live peer's metadata (another link's, whatever the descriptor named).
+            if name != self.name and name not in self._peers:
+                self._unload(name)
+            raise
+        self._peers[name] = peer
         peer.links += 1
-        link = LinkState(peer, desc.regions)
         self._links.append(link)
         return link
+
+    def _unload(self, name: str) -> None:
+        """Remove metadata that no peer record holds, on a failure path: a failure here is logged, not raised
+        (the caller's error is the one to report)."""
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:
+            log.warning("nixl agent %s: could not remove agent %s's metadata after a failed connect (%s: %s); "
+                        "left to the agent's teardown", self.name, name, type(exc).__name__, exc)
 
     def close_link(self, link: LinkState) -> None:
         if link.closed:

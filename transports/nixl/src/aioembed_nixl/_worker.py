@@ -122,7 +122,8 @@ class AgentWorker:
         self.name = name
         self._waker = waker
         self._cond = threading.Condition()
-        self._jobs: deque[_Job] = deque()
+        self._jobs: deque[_Job | Callable[[], object]] = deque()
+        """Jobs a task awaits, and bare callables nobody awaits (:meth:`stop_after`)."""
         self._inflight: list[WriteJob] = []
         self._progress: dict[str, float] = {}
         """Per destination agent: when a transfer to it last completed (while writes to it are in flight)."""
@@ -199,6 +200,16 @@ class AgentWorker:
             self._stopping = True
             self._cond.notify()
 
+    def stop_after(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the thread, nobody waiting for it, then let the thread end: for an endpoint dropped
+        without ``aclose()``, whose teardown must still run here before its writes in flight are settled.
+        Needs no event loop (a garbage collector's finalizer calls it, from any thread); ignored once stopping."""
+        with self._cond:
+            if not self._stopping:
+                self._jobs.append(fn)
+                self._stopping = True
+                self._cond.notify()
+
     async def join(self) -> None:
         await anyio.to_thread.run_sync(self._thread.join)
 
@@ -250,7 +261,13 @@ class AgentWorker:
             delay = _POLL_FIRST if moved or jobs else min(2 * delay, _POLL_MAX if waited else _POLL_ORPHAN)
         self._abandon()
 
-    def _start(self, job: _Job) -> None:
+    def _start(self, job: _Job | Callable[[], object]) -> None:
+        if not isinstance(job, _Job):
+            try:
+                job()
+            except Exception:
+                log.exception("nixl agent %s: a job nobody waits for failed", self.name)
+            return
         if isinstance(job, CallJob):
             try:
                 job.result = job.fn()
@@ -325,16 +342,20 @@ class AgentWorker:
         return moved
 
     def _abandon(self) -> None:
-        """At exit: fail the waiters of transfers still in flight (the teardown destroyed the agent)."""
+        """At exit: fail what is left. A write still in flight here was not drained by a teardown (this thread
+        failed), so its agent may still move it: it is never settled, and its memory stays fenced."""
+        if self._inflight:
+            log.warning("nixl agent %s: the worker thread ended with %d write(s) in flight and the agent not torn "
+                        "down; they are never settled (their memory stays fenced)", self.name, len(self._inflight))
         for write in self._inflight:
             self._resolve(write, RuntimeError(f"the endpoint closed with {write.what} in flight"))
-            self._settle(write)  # the agent is gone: nothing of it moves any more
         self._inflight = []
         with self._cond:
             queued = list(self._jobs)
             self._jobs.clear()
         for job in queued:
-            self._resolve(job, RuntimeError(f"the NIXL worker of agent {self.name} has stopped"))
+            if isinstance(job, _Job):
+                self._resolve(job, RuntimeError(f"the NIXL worker of agent {self.name} has stopped"))
 
     def drain_inflight(self, reason: str) -> list[WriteJob]:
         """Called by the teardown job (on this thread): fail every write still in flight and return it, for

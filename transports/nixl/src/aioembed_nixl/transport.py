@@ -104,8 +104,13 @@ class NixlTransport(Transport):
         self._devices: dict[str, RegionSet] = {}
         self._links: set[NixlLink] = set()
         self._reg_lock = anyio.Lock()
-        # An endpoint dropped without aclose(): its thread ends too (it waited on its queue for good).
-        weakref.finalize(self, worker.stop)
+        # An endpoint dropped without aclose(): its agent is torn down on its thread as aclose() would do it,
+        # writes still in flight settled only once the agent is destroyed, and then the thread ends. Stopping
+        # the thread alone settled them at once while the writes' own records kept the agent alive, and the
+        # bytes went on landing. Not at interpreter exit: the process ending stops every transfer, and a
+        # teardown racing the interpreter's shutdown on a daemon thread is worse than none.
+        self._dropped = weakref.finalize(self, worker.stop_after, lambda: engine.teardown(worker))
+        self._dropped.atexit = False
 
     def __repr__(self) -> str:
         return f"<NixlTransport {self.agent_name} {self.options.backend} {'closed' if self.closed else 'open'}>"
@@ -166,6 +171,7 @@ class NixlTransport(Transport):
 
     async def _close(self) -> None:
         self.closed = True
+        self._dropped.detach()  # the teardown below is the one
         for link in list(self._links):
             link._closed = True
         self._links.clear()
