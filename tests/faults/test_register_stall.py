@@ -12,12 +12,16 @@ from collections.abc import Sequence
 
 import anyio
 import pytest
+import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferFailed, TransferTimeout
+from aioembed.session import sender as sender_module
+from aioembed.session.receiver import CLOSE_GRACE
+from aioembed.session.sender import STOP_GRACE
 from aioembed.testing import MockTransport
 from aioembed.transports.base import MemoryRegion
 
-from ..session.conftest import LAYOUT, make_request
+from ..session.conftest import LAYOUT, assert_same, make_request
 from . import test_failure_boundary as boundary
 from .test_failure_boundary import _serves
 
@@ -110,3 +114,161 @@ async def test_room_timeout_bounds_a_stalled_register() -> None:
         assert len(writer.regions) == 0
         writer.stall = False
         await _serves(sender, receiver, "next")
+
+
+# -- the end of send(): unregister() of the caller's tensors ----------------------------------------------------
+
+UNREGISTER_GRACE = getattr(sender_module, "UNREGISTER_GRACE", 1.0)
+
+
+class StallingUnregister(MockTransport):
+    """Counts ``unregister()`` calls; once ``stall`` is set, one waits (shielded, like a plugin's: a wedged
+    engine, a lock held by a stuck transfer) until the test lets it go. Records what happened in order."""
+
+    def __init__(self, *, raise_on: dict[str, BaseException] | None = None) -> None:
+        super().__init__(raise_on=raise_on)
+        self.stall = False
+        self.unregisters = 0
+        self.entered = anyio.Event()
+        self.go = anyio.Event()
+        self.events: list[str] = []
+
+    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self.unregisters += 1
+        if self.stall:
+            with anyio.CancelScope(shield=True):
+                self.events.append("unregister stalls")
+                self.entered.set()
+                await self.go.wait()
+        await super().unregister(regions)
+        self.events.append("unregistered")
+
+    async def aclose(self) -> None:
+        self.events.append("transport closed")
+        await super().aclose()
+
+
+class _Send:
+    """A ``send()`` run in a task: its cancel scope, how it ended (``None``: it returned), and when."""
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.outcome: list[BaseException | None] = []
+        self.ended = anyio.Event()
+
+    async def run(self, sender: EmbeddingSender, room: str, src: dict[str, torch.Tensor]) -> None:
+        try:
+            with self.scope:
+                await sender.send(room, src)
+            self.outcome.append(None)
+        except BaseException as exc:
+            self.outcome.append(exc)
+            raise
+        finally:
+            self.ended.set()
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+async def test_a_send_returns_while_unregister_stalls_and_its_tensors_are_unregistered_later(
+        cancelled: bool, caplog: pytest.LogCaptureFixture) -> None:
+    writer = StallingUnregister()
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        writer.stall = True
+        src = make_request(1500, 1)
+        send = _Send()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send.run, sender, "r", src)
+            got = await receiver.receive("r")
+            assert_same(got.tensors, src)  # every row arrived: only the unregister() is left
+            with anyio.fail_after(5):
+                await writer.entered.wait()
+            if cancelled:
+                send.scope.cancel()  # the caller gives up while unregister() is stuck
+            with anyio.move_on_after(UNREGISTER_GRACE + 2.0):
+                await send.ended.wait()
+            returned = send.ended.is_set()
+            held = sender.sources_held
+            writer.go.set()  # let it go (before any assert: the old code would hang here otherwise)
+        assert returned, "send() was held by a stalled unregister()"
+        # The source counts until the plugin really unregistered it (its tensors stay referenced till then).
+        assert held == 1 and writer.unregisters == 1
+        # Every rank holds every token; a cancel that came during the end of send() may or may not be raised.
+        assert len(send.outcome) == 1 and (send.outcome[0] is None or (
+            cancelled and isinstance(send.outcome[0], anyio.get_cancelled_exc_class()))), send.outcome
+        assert any(r.levelname == "WARNING" and "room='r'" in r.getMessage() and "unregister()" in r.getMessage()
+                   and f"{UNREGISTER_GRACE:.1f} s" in r.getMessage() for r in caplog.records), caplog.text
+        with anyio.fail_after(5):
+            while sender.sources_held:
+                await anyio.sleep(0.01)
+        assert writer.unregisters == 1 and len(writer.regions) == 0
+        writer.stall = False
+        await _serves(sender, receiver, "next")
+        assert writer.unregisters == 2 and sender.sources_held == 0
+
+
+async def test_aclose_does_not_close_the_transport_under_a_stalled_unregister(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Like a ``register()`` in progress, an ``unregister()`` in progress is waited for: the transport is
+    closed only after it returned (a native engine torn down under its own call may crash)."""
+    writer = StallingUnregister()
+    sender = EmbeddingSender(LAYOUT, CFG, transport=writer)
+    closed = anyio.Event()
+
+    async def close() -> None:
+        await sender.aclose()
+        closed.set()
+
+    async with anyio.create_task_group() as tg:
+        async with sender, EmbeddingReceiver(LAYOUT, CFG, connect=sender.address,
+                                             transport=MockTransport()) as receiver:
+            await receiver.wait_connected()
+            writer.stall = True
+            src = make_request(1500, 1)
+            send = _Send()
+            tg.start_soon(send.run, sender, "r", src)
+            assert_same((await receiver.receive("r")).tensors, src)
+            with anyio.fail_after(5):
+                await writer.entered.wait()
+            tg.start_soon(close)
+            with anyio.move_on_after(CLOSE_GRACE + STOP_GRACE + 1.0):
+                await closed.wait()
+            events = list(writer.events)
+            writer.go.set()
+            with anyio.fail_after(10):
+                await closed.wait()
+                await send.ended.wait()
+    assert events == ["unregister stalls"], events  # not closed under it, nor did aclose() return
+    assert writer.events == ["unregister stalls", "unregistered", "transport closed"], writer.events
+    assert send.outcome == [None]
+    assert "closing waits for transport 'mock''s unregister() of 1 source(s) (rooms 'r'" in caplog.text
+
+
+async def test_a_send_unregisters_its_tensors_exactly_once_before_it_returns() -> None:
+    """The usual path is unchanged: a send() of the caller's own tensors returns once they are unregistered,
+    once; also after a failed write whose source stays registered until the write cannot land."""
+    writer = StallingUnregister()
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        for i in range(3):
+            await _serves(sender, receiver, f"ok{i}")
+            # at once, when send() returned
+            assert writer.unregisters == i + 1 and sender.sources_held == 0 and len(writer.regions) == 0
+        writer.raise_on["write"] = RuntimeError("engine lost track of the transfer")  # may land: fenced
+        async with anyio.create_task_group() as tg:
+            async def send() -> None:
+                with pytest.raises(TransferFailed, match="engine lost track"):
+                    await sender.send("bad", make_request(1500, 3))
+
+            tg.start_soon(send)
+            with pytest.raises(TransferFailed, match="engine lost track"):
+                await receiver.receive("bad")
+        with anyio.fail_after(5):
+            while sender.sources_held:
+                await anyio.sleep(0.01)
+        assert writer.unregisters == 4 and len(writer.regions) == 0
+        del writer.raise_on["write"]
+        await _serves(sender, receiver, "after")
+        assert writer.unregisters == 5 and sender.sources_held == 0

@@ -97,6 +97,10 @@ STOP_GRACE = 1.0
 """Seconds ``aclose()`` gives the ``send()`` calls whose writes it cancelled (after ``CLOSE_GRACE``) to tell
 their ranks that the room ended."""
 
+UNREGISTER_GRACE = 1.0
+"""Seconds a ``send()`` waits for the transport to unregister its caller's tensors (also when cancelled); past
+that it returns and the sender finishes the unregister in a task of its own."""
+
 
 class _Ended(NamedTuple):
     """A room's tombstone: who ended it, why, when; the receivers whose INIT of it is a new request (those
@@ -133,6 +137,18 @@ class _Registration:
     poke: Callable[[], None] = lambda: None  # wakes the waiting send() (its room's driver) once done
 
 
+@dataclass(eq=False, slots=True)
+class _Unregistration:
+    """The unregister of a source no write reads any more, in progress (see ``_run_unregister``): the sender
+    keeps the source (and so its tensors) until the transport's ``unregister()`` returned."""
+
+    entry: _Source
+    room: RoomId | None  # for logs: the room whose send() it was, if known
+    since: float  # anyio.current_time() when it began
+    done: anyio.Event = field(default_factory=anyio.Event)
+    handed_over: bool = False  # its send() returned before it did
+
+
 log = logging.getLogger(__name__)
 
 _TOMBSTONES = 4096
@@ -160,6 +176,7 @@ class EmbeddingSender:
         self._ended: OrderedDict[RoomId, _Ended] = OrderedDict()
         self._ledger = WriteLedger()
         self._sources: dict[int, _Source] = {}
+        self._unregistering: dict[int, _Unregistration] = {}  # sources whose unregister() has not returned
         self._staging: StagingArea | None = None
         self._draining: dict[SessionKey, PeerSession] = {}  # dropped sessions whose writes have not ended
         self._handshaking: set[tuple[str, int]] = set()
@@ -239,8 +256,8 @@ class EmbeddingSender:
     async def aclose(self) -> None:
         """Fail rooms in flight (telling their receivers), then close everything. Safe from any task,
         bounded (about ``CLOSE_GRACE`` seconds, plus ``STOP_GRACE`` when writes still running must be
-        cancelled), idempotent. One wait is not bounded here: a transport's ``register()`` in progress
-        (the transport is not closed under it; plugins bound their own)."""
+        cancelled), idempotent. One wait is not bounded here: a transport's ``register()`` or ``unregister()``
+        in progress (the transport is not closed under it; plugins bound their own)."""
         await self._close()
 
     async def _close(self) -> None:
@@ -271,6 +288,7 @@ class EmbeddingSender:
                             await self._chan.drain()
                 self._tasks.cancel_all()
                 await self._tasks.wait_done(CLOSE_GRACE)
+                self._log_stalled_unregisters()
                 await self._teardown()
             finally:
                 self._closed.set()
@@ -294,6 +312,16 @@ class EmbeddingSender:
             await anyio.to_thread.run_sync(ctx.destroy, 200)
         if self._transport is not None:
             await self._transport.aclose()
+        self._unregistering.clear()  # those whose task could not start: the closed transport dropped them
+
+    def _log_stalled_unregisters(self) -> None:
+        now = anyio.current_time()
+        stalled = [u for u in self._unregistering.values() if not u.done.is_set()]
+        if stalled and self._transport is not None:
+            log.warning("sender: closing waits for transport %r's unregister() of %d source(s) (rooms %s; the "
+                        "oldest for %.1f s): the transport is not closed under a call in progress",
+                        self._transport.name, len(stalled), ", ".join(repr(u.room) for u in stalled[:5]),
+                        max(now - u.since for u in stalled))
 
     def _check_running(self) -> None:
         if not self._tasks.entered or self._closing:
@@ -308,7 +336,10 @@ class EmbeddingSender:
         """Deliver ``tensors`` (one per layout field, same token count) to every expected rank.
 
         Returns once every rank holds every token; raises a :class:`TransferError` otherwise.
-        The tensors are read in place (not copied) and must stay unchanged until this returns.
+        The tensors are read in place (not copied) and must stay unchanged until this returns. If the
+        transport registered them, ``send()`` returns once it unregistered them, or after
+        ``UNREGISTER_GRACE`` seconds if its ``unregister()`` stalls: no write reads them then, and the
+        sender keeps a reference to them (counted in :attr:`sources_held`) until that call returns.
         ``part``: these rows are part ``part`` of a room the receiver assembles from parts sent by
         several encoders (``receive(room, parts=[...])``): only that part's rows, in token order.
 
@@ -480,8 +511,7 @@ class EmbeddingSender:
                 entry = self._sources.pop(source, None)
                 if registration.registered and entry is not None:
                     log.info("sender: undoing the registration of a source whose send() ended first")
-                    with anyio.CancelScope(shield=True):
-                        await self._unregister(entry)
+                    await self._run_unregister(source, self._unregistration(source, entry, None))
                 elif registration.error is not None:
                     log.warning("sender: registering a source whose send() ended first failed: %s",
                                 registration.error)
@@ -516,9 +546,9 @@ class EmbeddingSender:
 
     async def _send_finished(self, r: SendRoomDriver, *, source: int, registration: _Registration | None,
                              num_tokens: int, t_start: float, error: BaseException | None) -> None:
-        """The room's ``send()`` is over (also when it was cancelled: this only awaits shielded, and only to
-        unregister the caller's own tensors; staged rows are freed at once). ``registration``: ``None`` for
-        staged rows (registered with the staging area)."""
+        """The room's ``send()`` is over (also when it was cancelled: this only awaits shielded, and only for
+        the unregister of the caller's own tensors, at most ``UNREGISTER_GRACE``; staged rows are freed at
+        once). ``registration``: ``None`` for staged rows (registered with the staging area)."""
         room = r.room
         rounds = max((p.round + 1 for p in r.machine.ranks.values()), default=0)
         ok = r.machine.state is TransferStatus.SUCCESS
@@ -549,10 +579,9 @@ class EmbeddingSender:
                     unregister = self._take_source(source)
             else:
                 later.append(action)
-        if unregister is not None:
-            with anyio.CancelScope(shield=True):
-                await self._unregister(unregister)
         self._apply(later)
+        if unregister is not None:
+            await self._unregister_own(r.room, source, unregister)
         self._active_sends -= 1
         if self._active_sends == 0:
             self._idle.set()
@@ -569,10 +598,56 @@ class EmbeddingSender:
         return entry
 
     async def _release_source(self, source: int) -> None:
-        """No write reads ``source`` any more: free its staged rows, or unregister the caller's tensors."""
+        """No write reads ``source`` any more: free its staged rows, or unregister the caller's tensors (a task
+        of its own, spawned by ``_apply``)."""
         entry = self._take_source(source)
         if entry is not None:
-            await self._unregister(entry)
+            await self._run_unregister(source, self._unregistration(source, entry, None))
+
+    async def _unregister_own(self, room: RoomId, source: int, entry: _Source) -> None:
+        """The end of ``send()``: unregister its caller's tensors (no write reads them any more).
+
+        A plugin's ``unregister()`` may stall on its engine (a wedged driver, a lock a stuck transfer holds) and
+        may shield itself, so it runs in a task the sender owns: ``send()`` waits for it, shielded (a cancel
+        does not cut a normal unregister short), up to ``UNREGISTER_GRACE``, then returns; the task finishes
+        it and the source counts in ``sources_held`` until then. ``aclose()`` waits for that task."""
+        u = self._unregistration(source, entry, room)
+        if not self._spawn(self._run_unregister, source, u):
+            # The sender is closing: its transport is closed once its tasks ended, which drops the registration;
+            # the source is kept (its tensors referenced) until then.
+            u.done.set()
+            if self._closed.is_set():
+                self._unregistering.pop(source, None)
+            return
+        with anyio.CancelScope(shield=True, deadline=anyio.current_time() + UNREGISTER_GRACE):
+            await u.done.wait()
+        if not u.done.is_set():
+            u.handed_over = True
+            assert self._transport is not None
+            log.warning("sender: room=%r: transport %r's unregister() of the send()'s tensors has not returned "
+                        "after %.1f s; send() returns (no write reads them) and the sender finishes the unregister "
+                        "when the transport does (the source counts in sources_held until then)", room,
+                        self._transport.name, anyio.current_time() - u.since)
+
+    def _unregistration(self, source: int, entry: _Source, room: RoomId | None) -> _Unregistration:
+        """``entry`` (out of ``_sources``) held until its unregister returned: it counts in ``sources_held``."""
+        u = _Unregistration(entry, room, anyio.current_time())
+        self._unregistering[source] = u
+        return u
+
+    async def _run_unregister(self, source: int, u: _Unregistration) -> None:
+        """Unregister ``u``'s source, shielded (each registration is undone by one unregister: the engine's books
+        must match), then let it go."""
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._unregister(u.entry)
+        finally:
+            if self._unregistering.get(source) is u:
+                del self._unregistering[source]
+            u.done.set()
+            if u.handed_over:
+                log.info("sender: room=%r: the transport's unregister() of the send()'s tensors returned after "
+                         "%.1f s", u.room, anyio.current_time() - u.since)
 
     async def _unregister(self, entry: _Source) -> None:
         if self._transport is None:
@@ -970,8 +1045,9 @@ class EmbeddingSender:
     @property
     def sources_held(self) -> int:
         """``send()`` sources whose memory is still registered or staged (its ``send()`` runs, or a write
-        may still read it); 0 once idle. The staging area itself stays registered while the sender runs."""
-        return len(self._sources)
+        may still read it, or the transport's ``unregister()`` of it has not returned); 0 once idle. The
+        staging area itself stays registered while the sender runs."""
+        return len(self._sources) + len(self._unregistering)
 
     @property
     def writes_in_flight(self) -> int:
