@@ -4,18 +4,27 @@ Everything here is synchronous; the transport calls it from worker threads.
 
 The engine reads its settings from environment variables at several moments: ``MC_LOG_LEVEL``
 when ``mooncake.engine`` is imported, ``MC_TRANSFER_TIMEOUT`` when a ``TransferEngine`` is
-constructed, ``MC_FORCE_TCP`` in ``initialize()``, and the TCP transport's timeouts
-(``MC_TCP_PROGRESS_TIMEOUT_SEC``, ``MC_TCP_STATUS_TIMEOUT_SEC``) on its own threads, for every
-transfer (measured on 0.3.13.post1: set for the process, a write to a stopped peer ended after
-the value set; set only around ``initialize()``, or only around the submit, after the default 30
-s). So :func:`start_engine` sets the first kind around construction and ``initialize()`` and
-restores them (two endpoints with different options can live in one process), but the TCP
-timeouts once, for the process, before its first engine starts (changing the environment while
-engine threads read it would race): the first endpoint that asks decides them.
+constructed, ``MC_FORCE_TCP`` in ``initialize()`` (whether it exists: any value forces TCP), and the
+TCP transport's timeouts (``MC_TCP_PROGRESS_TIMEOUT_SEC``, ``MC_TCP_STATUS_TIMEOUT_SEC``) on its own
+threads, for every transfer (measured on 0.3.13.post1: set for the process, a write to a stopped peer
+ended after the value set; set only around ``initialize()``, or only around the submit, after the
+default 30 s).
+
+The threads of a running engine call ``getenv()``, which takes no lock: adding a variable may move
+the C environment array (the old one is freed) and removing one shifts the entries after it, so a
+concurrent ``getenv()`` can read freed memory or miss a variable. Replacing the value of a variable
+that exists only swaps one pointer (glibc never frees the old string). So :func:`start_engine` adds
+or removes a variable only while no engine of this process exists, and otherwise only replaces
+values: ``MC_FORCE_TCP`` is set (or removed) for the process by the first engine that needs it and
+a later endpoint that would need the other state while engines run is refused; ``MC_TRANSFER_TIMEOUT``
+is swapped in around one engine's construction and back (to ``30``, the engine's default, where the
+user had not set it: it stays, so later endpoints can swap theirs in); the TCP timeouts are set once,
+for the process, before its first engine starts: the first endpoint that asks decides them.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -24,14 +33,15 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from aioembed.errors import TransportError
+from aioembed.errors import ConfigError, TransportError
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -153,24 +163,101 @@ class StartedEngine:
     engine: Any
     session: str
     rpc_port: int
+    transfer_timeout: int = 30
+    """Seconds: the timeout the engine took from ``MC_TRANSFER_TIMEOUT`` when it was constructed."""
+    progress_timeout: int = 30
+    """Seconds: ``MC_TCP_PROGRESS_TIMEOUT_SEC`` as the engine's TCP lanes read it (process-wide, fixed
+    while engines run)."""
+
+
+FORCE_TCP = "MC_FORCE_TCP"
+TRANSFER_TIMEOUT_VARIABLE = "MC_TRANSFER_TIMEOUT"
+ENGINE_DEFAULT_TIMEOUT = 30
+"""Seconds: the engine's transfer timeout and its TCP lanes' timeouts where their variables are unset."""
+
+_live_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Engines of this process that still exist: while one does, its threads may read the environment (an
+engine's own threads end in its destructor; measured on 0.3.13.post1, two per TCP engine)."""
+
+
+def _c_atoi(text: str | None) -> int:
+    """C's ``atoi()``, as the engine parses these variables: leading digits, 0 if none."""
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?\d+)", text or "")
+    return max(-(1 << 31), min(int(m.group(1)), (1 << 31) - 1)) if m else 0
+
+
+def engine_transfer_timeout(value: str | None) -> int:
+    """The timeout (seconds) an engine constructed with ``MC_TRANSFER_TIMEOUT=value`` uses (None: unset)."""
+    return ENGINE_DEFAULT_TIMEOUT if value is None else max(5, _c_atoi(value))
+
+
+def lane_timeout(value: str | None) -> int:
+    """The timeout (seconds) the engine's TCP lanes use for ``MC_TCP_PROGRESS_TIMEOUT_SEC=value``."""
+    v = _c_atoi(value)
+    return v if v > 0 else ENGINE_DEFAULT_TIMEOUT
+
+
+def _engines_alive() -> int:
+    """How many engines of this process exist; closed endpoints caught in reference cycles are collected
+    first (called only where the answer would refuse or degrade something)."""
+    if _live_engines:
+        gc.collect()
+    return len(_live_engines)
+
+
+def _set_force_tcp(protocol: str) -> None:
+    """Make ``MC_FORCE_TCP`` exist exactly when ``protocol`` is TCP: the engine tests only whether it exists,
+    in ``initialize()``. Changed only while no engine of this process exists (it then stays, for the
+    engines it started); otherwise a different need is a ``ConfigError`` naming what is set."""
+    want = protocol == "tcp"
+    current = os.environ.get(FORCE_TCP)
+    if (current is not None) == want:
+        return
+    running = _engines_alive()
+    if running:
+        if want:
+            need, state = (f"{FORCE_TCP} set while its engine initializes (without it the engine installs RDMA "
+                           "on a host with RDMA devices)", "unset (an endpoint with protocol 'rdma' opened first)")
+        else:
+            need, state = (f"{FORCE_TCP} unset while its engine initializes (the engine tests only whether it "
+                           "exists: any value forces TCP)",
+                           f"set ({FORCE_TCP}={current!r}: by the user or an endpoint with protocol 'tcp')")
+        raise ConfigError(
+            f"mooncake transport: transport_options.protocol={protocol!r} needs {need}, but it is {state} and "
+            f"{running} engine(s) of this process are running; their threads read the environment, so it is "
+            "not changed while they run. Use one protocol per process, or close (and drop) the other "
+            "endpoints first"
+        )
+    if want:
+        os.environ[FORCE_TCP] = "1"
+    else:
+        log.info("mooncake transport: protocol %r: removing %s=%r from the environment (it would force TCP)",
+                 protocol, FORCE_TCP, current)
+        del os.environ[FORCE_TCP]
 
 
 @contextmanager
-def _env(values: Mapping[str, str | None]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
+def _transfer_timeout(seconds: int | None) -> Iterator[None]:
+    """``MC_TRANSFER_TIMEOUT`` for constructing one engine (the engine reads it only then). Swapped in and
+    back, to the user's value or to the engine's default where the user set none (the variable stays, so
+    later endpoints can swap theirs in while engines run); added only while no engine exists."""
+    if seconds is None:
+        yield
+        return
+    current = os.environ.get(TRANSFER_TIMEOUT_VARIABLE)
+    if current is None and (running := _engines_alive()):
+        log.warning("mooncake transport: transfer_timeout=%d s does not reach the engine's own timeout (%s, "
+                    "which bounds its synchronous reads, such as connect()'s): it is unset in this process and "
+                    "not added while %d engine(s) run (their threads read the environment), so this engine keeps "
+                    "its default, %d s; the endpoint's writes still give up after %d s",
+                    seconds, TRANSFER_TIMEOUT_VARIABLE, running, ENGINE_DEFAULT_TIMEOUT, seconds)
+        yield
+        return
+    os.environ[TRANSFER_TIMEOUT_VARIABLE] = str(seconds)
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ[TRANSFER_TIMEOUT_VARIABLE] = current if current is not None else str(ENGINE_DEFAULT_TIMEOUT)
 
 
 TCP_TIMEOUT_VARIABLES = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
@@ -197,21 +284,18 @@ def _set_tcp_timeouts(seconds: int) -> None:
 def start_engine(settings: EngineSettings) -> StartedEngine:
     """Construct and initialize an engine (blocking; run it in a worker thread)."""
     mod = load_engine_module()
-    env: dict[str, str | None] = {}
-    if settings.protocol == "tcp":
+    with _ENV_LOCK:
         # The `protocol` argument of initialize() does not choose the transport: the engine
         # installs RDMA whenever it finds an HCA. Only MC_FORCE_TCP really forces TCP.
-        env["MC_FORCE_TCP"] = "1"
-    else:
-        env["MC_FORCE_TCP"] = None
-    if settings.transfer_timeout is not None:
-        env["MC_TRANSFER_TIMEOUT"] = str(settings.transfer_timeout)
-    with _ENV_LOCK, _env(env):
+        _set_force_tcp(settings.protocol)
         if settings.transfer_timeout is not None:
             _set_tcp_timeouts(settings.transfer_timeout)
         global _engines_started  # noqa: PLW0603  (process state: see _set_tcp_timeouts)
         _engines_started = True
-        engine = mod.TransferEngine()
+        with _transfer_timeout(settings.transfer_timeout):
+            engine = mod.TransferEngine()
+            transfer_timeout = engine_transfer_timeout(os.environ.get(TRANSFER_TIMEOUT_VARIABLE))
+        _live_engines.add(engine)  # before initialize(), which starts its threads
         rc = engine.initialize(settings.hostname, settings.metadata_server, settings.protocol, settings.device_name)
         if rc != 0:
             raise TransportError(
@@ -221,11 +305,13 @@ def start_engine(settings: EngineSettings) -> StartedEngine:
                 + ("" if settings.metadata_server == "P2PHANDSHAKE"
                    else "; is the metadata server reachable? (the default 'P2PHANDSHAKE' needs none)")
             )
+        progress_timeout = lane_timeout(os.environ.get(TCP_TIMEOUT_VARIABLES[0]))
     # Only now is the engine safe to query: get_rpc_port() before initialize() segfaults.
     port = int(engine.get_rpc_port())
     p2p = settings.metadata_server == "P2PHANDSHAKE"
     session = f"{settings.hostname}:{port}" if p2p else settings.hostname
-    return StartedEngine(engine=engine, session=session, rpc_port=port)
+    return StartedEngine(engine=engine, session=session, rpc_port=port, transfer_timeout=transfer_timeout,
+                         progress_timeout=progress_timeout)
 
 
 def _listening_fds(port: int) -> list[int]:

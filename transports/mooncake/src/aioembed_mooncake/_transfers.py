@@ -226,11 +226,22 @@ class TransferPoller:
         self._progress.set()
         self._progress = anyio.Event()
 
+    def close(self) -> None:
+        """Let go of the engine (``check`` is its bound method, which keeps it alive): once the endpoint drained
+        every transfer, so that its close destroys the engine then, not whenever the endpoint is collected."""
+        if self._pending:
+            raise RuntimeError(f"closing a poller with {len(self._pending)} transfers pending")
+        self._check = _closed
+
     async def drain(self) -> None:
         """Poll until nothing is pending (an endpoint closing waits for its transfers this way)."""
         leftovers = list(self._pending.values())
         if leftovers:
             await self.wait(leftovers)
+
+
+def _closed(batch: int) -> int:
+    raise RuntimeError(f"engine transfer {batch} polled after its endpoint closed")
 
 
 class CreditsClosed(Exception):

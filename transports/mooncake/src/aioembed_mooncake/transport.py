@@ -21,7 +21,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 import re
 import socket
 import time
@@ -242,10 +241,13 @@ class MooncakeTransport(Transport):
         orphan_lifetime=2.0,
     )
 
-    def __init__(self, config: _Config, engine: Any, session: str, rpc_port: int) -> None:
+    def __init__(self, config: _Config, engine: Any, session: str, rpc_port: int, *,
+                 engine_timeout: int = 30, lane_timeout: int = 30) -> None:
         self.config = config
         self.session = session
         self.rpc_port = rpc_port
+        self._transfer_timeout = config.transfer_timeout if config.transfer_timeout is not None else engine_timeout
+        self._progress_timeout = max(30, lane_timeout)
         self.closed = False
         self._closing = CloseOnce()
         self._engine: Any = engine
@@ -287,22 +289,16 @@ class MooncakeTransport(Transport):
     def progress_timeout(self) -> int:
         """Seconds without progress after which the engine's TCP lane drops a connection. The engine
         reads ``MC_TCP_PROGRESS_TIMEOUT_SEC`` for every transfer (default 30; the plugin sets it for the
-        process from the first ``transfer_timeout``, see ``_engine``); as a bound on when a failed write's
-        bytes may still land, never taken below 30."""
-        try:
-            return max(30, int(os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")))
-        except ValueError:
-            return 30
+        process from the first ``transfer_timeout`` and never changes it while engines run, see ``_engine``),
+        so it is taken when the endpoint opens; as a bound on when a failed write's bytes may still land,
+        never taken below 30."""
+        return self._progress_timeout
 
     @property
     def transfer_timeout(self) -> int:
-        """Seconds after which the engine gives up on a write."""
-        if self.config.transfer_timeout is not None:
-            return self.config.transfer_timeout
-        try:
-            return max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
-        except ValueError:
-            return 30
+        """Seconds after which the engine gives up on a write: ``transfer_timeout``, else what the engine
+        took from ``MC_TRANSFER_TIMEOUT`` when it was constructed (default 30)."""
+        return self._transfer_timeout
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -313,7 +309,8 @@ class MooncakeTransport(Transport):
         started = await anyio.to_thread.run_sync(start_engine, config.engine_settings())
         log.info("mooncake transport: engine up, session %s, protocol %s%s", started.session, config.protocol,
                  f", devices {config.device_name}" if config.device_name else "")
-        self = cls(config, started.engine, started.session, started.rpc_port)
+        self = cls(config, started.engine, started.session, started.rpc_port,
+                   engine_timeout=started.transfer_timeout, lane_timeout=started.progress_timeout)
         rc = await anyio.to_thread.run_sync(started.engine.register_memory, self._scratch_address, _SCRATCH_BYTES)
         if rc != 0:
             await self.aclose()
@@ -339,6 +336,7 @@ class MooncakeTransport(Transport):
         # progress timeout bounds them) before unregistering their memory.
         await self._idle.wait()
         await self._poller.drain()
+        self._poller.close()
         async with self._reg_lock:
             pieces = self._reg.clear()
             engine = self._engine
