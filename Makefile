@@ -69,8 +69,8 @@ test-plugins: install-plugins
 	for d in transports/*/tests; do \
 	  [ -d "$$d" ] || continue; \
 	  name=$$(basename "$$(dirname "$$d")"); \
-	  (cd "$$(dirname "$$d")" && ../../$(PY) ../../tools/run_pytest.py tests $(TEST_TIMEOUT) $(PYTEST_ARGS) \
-	    > "$$logs/$$name.log" 2>&1) & jobs="$$jobs $$!:$$name"; \
+	  (cd "$$(dirname "$$d")" && ../../$(PY) ../../tools/run_pytest.py tests -m "not slow" $(TEST_TIMEOUT) \
+	    $(PYTEST_ARGS) > "$$logs/$$name.log" 2>&1) & jobs="$$jobs $$!:$$name"; \
 	done; \
 	fail=0; for job in $$jobs; do \
 	  pid=$${job%%:*}; name=$${job#*:}; \
@@ -85,6 +85,11 @@ test: install-plugins lint typecheck test-core test-plugins
 # Full-length soak and chaos tests (CI runs bounded versions as part of `make test`).
 soak: install-plugins
 	$(PY) tools/run_pytest.py tests -m slow $(PYTEST_ARGS)
+	@for d in transports/*/tests; do \
+	  [ -d "$$d" ] || continue; \
+	  echo "== $$d (slow)"; \
+	  (cd "$$(dirname "$$d")" && ../../$(PY) ../../tools/run_pytest.py tests -m slow $(PYTEST_ARGS)) || exit 1; \
+	done
 
 bench: install-plugins
 	$(VENV)/bin/aioembed bench

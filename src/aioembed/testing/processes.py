@@ -48,6 +48,7 @@ __all__ = [
     "checksum",
     "deterministic_request",
     "loop_stops",
+    "room_source",
     "side_logs",
     "spawn",
     "standard_layout",
@@ -166,7 +167,7 @@ async def _run_role(spec: SideSpec) -> None:
 
             async def send_one(room: RoomSpec) -> None:
                 async with limiter:
-                    data, meta = await anyio.to_thread.run_sync(_source, layout, room, limiter=checker)
+                    data, meta = await anyio.to_thread.run_sync(room_source, layout, room, limiter=checker)
                     try:
                         await sender.send(room.room, data, meta, part=room.part)
                     except AioembedError as exc:
@@ -215,7 +216,7 @@ async def _run_role(spec: SideSpec) -> None:
         raise SystemExit(f"unknown role {spec.role!r}")
 
 
-def _source(layout: Layout, room: RoomSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def room_source(layout: Layout, room: RoomSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The rows a sender sends for ``room`` (its part only, if it sends one) and their metadata."""
     data = deterministic_request(layout, room.tokens, room.room)
     if room.part is not None:

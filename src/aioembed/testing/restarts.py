@@ -1,0 +1,195 @@
+"""Peer restarts, over and over: what a long-running encoder or language-model process lives through.
+
+One side runs in the test process for the whole test; the other side is a process that is started,
+used (every room checked bit for bit), killed with SIGKILL while idle, and started again, ``cycles``
+times. Once the long-lived side has seen each death, it must hold no more than after the first
+cycle: open file descriptors (a transport that keeps sockets to dead peers runs out of them after
+some hundreds of restarts), threads, event-loop tasks, and in its own books no peer, room, source,
+write or pool block left over. The peer is killed while idle so that every cycle leaves the same
+thing behind (a kill in the middle of a write is the chaos tests' subject).
+
+A plugin runs it by subclassing (compare :class:`~aioembed.testing.TransportConformance`)::
+
+    from aioembed.testing.restarts import PeerRestartSuite
+
+    class TestPeerRestarts(PeerRestartSuite):
+        transport_name = "mine"
+        transport_options = {"protocol": "tcp"}
+
+The test process runs on asyncio; ``pytest -m slow`` adds a longer run of each test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import anyio
+import pytest
+
+from aioembed.config import TransferConfig
+from aioembed.samples import deterministic_request, same_rows, standard_layout
+from aioembed.session.receiver import EmbeddingReceiver
+from aioembed.session.sender import EmbeddingSender
+from aioembed.testing.processes import ProcessSide, RoomSpec, SideSpec, room_source, spawn
+
+__all__ = ["Holdings", "PeerRestartSuite", "holdings"]
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What this process holds that a leak per peer would make grow."""
+
+    fds: int
+    sockets: int
+    threads: int
+    tasks: int
+
+    def grew_past(self, before: Holdings, slack: int) -> list[str]:
+        """What grew by more than ``slack`` since ``before`` (empty: nothing)."""
+        return [f"{name}: {getattr(before, name)} -> {getattr(self, name)}"
+                for name in ("fds", "sockets", "threads", "tasks")
+                if getattr(self, name) > getattr(before, name) + slack]
+
+
+def holdings() -> Holdings:
+    """Open file descriptors (sockets among them), threads and asyncio tasks of this process (Linux)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the directory's own descriptor, closed by now
+            continue
+    try:
+        tasks = len(asyncio.all_tasks())
+    except RuntimeError:  # no running asyncio loop
+        tasks = 0
+    return Holdings(fds=len(targets), sockets=sum(t.startswith("socket:") for t in targets),
+                    threads=len(os.listdir("/proc/self/task")), tasks=tasks)
+
+
+async def _until(what: str, done: Callable[[], bool], timeout: float, side: ProcessSide | None = None) -> None:
+    """Wait for ``done()`` (tests only: the long-lived side's books are read, nothing is awaited)."""
+    with anyio.move_on_after(timeout):
+        while not done():  # noqa: ASYNC110 - the library offers no event for "let go of a dead peer"
+            await anyio.sleep(0.05)
+    if not done():
+        tail = f"\n{side.stderr_tail()}" if side is not None else ""
+        raise AssertionError(f"not within {timeout} s: {what}{tail}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PeerRestartSuite:
+    """Subclass with ``transport_name`` (and options) to run the restart scenarios."""
+
+    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [pytest.mark.anyio]
+    transport_name: ClassVar[str]
+    transport_options: ClassVar[Mapping[str, Any]] = {}
+    cycles: ClassVar[int] = 3
+    """Peer processes started and killed in the bounded run (the first sets the baseline)."""
+    soak_cycles: ClassVar[int] = 12
+    """The same with ``-m slow``."""
+    hidden: ClassVar[int] = 64
+    room_tokens: ClassVar[tuple[int, ...]] = (100, 700, 1500)
+    """Each cycle's rooms (1500 resumes once into the 1024-token default)."""
+    slack: ClassVar[int] = 1
+    """What may differ between cycles (a descriptor or thread the runtime opens on its own)."""
+    start_timeout: ClassVar[float] = 60.0
+    """Seconds a peer process may take to start (a GPU host with CUDA takes 5-6 s)."""
+
+    @pytest.fixture
+    def anyio_backend(self) -> str:
+        return "asyncio"
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "transport": self.transport_name, "transport_options": dict(self.transport_options),
+            "default_tokens": 1024, "pool_tokens": 8192, "heartbeat_interval": 0.5, "heartbeat_misses": 4,
+            "handshake_timeout": 10.0, "input_timeout": 60.0, "round_timeout": 60.0,
+        }
+
+    def _rooms(self, cycle: int) -> list[RoomSpec]:
+        return [RoomSpec(f"c{cycle}r{i}", tokens) for i, tokens in enumerate(self.room_tokens)]
+
+    @staticmethod
+    def _check(seen: list[Holdings], slack: int) -> None:
+        grew = seen[-1].grew_past(seen[0], slack)
+        assert not grew, (f"after {len(seen) - 1} more peer restarts the long-lived side holds more: "
+                          f"{'; '.join(grew)} (per cycle: {seen})")
+
+    async def _sender_outlives_receivers(self, cycles: int) -> None:
+        layout = standard_layout(self.hidden)
+        async with EmbeddingSender(layout, TransferConfig.from_mapping(self.config())) as sender:
+            seen: list[Holdings] = []
+            for cycle in range(cycles):
+                rooms = self._rooms(cycle)
+                spec = SideSpec(role="receive", config=self.config(), rooms=rooms, hidden=self.hidden,
+                                connect=sender.address, concurrency=len(rooms))
+                async with spawn(spec) as side:
+                    await side.until("ready", timeout=self.start_timeout)
+                    async with anyio.create_task_group() as tg:
+                        for r in rooms:
+                            tg.start_soon(sender.send, r.room, *room_source(layout, r))
+                    got = await side.rooms(len(rooms), timeout=120)
+                    assert all(ev["ok"] for ev in got), got
+                    side.kill()  # idle: every room is done on both sides
+                    await _until("the sender lets go of the dead receiver", lambda: not sender.peers
+                                 and not sender.rooms_in_flight and not sender.sources_held
+                                 and not sender.writes_in_flight, timeout=30, side=side)
+                seen.append(holdings())
+            self._check(seen, self.slack)
+
+    async def _receiver_outlives_senders(self, cycles: int) -> None:
+        layout = standard_layout(self.hidden)
+        address = f"tcp://127.0.0.1:{_free_port()}"  # each sender restarts on it, as a deployed encoder does
+        async with EmbeddingReceiver(layout, TransferConfig.from_mapping(self.config()), connect=address) as receiver:
+            seen: list[Holdings] = []
+            for cycle in range(cycles):
+                rooms = self._rooms(cycle)
+                spec = SideSpec(role="send", config=self.config(), rooms=rooms, hidden=self.hidden, bind=address,
+                                concurrency=len(rooms), linger=3600.0)
+                async with spawn(spec) as side:
+                    await side.until("ready", timeout=self.start_timeout)
+                    got: dict[str, bool] = {}
+
+                    async def take(r: RoomSpec, got: dict[str, bool] = got) -> None:
+                        received = await receiver.receive(r.room)
+                        got[str(r.room)] = same_rows(received.tensors,
+                                                     deterministic_request(layout, r.tokens, r.room))
+
+                    async with anyio.create_task_group() as tg:
+                        for r in rooms:
+                            tg.start_soon(take, r)
+                    assert all(got.values()) and len(got) == len(rooms), got
+                    sent = await side.rooms(len(rooms), timeout=60)
+                    assert all(ev["ok"] for ev in sent), sent
+                    side.kill()  # idle: every room is done on both sides
+                    await _until("the receiver sees the sender gone, its pool whole",
+                                 lambda: not receiver.connected and not receiver.rooms_in_flight
+                                 and receiver.allocator.stats.free == receiver.allocator.stats.total
+                                 and not receiver.allocator.stats.fenced, timeout=30, side=side)
+                seen.append(holdings())
+            self._check(seen, self.slack)
+
+    async def test_a_sender_outlives_receivers_killed_one_after_another(self) -> None:
+        await self._sender_outlives_receivers(self.cycles)
+
+    async def test_a_receiver_outlives_senders_killed_one_after_another(self) -> None:
+        await self._receiver_outlives_senders(self.cycles)
+
+    @pytest.mark.slow
+    async def test_a_sender_outlives_many_receiver_restarts(self) -> None:
+        await self._sender_outlives_receivers(self.soak_cycles)
+
+    @pytest.mark.slow
+    async def test_a_receiver_outlives_many_sender_restarts(self) -> None:
+        await self._receiver_outlives_senders(self.soak_cycles)
