@@ -85,11 +85,11 @@ test: install-plugins lint typecheck test-core test-plugins
 # Full-length soak and chaos tests (CI runs bounded versions as part of `make test`).
 soak: install-plugins
 	$(PY) tools/run_pytest.py tests -m slow $(PYTEST_ARGS)
-	@for d in transports/*/tests; do \
+	@fail=0; for d in transports/*/tests; do \
 	  [ -d "$$d" ] || continue; \
 	  echo "== $$d (slow)"; \
-	  (cd "$$(dirname "$$d")" && ../../$(PY) ../../tools/run_pytest.py tests -m slow $(PYTEST_ARGS)) || exit 1; \
-	done
+	  (cd "$$(dirname "$$d")" && ../../$(PY) ../../tools/run_pytest.py tests -m slow $(PYTEST_ARGS)) || fail=1; \
+	done; exit $$fail
 
 bench: install-plugins
 	$(VENV)/bin/aioembed bench

@@ -8,6 +8,8 @@ transport below does: before, ``send()`` also waited for it shielded, with no de
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Sequence
 
 import anyio
@@ -18,6 +20,7 @@ from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, Transf
 from aioembed.session import sender as sender_module
 from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.sender import STOP_GRACE
+from aioembed.session.tasks import BackgroundTasks
 from aioembed.testing import MockTransport
 from aioembed.transports.base import MemoryRegion
 
@@ -272,3 +275,39 @@ async def test_a_send_unregisters_its_tensors_exactly_once_before_it_returns() -
         del writer.raise_on["write"]
         await _serves(sender, receiver, "after")
         assert writer.unregisters == 5 and sender.sources_held == 0
+
+
+async def test_an_unregister_task_that_never_starts_does_not_hold_send(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``_run_unregister`` task scheduled just before ``aclose()``'s ``cancel_all()`` (same loop turn) never
+    ran, yet ``send()`` waited the whole ``UNREGISTER_GRACE`` for it and warned that it "has not returned"
+    (found by a review; the race made deterministic by closing the task set right after the spawn)."""
+    spawn = BackgroundTasks.spawn
+
+    def spawn_then_close(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        ok = spawn(self, fn, *args, **kwargs)
+        if getattr(fn, "__name__", "") == "_run_unregister":
+            self.cancel_all()  # aclose()'s cancel_all() in the same loop turn, before the task started
+        return ok
+
+    monkeypatch.setattr(BackgroundTasks, "spawn", spawn_then_close)
+    writer = StallingUnregister()
+    sender = EmbeddingSender(LAYOUT, CFG, transport=writer)
+    async with sender, EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        src = make_request(1500, 1)
+        took: list[float] = []
+
+        async def send() -> None:
+            t0 = time.monotonic()
+            await sender.send("r", src)
+            took.append(time.monotonic() - t0)
+
+        with caplog.at_level(logging.INFO):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                await receiver.receive("r")
+        assert writer.unregisters == 0  # nothing ran: the transport's close drops the registration
+        warned = [r.getMessage() for r in caplog.records if "has not returned" in r.getMessage()]
+        assert not warned, warned  # HEAD: a warning about an unregister() that never started
+        assert took and took[0] < 0.5, took  # HEAD: about UNREGISTER_GRACE (1 s)

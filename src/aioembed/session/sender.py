@@ -460,7 +460,11 @@ class EmbeddingSender:
         cancel, and a stalled one does not hold ``send()``. If ``send()`` leaves first, that task undoes the
         registration once it completes (the source counts in ``sources_held`` until then)."""
         assert self._transport is not None
-        if not self._spawn(self._run_registration, source, regions, registration):
+        def skipped() -> None:  # its task was scheduled, and cancel_all() came first: as if it was cancelled
+            registration.done.set()
+            registration.poke()
+
+        if not self._spawn(self._run_registration, source, regions, registration, if_skipped=skipped):
             registration.done.set()  # nothing runs (the sender is closing): as if its task was cancelled
         m = r.machine
         try:
@@ -612,7 +616,7 @@ class EmbeddingSender:
         does not cut a normal unregister short), up to ``UNREGISTER_GRACE``, then returns; the task finishes
         it and the source counts in ``sources_held`` until then. ``aclose()`` waits for that task."""
         u = self._unregistration(source, entry, room)
-        if not self._spawn(self._run_unregister, source, u):
+        if not self._spawn(self._run_unregister, source, u, if_skipped=u.done.set):
             # The sender is closing: its transport is closed once its tasks ended, which drops the registration;
             # the source is kept (its tensors referenced) until then.
             u.done.set()

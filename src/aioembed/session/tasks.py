@@ -95,21 +95,28 @@ class BackgroundTasks:
         """Tasks started and not yet ended."""
         return self._count
 
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> bool:
-        """Run ``fn(*args)`` as an owned task; nothing starts once the owner is closing (then ``False``)."""
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any,
+              if_skipped: Callable[[], object] | None = None) -> bool:
+        """Run ``fn(*args)`` as an owned task; nothing starts once the owner is closing (then ``False``).
+        ``if_skipped``: called if ``fn`` was scheduled but never ran (``cancel_all()`` came before it started),
+        for a caller that waits for what ``fn`` would have signalled."""
         if self._tg is None or self._closing:
             self._log.debug("%s: not starting %s: closing", self.name, getattr(fn, "__name__", fn))
             return False
         self._count += 1
         if self._count == 1:
             self._done = anyio.Event()
-        self._tg.start_soon(self._owned, fn, args)
+        self._tg.start_soon(self._owned, fn, args, if_skipped)
         return True
 
-    async def _owned(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+    async def _owned(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+                     if_skipped: Callable[[], object] | None = None) -> None:
         try:
             if self._closing:
-                return  # scheduled before cancel_all() and started after it: it must not run
+                # scheduled before cancel_all() and started after it: it must not run
+                if if_skipped is not None:
+                    if_skipped()
+                return
             with anyio.CancelScope() as scope:
                 self._scopes.add(scope)
                 try:

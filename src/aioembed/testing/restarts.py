@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -56,8 +57,14 @@ class Holdings:
                 if getattr(self, name) > getattr(before, name) + slack]
 
 
+_TRANSIENT_THREADS = ("AnyIO worker thread", "asyncio-waitpid")
+"""Python threads that come and go on their own (idle worker threads linger for 10 s; a child's waiter ends
+with it): not counted, as their number says nothing about what a peer left behind."""
+
+
 def holdings() -> Holdings:
-    """Open file descriptors (sockets among them), threads and asyncio tasks of this process (Linux)."""
+    """Open file descriptors (sockets among them), threads (less the transient ones) and asyncio tasks of this
+    process (Linux)."""
     targets = []
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -68,8 +75,18 @@ def holdings() -> Holdings:
         tasks = len(asyncio.all_tasks())
     except RuntimeError:  # no running asyncio loop
         tasks = 0
+    transient = sum(t.name.startswith(_TRANSIENT_THREADS) for t in threading.enumerate())
     return Holdings(fds=len(targets), sockets=sum(t.startswith("socket:") for t in targets),
-                    threads=len(os.listdir("/proc/self/task")), tasks=tasks)
+                    threads=len(os.listdir("/proc/self/task")) - transient, tasks=tasks)
+
+
+async def _settled_holdings() -> Holdings:
+    """The least of a few samples over half a second: what is held, not what is passing through."""
+    samples = []
+    for _ in range(5):
+        samples.append(holdings())
+        await anyio.sleep(0.1)
+    return Holdings(*(min(getattr(h, name) for h in samples) for name in ("fds", "sockets", "threads", "tasks")))
 
 
 async def _until(what: str, done: Callable[[], bool], timeout: float, side: ProcessSide | None = None) -> None:
@@ -145,7 +162,7 @@ class PeerRestartSuite:
                     await _until("the sender lets go of the dead receiver", lambda: not sender.peers
                                  and not sender.rooms_in_flight and not sender.sources_held
                                  and not sender.writes_in_flight, timeout=30, side=side)
-                seen.append(holdings())
+                seen.append(await _settled_holdings())
             self._check(seen, self.slack)
 
     async def _receiver_outlives_senders(self, cycles: int) -> None:
@@ -177,7 +194,7 @@ class PeerRestartSuite:
                                  lambda: not receiver.connected and not receiver.rooms_in_flight
                                  and receiver.allocator.stats.free == receiver.allocator.stats.total
                                  and not receiver.allocator.stats.fenced, timeout=30, side=side)
-                seen.append(holdings())
+                seen.append(await _settled_holdings())
             self._check(seen, self.slack)
 
     async def test_a_sender_outlives_receivers_killed_one_after_another(self) -> None:

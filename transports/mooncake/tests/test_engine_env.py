@@ -169,3 +169,28 @@ async def test_aclose_destroys_the_engine_while_the_endpoint_is_still_referenced
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
         pass  # its handshake listener is gone with it
     assert t.closed  # the endpoint itself is still referenced here
+
+
+_RESTORED_SCRIPT = r"""
+import os, subprocess, sys, anyio
+os.environ.pop("MC_FORCE_TCP", None); os.environ.pop("MC_TRANSFER_TIMEOUT", None)
+from aioembed_mooncake import MooncakeTransport
+async def main():
+    async with await MooncakeTransport.open({"protocol": "tcp", "hostname": "127.0.0.1", "transfer_timeout": 9}):
+        pass
+anyio.run(main)
+child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('MC_FORCE_TCP'))"],
+                       capture_output=True, text=True, check=True).stdout.strip()
+print(repr(os.environ.get("MC_FORCE_TCP")), repr(os.environ.get("MC_TRANSFER_TIMEOUT")), child)
+"""
+
+
+def test_the_environment_is_the_users_again_once_no_engine_exists() -> None:
+    """Once every engine of the process is gone, the environment is the user's again: MC_FORCE_TCP=1 (or the
+    user's MC_FORCE_TCP deleted, for protocol 'rdma') stayed for the rest of the process after the endpoint
+    closed, and every child started later inherited it (the engine only tests whether it exists: a child's
+    own Mooncake engine on RDMA was forced to TCP). Found by a review."""
+    out = subprocess.run([sys.executable, "-c", _RESTORED_SCRIPT], capture_output=True, text=True, timeout=120,
+                         check=True)
+    last = out.stdout.strip().splitlines()[-1]
+    assert last == "None None None", f"after close (process, MC_TRANSFER_TIMEOUT, child's MC_FORCE_TCP): {last}"

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import anyio
 import pytest
 
 from aioembed_nixl._engine import _Peer, _Prepared, _Resources
-from aioembed_nixl._worker import Posted
+from aioembed_nixl._loop import LoopWaker
+from aioembed_nixl._worker import STALL_CAP, AgentWorker, Posted, WriteJob
 
 from .conftest import NIXL_OPTIONS
 
@@ -99,9 +102,6 @@ def anyio_backend() -> str:
 async def test_a_stuck_write_times_out_while_other_writes_to_its_peer_complete() -> None:
     """Progress of other writes to the peer keeps a write's deadline away (a burst queues behind itself), but
     not for ever: a transfer that never ends times out at STALL_CAP x write_timeout."""
-    from aioembed_nixl._loop import LoopWaker
-    from aioembed_nixl._worker import STALL_CAP, AgentWorker, WriteJob
-
     timeout = 0.05
     worker = AgentWorker("stall-test", LoopWaker())
 
@@ -137,9 +137,6 @@ async def test_a_failed_worker_thread_never_settles_a_write_it_leaves_in_flight(
     """A write still in flight when the worker thread ends without a teardown (the thread failed) may still
     move: its waiter fails, but it is never settled (its memory stays fenced). It used to be settled on the
     way out, which also settled the writes of an endpoint dropped without ``aclose()`` (found by a review)."""
-    from aioembed_nixl._loop import LoopWaker
-    from aioembed_nixl._worker import AgentWorker, WriteJob
-
     class Bug(BaseException):
         pass
 
@@ -163,3 +160,49 @@ async def test_a_failed_worker_thread_never_settles_a_write_it_leaves_in_flight(
     with anyio.move_on_after(0.2):
         await job.settled.wait()
     assert not job.settled.is_set(), "settled while the agent that moves it was never torn down"
+
+
+@pytest.mark.anyio
+async def test_a_finalizer_running_on_the_worker_thread_inside_its_loop_is_not_lost() -> None:
+    """The finalizer of a dropped endpoint can run on the worker thread itself (an endpoint with a link is in a
+    reference cycle, freed by the cyclic collector on whatever thread collects). Where it landed between the
+    loop's taking and clearing of its queue, the teardown was cleared with it: never run, the thread ended
+    and the writes in flight were never settled (found by a review; the collection made to happen there)."""
+    worker = AgentWorker("finalizer-window", LoopWaker())
+    torn_down: list[bool] = []
+    moving = True
+
+    def check(handle: Any) -> str:
+        return "PROC" if moving else "DONE"
+
+    def post(job: WriteJob) -> None:
+        job.posted.append(Posted(object(), 64, check=check, release=lambda p, ended: None))
+
+    def teardown() -> None:  # what the endpoint's finalizer queues: engine.teardown(worker)
+        nonlocal moving
+        for job in worker.drain_inflight("the endpoint closed"):
+            moving = False
+            worker.settle(job)
+        torn_down.append(True)
+
+    class GcInTheWindow(deque):  # type: ignore[type-arg]
+        """``clear()`` is the next call after ``list(self._jobs)``: the collection runs just before it."""
+
+        fired = False
+
+        def clear(self) -> None:
+            if not GcInTheWindow.fired and worker._inflight:
+                GcInTheWindow.fired = True
+                worker.stop_after(teardown)  # the finalizer, run by the GC on this thread (re-entrant lock)
+            super().clear()
+
+    worker._jobs = GcInTheWindow(worker._jobs)
+    job = WriteJob(post, 30.0, "a write", peer="peer")
+    with anyio.move_on_after(0.3), contextlib.suppress(RuntimeError):
+        await worker.write(job)  # posted; fails once the endpoint is torn down (or its thread ends)
+    with anyio.move_on_after(3):
+        await job.settled.wait()
+    await worker.join()
+    assert GcInTheWindow.fired
+    assert torn_down, "the dropped endpoint's teardown was lost: the agent lives on"
+    assert job.settled.is_set(), "the write in flight is never settled"

@@ -180,6 +180,24 @@ _live_engines: weakref.WeakSet[Any] = weakref.WeakSet()
 engine's own threads end in its destructor; measured on 0.3.13.post1, two per TCP engine)."""
 
 
+_USERS: dict[str, str | None] = {}
+"""What the user had in the variables the plugin added, removed or swapped while no engine existed (None:
+unset): put back once the last engine is gone (no engine thread reads the environment then), so that processes
+started later do not inherit the plugin's choices (an ``MC_FORCE_TCP`` forces every engine of a child to TCP)."""
+
+
+def _restore_if_no_engine() -> None:
+    """Under ``_ENV_LOCK``: with no engine left, the environment is the user's again."""
+    if _live_engines or not _USERS:
+        return
+    for name, value in _USERS.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _USERS.clear()
+
+
 def _c_atoi(text: str | None) -> int:
     """C's ``atoi()``, as the engine parses these variables: leading digits, 0 if none."""
     m = re.match(r"[ \t\n\v\f\r]*([+-]?\d+)", text or "")
@@ -228,6 +246,7 @@ def _set_force_tcp(protocol: str) -> None:
             "not changed while they run. Use one protocol per process, or close (and drop) the other "
             "endpoints first"
         )
+    _USERS.setdefault(FORCE_TCP, current)
     if want:
         os.environ[FORCE_TCP] = "1"
     else:
@@ -253,6 +272,8 @@ def _transfer_timeout(seconds: int | None) -> Iterator[None]:
                     seconds, TRANSFER_TIMEOUT_VARIABLE, running, ENGINE_DEFAULT_TIMEOUT, seconds)
         yield
         return
+    if current is None:
+        _USERS.setdefault(TRANSFER_TIMEOUT_VARIABLE, None)
     os.environ[TRANSFER_TIMEOUT_VARIABLE] = str(seconds)
     try:
         yield
@@ -369,3 +390,5 @@ def destroy_engine(box: list[Any], rpc_port: int) -> None:
     """
     _hasten_destruction(rpc_port)
     box.clear()
+    with _ENV_LOCK:
+        _restore_if_no_engine()

@@ -122,8 +122,10 @@ class AgentWorker:
         self.name = name
         self._waker = waker
         self._cond = threading.Condition()
-        self._jobs: deque[_Job | Callable[[], object]] = deque()
-        """Jobs a task awaits, and bare callables nobody awaits (:meth:`stop_after`)."""
+        self._jobs: deque[_Job] = deque()
+        self._final: Callable[[], object] | None = None
+        """What :meth:`stop_after` left to run once the queue is empty (kept apart from ``_jobs``: a finalizer
+        may run on this very thread, between the loop's taking and its clearing of the queue)."""
         self._inflight: list[WriteJob] = []
         self._progress: dict[str, float] = {}
         """Per destination agent: when a transfer to it last completed (while writes to it are in flight)."""
@@ -206,7 +208,7 @@ class AgentWorker:
         Needs no event loop (a garbage collector's finalizer calls it, from any thread); ignored once stopping."""
         with self._cond:
             if not self._stopping:
-                self._jobs.append(fn)
+                self._final = fn
                 self._stopping = True
                 self._cond.notify()
 
@@ -255,8 +257,14 @@ class AgentWorker:
             moved = self._poll(time.monotonic()) if self._inflight else False
             if stopping and not jobs:
                 with self._cond:
-                    if not self._jobs:
+                    if self._jobs:
+                        continue
+                    final, self._final = self._final, None
+                    if final is None:
                         break
+                if final is not None:
+                    self._start(final)
+                    continue
             waited = any(not j.resolved for j in self._inflight)
             delay = _POLL_FIRST if moved or jobs else min(2 * delay, _POLL_MAX if waited else _POLL_ORPHAN)
         self._abandon()
