@@ -55,6 +55,7 @@ __all__ = [
     "destroy_engine",
     "rdma_devices",
     "start_engine",
+    "tcp_lanes_per_peer",
 ]
 
 log = logging.getLogger("aioembed_mooncake")
@@ -168,6 +169,8 @@ class StartedEngine:
     progress_timeout: int = 30
     """Seconds: ``MC_TCP_PROGRESS_TIMEOUT_SEC`` as the engine's TCP lanes read it (process-wide, fixed
     while engines run)."""
+    tcp_lanes: int = 0
+    """Connections the engine's TCP transport keeps open per peer (see :func:`tcp_lanes_per_peer`)."""
 
 
 FORCE_TCP = "MC_FORCE_TCP"
@@ -302,6 +305,48 @@ def _set_tcp_timeouts(seconds: int) -> None:
                         current if current is not None else "unset: the engine's default, 30 s")
 
 
+POOLED_TCP_SINCE = (0, 3, 13)
+"""First release whose TCP transport pools its connections (per-peer lanes) unless
+``MC_TCP_ENABLE_CONNECTION_POOL`` turns that off; before, it pooled only when that variable asked."""
+_DEFAULT_LANES, _MAX_LANES = 4, 16
+
+
+def _lanes_setting(value: str) -> int:
+    """The engine's parse of ``MC_TCP_LANES_PER_PEER``: decimal digits in [1, 16], else its default 4."""
+    if value.isascii() and value.isdigit() and 1 <= int(value) <= _MAX_LANES:
+        return int(value)
+    return _DEFAULT_LANES
+
+
+def tcp_lanes_per_peer(version: str | None = None) -> int:
+    """How many connections the engine's TCP transport keeps open to each peer it wrote to or read from, as
+    it reads the environment when an engine initializes; 0 where it keeps none (its pool disabled: one
+    connection per transfer, closed after it).
+
+    Measured on 0.3.13.post1 (TCP over loopback): a lane opens when a transfer needs one, stays open while
+    idle, and is closed only by a transfer that fails on it (or by the engine's destruction). A lane whose
+    peer died while it was idle keeps its socket in CLOSE-WAIT for good: the engine notices nothing until
+    it sends on it again, and the next peer process has another port, so nothing ever does. Each failed
+    transfer closes the one lane it ran on (``tcp_transport_lane_impl.h``, ``handleLaneTerminal``).
+    """
+    if version is None:
+        found = installed_engine()
+        version = found[1] if found is not None else None
+    pool = os.environ.get("MC_TCP_ENABLE_CONNECTION_POOL")
+    if pool is None:
+        # No metadata (an unusual install): assume the current engines' default, the pool.
+        pooled = version is None or _version_tuple(version) >= POOLED_TCP_SINCE
+    else:
+        pooled = pool.lower() not in ("0", "false", "no")
+    if not pooled:
+        return 0
+    for name in ("MC_TCP_LANES_PER_PEER", "MC_TCP_MAX_CONNECTIONS_PER_PEER"):  # the second: deprecated name
+        value = os.environ.get(name)
+        if value is not None:
+            return _lanes_setting(value)
+    return _DEFAULT_LANES
+
+
 def start_engine(settings: EngineSettings) -> StartedEngine:
     """Construct and initialize an engine (blocking; run it in a worker thread)."""
     mod = load_engine_module()
@@ -316,6 +361,7 @@ def start_engine(settings: EngineSettings) -> StartedEngine:
         with _transfer_timeout(settings.transfer_timeout):
             engine = mod.TransferEngine()
             transfer_timeout = engine_transfer_timeout(os.environ.get(TRANSFER_TIMEOUT_VARIABLE))
+        lanes = tcp_lanes_per_peer() if settings.protocol == "tcp" else 0  # read by initialize(), just below
         _live_engines.add(engine)  # before initialize(), which starts its threads
         rc = engine.initialize(settings.hostname, settings.metadata_server, settings.protocol, settings.device_name)
         if rc != 0:
@@ -332,7 +378,7 @@ def start_engine(settings: EngineSettings) -> StartedEngine:
     p2p = settings.metadata_server == "P2PHANDSHAKE"
     session = f"{settings.hostname}:{port}" if p2p else settings.hostname
     return StartedEngine(engine=engine, session=session, rpc_port=port, transfer_timeout=transfer_timeout,
-                         progress_timeout=progress_timeout)
+                         progress_timeout=progress_timeout, tcp_lanes=lanes)
 
 
 def _listening_fds(port: int) -> list[int]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import anyio
 
@@ -233,9 +233,15 @@ class TransferPoller:
             raise RuntimeError(f"closing a poller with {len(self._pending)} transfers pending")
         self._check = _closed
 
-    async def drain(self) -> None:
-        """Poll until nothing is pending (an endpoint closing waits for its transfers this way)."""
-        leftovers = list(self._pending.values())
+    def forget(self, transfers: Collection[PendingTransfer]) -> None:
+        """Stop polling ``transfers`` (their engine ids are never freed): for an endpoint closing without waiting
+        for transfers whose end matters to nobody, which its engine's destruction ends."""
+        for t in transfers:
+            self._pending.pop(t.batch, None)
+
+    async def drain(self, skip: Collection[PendingTransfer] = ()) -> None:
+        """Poll until nothing is pending but ``skip`` (an endpoint closing waits for its transfers this way)."""
+        leftovers = [t for t in self._pending.values() if t not in skip]
         if leftovers:
             await self.wait(leftovers)
 

@@ -66,6 +66,11 @@ keeps at most this many transfers in flight.
 """
 
 _SCRATCH_BYTES = 64
+_SCRATCH = (ctypes.c_char * _SCRATCH_BYTES)()
+"""Where the engine reads peers' bytes into (:meth:`MooncakeTransport.connect`, and the reads that release a
+closed link's connections). One buffer for the process, never freed: a read nobody waits for any more (a
+cancelled ``connect()``, a release read to a frozen peer at close) may still land in it later. Each endpoint
+registers it with its engine; what it holds is never looked at."""
 _SETTLE_POLL_MAX = 0.05
 """Seconds between looks at a timed-out write's leftover transfers while no write leads (they may run for
 a long time; a sender waiting for them to fence precisely needs no millisecond answer)."""
@@ -242,7 +247,7 @@ class MooncakeTransport(Transport):
     )
 
     def __init__(self, config: _Config, engine: Any, session: str, rpc_port: int, *,
-                 engine_timeout: int = 30, lane_timeout: int = 30) -> None:
+                 engine_timeout: int = 30, lane_timeout: int = 30, tcp_lanes: int = 0) -> None:
         self.config = config
         self.session = session
         self.rpc_port = rpc_port
@@ -257,8 +262,11 @@ class MooncakeTransport(Transport):
         """Registration calls on the loop's thread (see :meth:`_register_call`)."""
         self._limiter = anyio.CapacityLimiter(config.threads)
         self._poller = TransferPoller(engine.transfer_check_status)
-        self._scratch = (ctypes.c_char * _SCRATCH_BYTES)()  # where connect() reads a peer's byte into
-        self._scratch_address = ctypes.addressof(self._scratch)
+        self._scratch_address = ctypes.addressof(_SCRATCH)
+        self._tcp_lanes = tcp_lanes
+        """Connections the engine keeps open per peer (0: none kept), for :meth:`_release_connections`."""
+        self._releases: set[PendingTransfer] = set()
+        """Reads of :meth:`_release_connections` not seen ending yet (``aclose()`` does not wait for them)."""
         self._links: set[MooncakeLink] = set()
         self._inflight = 0
         self._idle = anyio.Event()
@@ -310,7 +318,8 @@ class MooncakeTransport(Transport):
         log.info("mooncake transport: engine up, session %s, protocol %s%s", started.session, config.protocol,
                  f", devices {config.device_name}" if config.device_name else "")
         self = cls(config, started.engine, started.session, started.rpc_port,
-                   engine_timeout=started.transfer_timeout, lane_timeout=started.progress_timeout)
+                   engine_timeout=started.transfer_timeout, lane_timeout=started.progress_timeout,
+                   tcp_lanes=started.tcp_lanes)
         rc = await anyio.to_thread.run_sync(started.engine.register_memory, self._scratch_address, _SCRATCH_BYTES)
         if rc != 0:
             await self.aclose()
@@ -335,7 +344,11 @@ class MooncakeTransport(Transport):
         # Writes already handed to the engine cannot be cancelled: let them end (the engine's
         # progress timeout bounds them) before unregistering their memory.
         await self._idle.wait()
-        await self._poller.drain()
+        # Not the reads that release closed links' connections: one to a frozen peer ends only at the engine's
+        # progress timeout, and what it reads goes to the process's scratch buffer, never freed.
+        await self._poller.drain(skip=self._releases)
+        self._poller.forget(self._releases)
+        self._releases.clear()
         self._poller.close()
         async with self._reg_lock:
             pieces = self._reg.clear()
@@ -469,9 +482,56 @@ class MooncakeTransport(Transport):
                 raise TransportError(f"mooncake peer {session}: opening the data connection (a one-byte read of "
                                      f"its pool) returned {rc}")
         self._check_open()
-        link = MooncakeLink(self, session, announced, segments)
+        link = MooncakeLink(self, session, announced, segments, None if first is None else first.address)
         self._links.add(link)
         return link
+
+    async def _release_connections(self, link: MooncakeLink) -> None:
+        """Let the engine close its connections to the peer of a link that just closed, if no other link of this
+        endpoint goes to that peer.
+
+        The engine's TCP transport keeps up to ``MC_TCP_LANES_PER_PEER`` (default 4) connections ("lanes") open
+        to every peer, and nothing closes an idle one: a peer that died while they were idle leaves them in
+        CLOSE-WAIT for good (its next process has another port, so they are never used again), four file
+        descriptors per dead peer. A transfer that fails on a lane closes that lane (only that one), and the
+        binding has no call to close a peer's connections. So this queues one one-byte *read* of the peer's
+        pool per lane, into the process's scratch buffer: nothing is written to the peer, whatever became of
+        it. Queued together, they take every idle lane at once. On a dead peer's stale lane a read fails within
+        milliseconds and the engine closes it; one more than there are lanes fails at its reconnect (refused).
+        On a live peer they succeed and the lanes stay (a later link reuses them); on a frozen one they fail at
+        the engine's progress timeout, closing those lanes too. Nobody waits for them: the endpoint's poll loop
+        frees their ids whenever it runs, and ``aclose()`` leaves the last ones to the engine."""
+        n = self._tcp_lanes
+        address = link._probe_address
+        if n <= 0 or address is None or self.closed or any(other.session == link.session for other in self._links):
+            return
+        engine = self._check_open()
+        read = engine.batch_transfer_async_read
+        out: list[PendingTransfer] = []
+
+        def run() -> None:
+            for _ in range(n):
+                batch = int(read(link.session, [self._scratch_address], [address], [1]))
+                if batch == 0:  # refused at submit: the engine has no connection state to release for it
+                    break
+                out.append(PendingTransfer(batch, 1))
+
+        self._inflight += 1  # aclose() destroys the engine only once this submit returned
+        if self._inflight == 1:
+            self._idle = anyio.Event()
+        try:
+            with anyio.CancelScope(shield=True):  # submitted reads must be tracked, whatever happens
+                await anyio.to_thread.run_sync(run, limiter=link._submits)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+            for t in out:
+                t.on_done = functools.partial(self._releases.discard, t)
+            self._releases.update(out)
+            self._poller.add(out)
+        log.debug("mooncake transport: link to %s closed; %d one-byte reads release the engine's connections to it",
+                  link.session, len(out))
 
     # -- writes (called by links) --------------------------------------------------------
 
@@ -657,9 +717,12 @@ def _region(item: Any) -> MemoryRegion:
 class MooncakeLink(Link):
     """A link to one peer engine's announced regions."""
 
-    def __init__(self, local: MooncakeTransport, session: str, announced: RegionSet, segments: PieceIndex) -> None:
+    def __init__(self, local: MooncakeTransport, session: str, announced: RegionSet, segments: PieceIndex,
+                 probe_address: int | None = None) -> None:
         self._local = local
         self.session = session
+        self._probe_address = probe_address
+        """A byte of the peer's announced pool that reads may take (what ``connect()`` read), or None."""
         self._announced = announced
         self._segments = segments
         self._closed = False
@@ -676,7 +739,10 @@ class MooncakeLink(Link):
         await self._local._write(self, ops)
 
     async def aclose(self) -> None:
+        if self._closed:
+            await anyio.lowlevel.checkpoint()
+            return
         self._closed = True
         self._credits.close()
         self._local._links.discard(self)
-        await anyio.lowlevel.checkpoint()
+        await self._local._release_connections(self)

@@ -1,0 +1,214 @@
+"""Closing a link lets the engine close its TCP connections to that peer.
+
+The engine's TCP transport keeps up to ``MC_TCP_LANES_PER_PEER`` (default 4) connections open to every peer
+and closes one only when a transfer fails on it. A peer that died while they were idle left them in
+CLOSE-WAIT for good: a long-lived sender lost four file descriptors per receiver process that was killed and
+replaced (the next process has other ports, so nothing ever used those connections again). Closing the link
+now queues one-byte *reads* (never a write) that fail on those dead connections, which the engine closes.
+
+The peer is a real endpoint in another process (``peer_proc.py``); sockets are read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from aioembed.transports.base import MemoryRegion, WriteOp
+
+from aioembed_mooncake import MooncakeTransport
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procstate import wait_stopped
+
+pytestmark = pytest.mark.anyio
+
+# Small engine transfers, so that one write keeps several of the engine's lanes busy at once and opens them.
+OPTIONS = {"protocol": "tcp", "hostname": "127.0.0.1", "transfer_timeout": 5, "max_batch_bytes": 64 << 10}
+SIZE = 1 << 20
+_TCP_STATES = {"01": "ESTABLISHED", "08": "CLOSE_WAIT", "0A": "LISTEN"}
+
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="reads sockets from /proc")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # engine behaviour, loop-independent
+
+
+def _socket_inodes(pid: int | str) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+def _tcp_sockets(pid: int | str = "self") -> list[tuple[int, int, str]]:
+    """(local port, remote port, state) of the TCP sockets ``pid`` holds open."""
+    inodes = _socket_inodes(pid)
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[9] in inodes:
+                found.append((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16),
+                              _TCP_STATES.get(fields[3], fields[3])))
+    return found
+
+
+def _to(ports: set[int]) -> list[str]:
+    """States of this process's sockets connected to one of ``ports``."""
+    return sorted(state for _, remote, state in _tcp_sockets() if remote in ports)
+
+
+@contextmanager
+def _owner() -> Iterator[tuple[subprocess.Popen[str], dict[str, Any], set[int]]]:
+    """An owner endpoint in its own process: (process, its announcement, the ports it listens on)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("peer_proc.py")), str(SIZE), json.dumps(OPTIONS)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        ports = {local for local, _, state in _tcp_sockets(proc.pid) if state == "LISTEN"}
+        assert ports, "the owner listens on no TCP port"
+        yield proc, info, ports
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+
+
+async def _until(check: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        await anyio.sleep(0.02)
+    return bool(check())
+
+
+def _sum(proc: subprocess.Popen[str], off: int, n: int) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"sum {off} {n}\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+@needs_proc
+async def test_closing_the_link_to_a_killed_idle_peer_closes_its_connections() -> None:
+    src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    with _owner() as (proc, info, ports):
+        async with await MooncakeTransport.open(OPTIONS) as t:
+            await t.register([MemoryRegion(src.data_ptr(), SIZE)])
+            link = await t.connect(bytes.fromhex(str(info["descriptor"])))
+            op = WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE)
+            for _ in range(20):  # until the engine opened several lanes (one per transfer it runs at once)
+                async with anyio.create_task_group() as tg:
+                    for _ in range(4):
+                        tg.start_soon(link.write, [op])
+                if _to(ports).count("ESTABLISHED") >= 2:
+                    break
+            assert _to(ports).count("ESTABLISHED") >= 2, _to(ports)
+
+            proc.kill()  # while idle: no transfer in flight, so none fails and closes a connection
+            proc.wait()
+            assert await _until(lambda: _to(ports) and set(_to(ports)) == {"CLOSE_WAIT"}, 5), _to(ports)
+            stale = len(_to(ports))
+
+            await link.aclose()  # what a sender does once it declared the receiver dead
+            closed = await _until(lambda: not _to(ports), 5)
+            assert closed, (f"{len(_to(ports))} of the {stale} connections to the killed peer still open after "
+                            f"its link closed: {_to(ports)}")
+
+
+@needs_proc
+async def test_closing_the_link_to_a_live_peer_writes_nothing_and_keeps_the_peer_reachable() -> None:
+    src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    digest = hashlib.sha1(src.numpy().tobytes()).hexdigest()
+    with _owner() as (proc, info, _ports):
+        async with await MooncakeTransport.open(OPTIONS) as t:
+            await t.register([MemoryRegion(src.data_ptr(), SIZE)])
+            descriptor = bytes.fromhex(str(info["descriptor"]))
+            link = await t.connect(descriptor)
+            await link.write([WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE)])
+            assert _sum(proc, 0, SIZE) == digest
+
+            from aioembed_mooncake._engine import tcp_lanes_per_peer
+
+            await link.aclose()
+            reads = set(t._releases)
+            assert len(reads) == tcp_lanes_per_peer()
+            await t._poller.wait(list(reads))  # the release reads end, and succeed: the peer is alive
+            assert {r.status for r in reads} == {1}
+            assert _sum(proc, 0, SIZE) == digest  # they wrote nothing there
+
+            again = await t.connect(descriptor)
+            await again.write([WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE // 2)])
+            await again.aclose()
+
+
+@needs_proc
+async def test_closing_links_to_a_frozen_peer_does_not_wait_for_the_release_reads() -> None:
+    """Reads to a stopped peer end only at the engine's progress timeout: neither the link's nor the endpoint's
+    ``aclose()`` waits for them."""
+    src = torch.zeros(SIZE, dtype=torch.uint8)
+    with _owner() as (proc, info, _ports):
+        t = await MooncakeTransport.open(OPTIONS)
+        try:
+            await t.register([MemoryRegion(src.data_ptr(), SIZE)])
+            link = await t.connect(bytes.fromhex(str(info["descriptor"])))
+            await link.write([WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE)])
+            os.kill(proc.pid, signal.SIGSTOP)
+            await anyio.to_thread.run_sync(wait_stopped, proc.pid)
+            started = time.monotonic()
+            await link.aclose()
+            assert t._releases and all(r.status == 0 for r in t._releases)
+        finally:
+            await t.aclose()
+        assert time.monotonic() - started < 2.0
+
+
+def test_lanes_follow_the_engine_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioembed_mooncake._engine import tcp_lanes_per_peer
+
+    for name in ("MC_TCP_ENABLE_CONNECTION_POOL", "MC_TCP_LANES_PER_PEER", "MC_TCP_MAX_CONNECTIONS_PER_PEER"):
+        monkeypatch.delenv(name, raising=False)
+    assert tcp_lanes_per_peer("0.3.13.post1") == 4
+    assert tcp_lanes_per_peer("0.3.12.post1") == 0  # pooled only on request before 0.3.13
+    monkeypatch.setenv("MC_TCP_ENABLE_CONNECTION_POOL", "1")
+    assert tcp_lanes_per_peer("0.3.12.post1") == 4
+    monkeypatch.setenv("MC_TCP_ENABLE_CONNECTION_POOL", "False")
+    assert tcp_lanes_per_peer("0.3.13.post1") == 0
+    monkeypatch.delenv("MC_TCP_ENABLE_CONNECTION_POOL")
+    monkeypatch.setenv("MC_TCP_MAX_CONNECTIONS_PER_PEER", "2")
+    assert tcp_lanes_per_peer("0.3.13.post1") == 2
+    monkeypatch.setenv("MC_TCP_LANES_PER_PEER", "16")  # the current name wins
+    assert tcp_lanes_per_peer("0.3.13.post1") == 16
+    for bad in ("0", "17", "", "x", "+3"):
+        monkeypatch.setenv("MC_TCP_LANES_PER_PEER", bad)
+        assert tcp_lanes_per_peer("0.3.13.post1") == 4  # the engine's default for a value it rejects
