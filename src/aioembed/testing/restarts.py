@@ -22,11 +22,13 @@ The test process runs on asyncio; ``pytest -m slow`` adds a longer run of each t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import anyio
@@ -49,12 +51,17 @@ class Holdings:
     sockets: int
     threads: int
     tasks: int
+    books: Mapping[str, int] = field(default_factory=dict)
+    """The transport's own records (see :meth:`PeerRestartSuite.transport_books`)."""
+
+    def counts(self) -> dict[str, int]:
+        return {"fds": self.fds, "sockets": self.sockets, "threads": self.threads, "tasks": self.tasks,
+                **self.books}
 
     def grew_past(self, before: Holdings, slack: int) -> list[str]:
         """What grew by more than ``slack`` since ``before`` (empty: nothing)."""
-        return [f"{name}: {getattr(before, name)} -> {getattr(self, name)}"
-                for name in ("fds", "sockets", "threads", "tasks")
-                if getattr(self, name) > getattr(before, name) + slack]
+        was, now = before.counts(), self.counts()
+        return [f"{name}: {was.get(name, 0)} -> {n}" for name, n in now.items() if n > was.get(name, 0) + slack]
 
 
 _TRANSIENT_THREADS = ("AnyIO worker thread", "asyncio-waitpid")
@@ -80,13 +87,14 @@ def holdings() -> Holdings:
                     threads=len(os.listdir("/proc/self/task")) - transient, tasks=tasks)
 
 
-async def _settled_holdings() -> Holdings:
+async def _settled_holdings(books: Callable[[], Mapping[str, int]]) -> Holdings:
     """The least of a few samples over half a second: what is held, not what is passing through."""
     samples = []
     for _ in range(5):
-        samples.append(holdings())
+        samples.append(dataclasses.replace(holdings(), books=dict(books())))
         await anyio.sleep(0.1)
-    return Holdings(*(min(getattr(h, name) for h in samples) for name in ("fds", "sockets", "threads", "tasks")))
+    least = {name: min(h.counts()[name] for h in samples) for name in samples[0].counts()}
+    return Holdings(least.pop("fds"), least.pop("sockets"), least.pop("threads"), least.pop("tasks"), least)
 
 
 async def _until(what: str, done: Callable[[], bool], timeout: float, side: ProcessSide | None = None) -> None:
@@ -127,6 +135,11 @@ class PeerRestartSuite:
     def anyio_backend(self) -> str:
         return "asyncio"
 
+    def transport_books(self, transport: Any) -> Mapping[str, int]:
+        """The sizes of the plugin's own per-peer records on the long-lived side's endpoint (``transport``: the
+        plugin's object), compared like the process's holdings: override to name them."""
+        return {}
+
     def config(self) -> dict[str, Any]:
         return {
             "transport": self.transport_name, "transport_options": dict(self.transport_options),
@@ -136,6 +149,10 @@ class PeerRestartSuite:
 
     def _rooms(self, cycle: int) -> list[RoomSpec]:
         return [RoomSpec(f"c{cycle}r{i}", tokens) for i, tokens in enumerate(self.room_tokens)]
+
+    def _books(self, side: EmbeddingSender | EmbeddingReceiver) -> Mapping[str, int]:
+        guarded = side._transport  # the session's view of its endpoint, and behind it the plugin's object
+        return {} if guarded is None else self.transport_books(guarded.inner)
 
     @staticmethod
     def _check(seen: list[Holdings], slack: int) -> None:
@@ -147,6 +164,7 @@ class PeerRestartSuite:
         layout = standard_layout(self.hidden)
         async with EmbeddingSender(layout, TransferConfig.from_mapping(self.config())) as sender:
             seen: list[Holdings] = []
+            books = functools.partial(self._books, sender)
             for cycle in range(cycles):
                 rooms = self._rooms(cycle)
                 spec = SideSpec(role="receive", config=self.config(), rooms=rooms, hidden=self.hidden,
@@ -162,7 +180,7 @@ class PeerRestartSuite:
                     await _until("the sender lets go of the dead receiver", lambda: not sender.peers
                                  and not sender.rooms_in_flight and not sender.sources_held
                                  and not sender.writes_in_flight, timeout=30, side=side)
-                seen.append(await _settled_holdings())
+                seen.append(await _settled_holdings(books))
             self._check(seen, self.slack)
 
     async def _receiver_outlives_senders(self, cycles: int) -> None:
@@ -170,6 +188,7 @@ class PeerRestartSuite:
         address = f"tcp://127.0.0.1:{_free_port()}"  # each sender restarts on it, as a deployed encoder does
         async with EmbeddingReceiver(layout, TransferConfig.from_mapping(self.config()), connect=address) as receiver:
             seen: list[Holdings] = []
+            books = functools.partial(self._books, receiver)
             for cycle in range(cycles):
                 rooms = self._rooms(cycle)
                 spec = SideSpec(role="send", config=self.config(), rooms=rooms, hidden=self.hidden, bind=address,
@@ -194,7 +213,7 @@ class PeerRestartSuite:
                                  lambda: not receiver.connected and not receiver.rooms_in_flight
                                  and receiver.allocator.stats.free == receiver.allocator.stats.total
                                  and not receiver.allocator.stats.fenced, timeout=30, side=side)
-                seen.append(await _settled_holdings())
+                seen.append(await _settled_holdings(books))
             self._check(seen, self.slack)
 
     async def test_a_sender_outlives_receivers_killed_one_after_another(self) -> None:
