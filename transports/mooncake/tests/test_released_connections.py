@@ -12,7 +12,6 @@ The peer is a real endpoint in another process (``peer_proc.py``); sockets are r
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -32,6 +31,7 @@ from aioembed_mooncake import MooncakeTransport
 
 sys.path.insert(0, str(Path(__file__).parent))
 from procstate import wait_stopped
+from test_peer_gone import _peer_process
 
 pytestmark = pytest.mark.anyio
 
@@ -86,21 +86,10 @@ def _to(ports: set[int]) -> list[str]:
 @contextmanager
 def _owner() -> Iterator[tuple[subprocess.Popen[str], dict[str, Any], set[int]]]:
     """An owner endpoint in its own process: (process, its announcement, the ports it listens on)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("peer_proc.py")), str(SIZE), json.dumps(OPTIONS)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        info = json.loads(proc.stdout.readline())
+    with _peer_process(SIZE, OPTIONS) as (proc, info):
         ports = {local for local, _, state in _tcp_sockets(proc.pid) if state == "LISTEN"}
         assert ports, "the owner listens on no TCP port"
         yield proc, info, ports
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-        proc.wait()
 
 
 async def _until(check: Any, timeout: float) -> bool:

@@ -155,6 +155,19 @@ async def test_writes_to_a_frozen_owner_over_tcp_cannot_be_cancelled_and_still_l
             assert owner.ask("sum")["nonzero"] == SMALL
 
 
+async def _wired_then_stopped(owner: Owner, options: dict[str, Any]) -> tuple[Any, Any, torch.Tensor]:
+    """An endpoint with a link to ``owner`` that one small write wired up, a LARGE source registered, the
+    owner's memory zeroed and the owner stopped (SIGSTOP): (endpoint, link, source)."""
+    t = await open_transport("nixl", options)
+    src = torch.randint(1, 256, (LARGE,), dtype=torch.uint8)
+    await t.register([region_of(src)])
+    link = await t.connect(owner.descriptor)
+    await link.write([WriteOp(src.data_ptr(), owner.address, 4096)])  # wired up while the owner runs
+    assert owner.ask("zero")["ok"]
+    owner.signal(signal.SIGSTOP)
+    return t, link, src
+
+
 async def test_aclose_destroys_the_agent_before_a_failed_write_is_settled() -> None:
     """``aclose()`` stops a write still in flight by destroying the agent, and only then may its error's
     ``settled`` return. Each transfer record held ``agent.check_xfer_state``, a bound method of the agent's
@@ -163,13 +176,7 @@ async def test_aclose_destroys_the_agent_before_a_failed_write_is_settled() -> N
     write went on landing: all 128 MiB after the owner resumed (found by a review)."""
     options = dict(NIXL_TCP_OPTIONS, write_timeout=1.0)
     with owner_process(options, LARGE) as owner:
-        t = await open_transport("nixl", options)
-        src = torch.randint(1, 256, (LARGE,), dtype=torch.uint8)
-        await t.register([region_of(src)])
-        link = await t.connect(owner.descriptor)
-        await link.write([WriteOp(src.data_ptr(), owner.address, 4096)])  # wired up while the owner runs
-        assert owner.ask("zero")["ok"]
-        owner.signal(signal.SIGSTOP)
+        t, link, src = await _wired_then_stopped(owner, options)
         with pytest.raises(TransportError, match="write_timeout") as failed:
             await link.write([WriteOp(src.data_ptr(), owner.address, LARGE)])
         settled = failed.value.settled  # kept, as the sender keeps it for its fence
@@ -193,13 +200,7 @@ async def test_an_endpoint_dropped_without_aclose_settles_a_write_only_once_its_
     write is the case: a timed-out one's error held the endpoint alive through its traceback."""
     options = dict(NIXL_TCP_OPTIONS, write_timeout=1.0)
     with owner_process(options, LARGE) as owner:
-        t = await open_transport("nixl", options)
-        src = torch.randint(1, 256, (LARGE,), dtype=torch.uint8)
-        await t.register([region_of(src)])
-        link = await t.connect(owner.descriptor)
-        await link.write([WriteOp(src.data_ptr(), owner.address, 4096)])  # wired up while the owner runs
-        assert owner.ask("zero")["ok"]
-        owner.signal(signal.SIGSTOP)
+        t, link, src = await _wired_then_stopped(owner, options)
         with anyio.move_on_after(0.2), pytest.raises(TransportError, match="cancelled while in flight") as cut:
             await link.write([WriteOp(src.data_ptr(), owner.address, LARGE)])
         settled = cut.value.settled  # kept, as the sender keeps it for its fence
