@@ -97,6 +97,8 @@ class SideSpec:
     backend: str = "asyncio"
     """The side's event loop: ``asyncio`` or ``trio``."""
     env: dict[str, str] = field(default_factory=dict)
+    netns: str = ""
+    """Run the side in this network namespace (``ip netns exec``; needs root), e.g. behind a link a test cuts."""
 
     def to_json(self) -> str:
         d = dict(self.__dict__)
@@ -326,6 +328,8 @@ async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
     env.update(spec.env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     cmd: Sequence[str] = [sys.executable, "-m", "aioembed.testing.processes", "--spec", spec.to_json()]
+    if spec.netns:
+        cmd = ["ip", "netns", "exec", spec.netns, *cmd]  # execs the command: the side keeps this pid
     passthrough = bool(spec.env.get("AIOEMBED_TEST_STDERR"))
     with (contextlib.nullcontext() if passthrough
           else tempfile.NamedTemporaryFile(prefix="aioembed-side-", suffix=".stderr")) as err:
