@@ -249,35 +249,47 @@ class ProcessSide:
         self.process = process
         self.name = name
         self.events: list[dict[str, Any]] = []
+        self.other_output: list[str] = []
+        """Lines on stdout that are not events (a native library's own logging)."""
         self._buffer = b""
         self._stderr_path = stderr_path
 
     def stderr_tail(self, lines: int | None = 30) -> str:
         """The last ``lines`` lines (``None``: all) the process wrote to stderr (its warnings, with times),
         for a failing test's message: what the side saw is otherwise lost with the process."""
+        if self.other_output:
+            shown = self.other_output[-lines:] if lines is not None else self.other_output
+            noise = "(stdout, not events:)\n" + "\n".join(shown) + "\n"
+        else:
+            noise = ""
         if self._stderr_path is None:
-            return "(stderr not captured)"
+            return noise + "(stderr not captured)"
         try:
             with open(self._stderr_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:] if lines is not None else f.readlines())
+                return noise + "".join(f.readlines()[-lines:] if lines is not None else f.readlines())
         except OSError as exc:
-            return f"(stderr unreadable: {exc})"
+            return f"{noise}(stderr unreadable: {exc})"
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     async def next_event(self, timeout: float = 60.0) -> dict[str, Any]:
-        """The next JSON event printed by the process (raises ``TimeoutError`` or ``EOFError``)."""
+        """The next JSON event printed by the process (raises ``TimeoutError`` or ``EOFError``). Other lines
+        (a native library logging to stdout, as UCX does) are kept in :attr:`other_output` and skipped."""
         assert self.process.stdout is not None
         with anyio.fail_after(timeout):
-            while b"\n" not in self._buffer:
-                try:
-                    chunk = await self.process.stdout.receive()
-                except anyio.EndOfStream:
-                    raise EOFError(f"process {self.pid} ended (code {self.process.returncode})") from None
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
+            while True:
+                while b"\n" not in self._buffer:
+                    try:
+                        chunk = await self.process.stdout.receive()
+                    except anyio.EndOfStream:
+                        raise EOFError(f"process {self.pid} ended (code {self.process.returncode})") from None
+                    self._buffer += chunk
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                if line.startswith(b"{"):
+                    break
+                self.other_output.append(line.decode(errors="replace"))
         event: dict[str, Any] = json.loads(line)
         self.events.append(event)
         return event
