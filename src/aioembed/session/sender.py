@@ -295,11 +295,16 @@ class EmbeddingSender:
 
     async def _teardown(self) -> None:
         await self._tasks.exit()  # its tasks were cancelled (or never started): the host stops
-        for p in [*self._peers.sessions(), *self._draining.values()]:
+
+        async def close_link(p: PeerSession) -> None:
             try:
                 await p.link.aclose()
             except TransportError as exc:
                 log.warning("sender: closing the link to %s: %s", p, exc)
+
+        async with anyio.create_task_group() as tg:  # at once: a slow close (a frozen peer) holds up no other
+            for p in [*self._peers.sessions(), *self._draining.values()]:
+                tg.start_soon(close_link, p)
         self._draining.clear()
         if self._chan is not None:
             self._chan.close(linger_ms=200)

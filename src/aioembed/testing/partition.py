@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,39 +85,43 @@ def partitionable_net() -> Iterator[Net]:
     tag = uuid.uuid4().hex[:6]
     n = Net(a=f"aioe-a-{tag}", b=f"aioe-b-{tag}", c=f"aioe-c-{tag}", s=f"aioe-s-{tag}", x_dev=f"xa{tag}")
     made: list[str] = []
+    pairs: list[str] = []  # veth pairs: removed here too, should one have been left in this namespace
     try:
-        for ns in (n.a, n.b, n.c, n.s):
-            _ip("netns", "add", ns)
-            made.append(ns)
-            _in(ns, "ip", "link", "set", "lo", "up")
-        # One subnet, switched by a bridge in a fourth namespace that holds no address: each endpoint sees one
-        # plain veth device (UCX refuses connections that arrive on a device it did not see at start, such
-        # as a bridge, and two routed subnets confused its reachability checks). Both ends of each link are
-        # rate-limited; X's end is the one cut.
-        bridge = f"br{tag}"
-        _in(n.s, "ip", "link", "add", bridge, "type", "bridge")
-        _in(n.s, "ip", "link", "set", bridge, "up")
-        for dev, port, ns, ip in ((n.x_dev, f"sa{tag}", n.a, n.x_ip), (f"rb{tag}", f"sb{tag}", n.b, n.r_ip),
-                                  (f"yc{tag}", f"sc{tag}", n.c, n.y_ip)):
-            _ip("link", "add", dev, "type", "veth", "peer", "name", port)
-            _ip("link", "set", dev, "netns", ns)
-            _ip("link", "set", port, "netns", n.s)
-            _in(ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
-            _in(n.s, "ip", "link", "set", port, "master", bridge)
-            for where, d in ((ns, dev), (n.s, port)):
-                _in(where, "ip", "link", "set", d, "up")
-                _in(where, "tc", "qdisc", "add", "dev", d, "root", "tbf", "rate", "50mbit", "burst", "64kb",
-                    "latency", "400ms")
-    except (subprocess.CalledProcessError, OSError) as exc:
-        for ns in made:
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=10, check=False)
-        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
-        pytest.skip(f"cannot build network namespaces here: {detail}")
-    try:
+        try:
+            for ns in (n.a, n.b, n.c, n.s):
+                _ip("netns", "add", ns)
+                made.append(ns)
+                _in(ns, "ip", "link", "set", "lo", "up")
+            # One subnet, switched by a bridge in a fourth namespace that holds no address: each endpoint sees
+            # one plain veth device (UCX refuses connections that arrive on a device it did not see at start,
+            # such as a bridge, and two routed subnets confused its reachability checks). Both ends of each
+            # link are rate-limited; X's end is the one cut.
+            bridge = f"br{tag}"
+            _in(n.s, "ip", "link", "add", bridge, "type", "bridge")
+            _in(n.s, "ip", "link", "set", bridge, "up")
+            for dev, port, ns, ip in ((n.x_dev, f"sa{tag}", n.a, n.x_ip), (f"rb{tag}", f"sb{tag}", n.b, n.r_ip),
+                                      (f"yc{tag}", f"sc{tag}", n.c, n.y_ip)):
+                pairs.append(dev)
+                # Made inside the namespaces: a device appearing in this one would be seen by the UCX of every
+                # process here (other tests' included).
+                _ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", n.s)
+                _in(ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
+                _in(n.s, "ip", "link", "set", port, "master", bridge)
+                for where, d in ((ns, dev), (n.s, port)):
+                    _in(where, "ip", "link", "set", d, "up")
+                    _in(where, "tc", "qdisc", "add", "dev", d, "root", "tbf", "rate", "50mbit", "burst", "64kb",
+                        "latency", "400ms")
+        except (subprocess.CalledProcessError, OSError) as exc:
+            detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+            pytest.skip(f"cannot build network namespaces here: {detail}")
         yield n
     finally:
-        for ns in made:  # deleting a namespace removes its end of each veth pair, and so the pair
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=10, check=False)
+        # Whatever ended the set-up or the test (a skip, an `ip` that timed out, a cancellation, an interrupt):
+        # deleting a namespace removes its end of each veth pair, and so the pair; a pair not moved yet is
+        # deleted here. One removal failing or timing out does not keep the others from running.
+        for what in [*(["netns", "delete", ns] for ns in made), *(["link", "delete", dev] for dev in pairs)]:
+            with suppress(subprocess.TimeoutExpired, OSError):
+                subprocess.run(["ip", *what], capture_output=True, timeout=10, check=False)
 
 
 async def _ready(side: ProcessSide, *others: ProcessSide) -> None:

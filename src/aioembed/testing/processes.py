@@ -112,6 +112,10 @@ class SideSpec:
         return cls(**d)
 
 
+_EVENT_START = b'{"event": '
+"""How every line :func:`_emit` writes starts (``event`` is its first key)."""
+
+
 def _emit(**event: Any) -> None:
     sys.stdout.write(json.dumps(event, default=str) + "\n")
     sys.stdout.flush()
@@ -287,10 +291,19 @@ class ProcessSide:
                         raise EOFError(f"process {self.pid} ended (code {self.process.returncode})") from None
                     self._buffer += chunk
                 line, self._buffer = self._buffer.split(b"\n", 1)
-                if line.startswith(b"{"):
-                    break
+                # An event is one JSON object that starts with its "event" key (see _emit). A native library's
+                # unterminated output may precede it on the same line, and its own lines may start with "{".
+                start = line.find(_EVENT_START)
+                if start >= 0:
+                    try:
+                        event = json.loads(line[start:])
+                    except ValueError:
+                        event = None
+                    if isinstance(event, dict):
+                        if start:
+                            self.other_output.append(line[:start].decode(errors="replace"))
+                        break
                 self.other_output.append(line.decode(errors="replace"))
-        event: dict[str, Any] = json.loads(line)
         self.events.append(event)
         return event
 

@@ -71,6 +71,8 @@ _SCRATCH = (ctypes.c_char * _SCRATCH_BYTES)()
 closed link's connections). One buffer for the process, never freed: a read nobody waits for any more (a
 cancelled ``connect()``, a release read to a frozen peer at close) may still land in it later. Each endpoint
 registers it with its engine; what it holds is never looked at."""
+_RELEASE_WAIT = 1.0
+"""Seconds a link's close waits for the reads that release the engine's connections to its peer."""
 _SETTLE_POLL_MAX = 0.05
 """Seconds between looks at a timed-out write's leftover transfers while no write leads (they may run for
 a long time; a sender waiting for them to fence precisely needs no millisecond answer)."""
@@ -532,6 +534,11 @@ class MooncakeTransport(Transport):
             self._poller.add(out)
         log.debug("mooncake transport: link to %s closed; %d one-byte reads release the engine's connections to it",
                   link.session, len(out))
+        # Seen ending, they give back their engine ids and the lanes are closed now: nothing else may poll this
+        # endpoint for a long time (no write goes on). A dead peer fails them in milliseconds, a live one
+        # answers them; a frozen one only at the engine's progress timeout, which nobody waits for.
+        with anyio.move_on_after(_RELEASE_WAIT):
+            await self._poller.watch(lambda: all(t.status != PENDING for t in out), max_delay=_SETTLE_POLL_MAX)
 
     # -- writes (called by links) --------------------------------------------------------
 
