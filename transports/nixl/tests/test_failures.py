@@ -168,6 +168,18 @@ async def _wired_then_stopped(owner: Owner, options: dict[str, Any]) -> tuple[An
     return t, link, src
 
 
+async def _settles_once_the_agent_is_gone(owner: Owner, settled: Any, agent: Any, what: str) -> None:
+    """``settled()`` returns, the agent is gone by then, and once the stopped owner resumes, only what the
+    kernel's socket buffers held lands (a write still moving would land whole)."""
+    with anyio.fail_after(10):
+        await settled()
+    gc.collect()
+    assert agent() is None, f"{what}, yet the NIXL agent lives on"
+    owner.signal(signal.SIGCONT)
+    await anyio.sleep(4.0)  # more than orphan_lifetime
+    assert owner.ask("sum")["nonzero"] < LARGE // 4, f"the write went on landing: {what}"
+
+
 async def test_aclose_destroys_the_agent_before_a_failed_write_is_settled() -> None:
     """``aclose()`` stops a write still in flight by destroying the agent, and only then may its error's
     ``settled`` return. Each transfer record held ``agent.check_xfer_state``, a bound method of the agent's
@@ -183,13 +195,7 @@ async def test_aclose_destroys_the_agent_before_a_failed_write_is_settled() -> N
         assert settled is not None
         agent = weakref.ref(t._engine.agent)  # type: ignore[attr-defined]  # the plugin's, through the boundary
         await t.aclose()
-        with anyio.fail_after(5):
-            await settled()
-        gc.collect()
-        assert agent() is None, "aclose() and settled() returned, yet the NIXL agent lives on"
-        owner.signal(signal.SIGCONT)
-        await anyio.sleep(4.0)  # more than orphan_lifetime: only what the kernel's socket buffers held lands
-        assert owner.ask("sum")["nonzero"] < LARGE // 4, "the write went on landing after aclose() and settled()"
+        await _settles_once_the_agent_is_gone(owner, settled, agent, "aclose() and settled() returned")
 
 
 async def test_an_endpoint_dropped_without_aclose_settles_a_write_only_once_its_agent_is_destroyed() -> None:
@@ -210,13 +216,7 @@ async def test_an_endpoint_dropped_without_aclose_settles_a_write_only_once_its_
         del t, link, cut
         gc.collect()
         assert endpoint() is None, "the endpoint was not collected: this test tests nothing"
-        with anyio.fail_after(10):
-            await settled()
-        gc.collect()
-        assert agent() is None, "the dropped endpoint's write settled, yet its NIXL agent lives on"
-        owner.signal(signal.SIGCONT)
-        await anyio.sleep(4.0)  # more than orphan_lifetime: only what the kernel's socket buffers held lands
-        assert owner.ask("sum")["nonzero"] < LARGE // 4, "the write went on landing after settled()"
+        await _settles_once_the_agent_is_gone(owner, settled, agent, "the dropped endpoint's write settled")
 
 
 async def test_over_shared_memory_a_writer_needs_nothing_from_the_owner() -> None:
