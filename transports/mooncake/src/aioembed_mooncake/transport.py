@@ -268,7 +268,8 @@ class MooncakeTransport(Transport):
         self._tcp_lanes = tcp_lanes
         """Connections the engine keeps open per peer (0: none kept), for :meth:`_release_connections`."""
         self._releases: set[PendingTransfer] = set()
-        """Reads of :meth:`_release_connections` not seen ending yet (``aclose()`` does not wait for them)."""
+        """Reads of :meth:`_release_connections` not seen ending yet (the endpoint's ``aclose()`` does not wait
+        for them)."""
         self._links: set[MooncakeLink] = set()
         self._inflight = 0
         self._idle = anyio.Event()
@@ -501,8 +502,9 @@ class MooncakeTransport(Transport):
         it. Queued together, they take every idle lane at once. On a dead peer's stale lane a read fails within
         milliseconds and the engine closes it; one more than there are lanes fails at its reconnect (refused).
         On a live peer they succeed and the lanes stay (a later link reuses them); on a frozen one they fail at
-        the engine's progress timeout, closing those lanes too. Nobody waits for them: the endpoint's poll loop
-        frees their ids whenever it runs, and ``aclose()`` leaves the last ones to the engine."""
+        the engine's progress timeout, closing those lanes too. The link's close waits for them at most
+        ``_RELEASE_WAIT`` (seen ending, they give back their engine ids); the endpoint's ``aclose()`` leaves
+        what is left to the engine."""
         n = self._tcp_lanes
         address = link._probe_address
         if n <= 0 or address is None or self.closed or any(other.session == link.session for other in self._links):
