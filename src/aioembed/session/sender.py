@@ -465,12 +465,12 @@ class EmbeddingSender:
         cancel, and a stalled one does not hold ``send()``. If ``send()`` leaves first, that task undoes the
         registration once it completes (the source counts in ``sources_held`` until then)."""
         assert self._transport is not None
-        def skipped() -> None:  # its task was scheduled, and cancel_all() came first: as if it was cancelled
+
+        def skipped() -> None:  # never ran (the sender is closing): as if its task was cancelled
             registration.done.set()
             registration.poke()
 
-        if not self._spawn(self._run_registration, source, regions, registration, if_skipped=skipped):
-            registration.done.set()  # nothing runs (the sender is closing): as if its task was cancelled
+        self._spawn(self._run_registration, source, regions, registration, if_skipped=skipped)
         m = r.machine
         try:
             with anyio.move_on_after(max(0.0, r.created + self.config.room_timeout - anyio.current_time())):
@@ -623,8 +623,7 @@ class EmbeddingSender:
         u = self._unregistration(source, entry, room)
         if not self._spawn(self._run_unregister, source, u, if_skipped=u.done.set):
             # The sender is closing: its transport is closed once its tasks ended, which drops the registration;
-            # the source is kept (its tensors referenced) until then.
-            u.done.set()
+            # the source is kept (its tensors referenced) until then (a teardown already over let it go).
             if self._closed.is_set():
                 self._unregistering.pop(source, None)
             return

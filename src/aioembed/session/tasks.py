@@ -98,10 +98,12 @@ class BackgroundTasks:
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any,
               if_skipped: Callable[[], object] | None = None) -> bool:
         """Run ``fn(*args)`` as an owned task; nothing starts once the owner is closing (then ``False``).
-        ``if_skipped``: called if ``fn`` was scheduled but never ran (``cancel_all()`` came before it started),
-        for a caller that waits for what ``fn`` would have signalled."""
+        ``if_skipped``: called instead of ``fn`` if it never runs (refused here, or scheduled and then
+        ``cancel_all()`` came before it started), for a caller that waits for what ``fn`` would have signalled."""
         if self._tg is None or self._closing:
             self._log.debug("%s: not starting %s: closing", self.name, getattr(fn, "__name__", fn))
+            if if_skipped is not None:
+                if_skipped()
             return False
         self._count += 1
         if self._count == 1:

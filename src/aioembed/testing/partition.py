@@ -154,8 +154,9 @@ class PartitionSuite:
             yield n
 
     def transport_options(self, ip: str) -> dict[str, Any]:
-        """Options of an endpoint that uses address ``ip`` (its namespace's end of the link)."""
-        raise NotImplementedError
+        """Options of an endpoint that uses address ``ip`` (its namespace's end of the link): each plugin's
+        subclass says (the suite cannot guess a transport's option names)."""
+        raise NotImplementedError(f"{type(self).__name__} must define transport_options(ip)")
 
     def config(self, ip: str, *, pool_tokens: int) -> dict[str, Any]:
         return {

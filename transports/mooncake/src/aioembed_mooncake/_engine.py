@@ -19,7 +19,8 @@ values: ``MC_FORCE_TCP`` is set (or removed) for the process by the first engine
 a later endpoint that would need the other state while engines run is refused; ``MC_TRANSFER_TIMEOUT``
 is swapped in around one engine's construction and back (to ``30``, the engine's default, where the
 user had not set it: it stays, so later endpoints can swap theirs in); the TCP timeouts are set once,
-for the process, before its first engine starts: the first endpoint that asks decides them.
+for the process while no engine exists: the first endpoint that asks decides them. What the plugin
+added, removed or swapped is put back once no engine of the process exists.
 """
 
 from __future__ import annotations
@@ -285,18 +286,18 @@ def _transfer_timeout(seconds: int | None) -> Iterator[None]:
 
 
 TCP_TIMEOUT_VARIABLES = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
-_engines_started = False
-"""An engine of this process was constructed: its threads may read the environment from now on."""
 
 
 def _set_tcp_timeouts(seconds: int) -> None:
     """Let the TCP lanes give up on a stalled peer as soon as the caller does, so that a write reported as
     failed stops moving bytes (and is settled) as early as the engine allows. The engine's threads read
-    these per transfer, so they are set for the process and only before its first engine starts; a
-    value already there (the user's, or an earlier endpoint's) is kept, and a different wish is logged."""
+    these per transfer, so they are set for the process and only while no engine of it exists (put back
+    with the others once none does); a value already there (the user's, or an earlier endpoint's) is kept,
+    and a different wish is logged."""
     for name in TCP_TIMEOUT_VARIABLES:
         current = os.environ.get(name)
-        if current is None and not _engines_started:
+        if current is None and not _engines_alive():
+            _USERS.setdefault(name, None)
             os.environ[name] = str(seconds)
         elif current != str(seconds):
             log.warning("mooncake transport: transfer_timeout=%d s, but the engine's TCP lanes drop a stalled peer "
@@ -356,8 +357,6 @@ def start_engine(settings: EngineSettings) -> StartedEngine:
         _set_force_tcp(settings.protocol)
         if settings.transfer_timeout is not None:
             _set_tcp_timeouts(settings.transfer_timeout)
-        global _engines_started  # noqa: PLW0603  (process state: see _set_tcp_timeouts)
-        _engines_started = True
         with _transfer_timeout(settings.transfer_timeout):
             engine = mod.TransferEngine()
             transfer_timeout = engine_transfer_timeout(os.environ.get(TRANSFER_TIMEOUT_VARIABLE))

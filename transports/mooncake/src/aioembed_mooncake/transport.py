@@ -489,6 +489,17 @@ class MooncakeTransport(Transport):
         self._links.add(link)
         return link
 
+    def _engine_busy(self) -> None:
+        """A write (or release) uses the engine: ``aclose()`` waits for ``_idle`` before destroying it."""
+        self._inflight += 1
+        if self._inflight == 1:
+            self._idle = anyio.Event()
+
+    def _engine_done(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
     async def _release_connections(self, link: MooncakeLink) -> None:
         """Let the engine close its connections to the peer of a link that just closed, if no other link of this
         endpoint goes to that peer.
@@ -520,16 +531,12 @@ class MooncakeTransport(Transport):
                     break
                 out.append(PendingTransfer(batch, 1))
 
-        self._inflight += 1  # aclose() destroys the engine only once this submit returned
-        if self._inflight == 1:
-            self._idle = anyio.Event()
+        self._engine_busy()  # aclose() destroys the engine only once this submit returned
         try:
             with anyio.CancelScope(shield=True):  # submitted reads must be tracked, whatever happens
                 await anyio.to_thread.run_sync(run, limiter=link._submits)
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+            self._engine_done()
             for t in out:
                 t.on_done = functools.partial(self._releases.discard, t)
             self._releases.update(out)
@@ -579,9 +586,7 @@ class MooncakeTransport(Transport):
         stuck: list[PendingTransfer] = []
         refused = 0
         done = True
-        self._inflight += 1
-        if self._inflight == 1:
-            self._idle = anyio.Event()
+        self._engine_busy()
         try:
             per = min(link._credits.total, self.config.max_batch_ops)
             deadline: float | None = None
@@ -606,9 +611,7 @@ class MooncakeTransport(Transport):
                 if failed or refused:
                     break
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+            self._engine_done()
         if stuck:
             raise TransportError(
                 f"mooncake write to peer {link.session} did not complete within transfer_timeout="

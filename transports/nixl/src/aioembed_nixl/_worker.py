@@ -263,19 +263,20 @@ class AgentWorker:
                     if final is None:
                         break
                 if final is not None:
-                    self._start(final)
+                    self._run_final(final)
                     continue
             waited = any(not j.resolved for j in self._inflight)
             delay = _POLL_FIRST if moved or jobs else min(2 * delay, _POLL_MAX if waited else _POLL_ORPHAN)
         self._abandon()
 
-    def _start(self, job: _Job | Callable[[], object]) -> None:
-        if not isinstance(job, _Job):
-            try:
-                job()
-            except Exception:
-                log.exception("nixl agent %s: a job nobody waits for failed", self.name)
-            return
+    def _run_final(self, fn: Callable[[], object]) -> None:
+        """What :meth:`stop_after` left (nobody waits for it)."""
+        try:
+            fn()
+        except Exception:
+            log.exception("nixl agent %s: a job nobody waits for failed", self.name)
+
+    def _start(self, job: _Job) -> None:
         if isinstance(job, CallJob):
             try:
                 job.result = job.fn()
@@ -362,8 +363,7 @@ class AgentWorker:
             queued = list(self._jobs)
             self._jobs.clear()
         for job in queued:
-            if isinstance(job, _Job):
-                self._resolve(job, RuntimeError(f"the NIXL worker of agent {self.name} has stopped"))
+            self._resolve(job, RuntimeError(f"the NIXL worker of agent {self.name} has stopped"))
 
     def drain_inflight(self, reason: str) -> list[WriteJob]:
         """Called by the teardown job (on this thread): fail every write still in flight and return it, for
