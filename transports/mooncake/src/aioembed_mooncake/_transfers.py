@@ -222,6 +222,12 @@ class TransferPoller:
             await anyio.sleep(delay if opens is None else max(0.0, min(delay, opens - now)))
             delay = min(_POLL_MAX, delay * 2)  # the back-off grows with sleeps only, not with loop turns
 
+    def poll_now(self) -> None:
+        """Check every pending transfer once, now: those seen ending give back what they hold. For a caller that
+        wants the books current while nothing else polls (an idle endpoint is polled by its next write)."""
+        if self._pending and self._poll()[0]:
+            self._wake()
+
     def _wake(self) -> None:
         self._progress.set()
         self._progress = anyio.Event()

@@ -254,6 +254,7 @@ class MooncakeTransport(Transport):
         self.session = session
         self.rpc_port = rpc_port
         self._transfer_timeout = config.transfer_timeout if config.transfer_timeout is not None else engine_timeout
+        self._lane_timeout = lane_timeout
         self._progress_timeout = max(30, lane_timeout)
         self.closed = False
         self._closing = CloseOnce()
@@ -703,7 +704,9 @@ class MooncakeTransport(Transport):
     def _raise_failed(self, link: MooncakeLink, failed: list[PendingTransfer], *, refused: int, total: int,
                       pieces: int, ops: int, elapsed: float) -> None:
         statuses = sorted({t.status for t in failed})
-        timed_out = elapsed >= self.progress_timeout * 0.95
+        # The lanes drop a peer that made no progress for their timeout (from transfer_timeout where the plugin set
+        # it): a hung peer's write then ends failed at about the time the caller's deadline would have fired.
+        timed_out = self.config.protocol == "tcp" and elapsed >= self._lane_timeout * 0.95
         what = []
         if failed:
             what.append(f"{len(failed)} of {pieces} engine transfers ended with status {statuses} "
@@ -712,8 +715,9 @@ class MooncakeTransport(Transport):
             what.append(f"{refused} transfers refused at submit (peer unknown or unreachable)")
         raise TransportError(
             f"mooncake write to peer {link.session} failed: {'; '.join(what)}, of {total} bytes from {ops} write "
-            f"ops, after {elapsed:.2f}s" + (f" (no progress for the engine's {self.progress_timeout}s)"
-                                            if timed_out else "")
+            f"ops, after {elapsed:.2f}s"
+            + (f" (no progress within the engine's TCP lane timeout, {self._lane_timeout}s: the peer is hung or "
+               "unreachable)" if timed_out else "")
             + ". The engine cannot cancel a transfer: bytes of this write already in the peer's socket "
             "buffers may still be written there, so the destination may not be reused until that is ruled out"
         )
