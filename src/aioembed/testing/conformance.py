@@ -283,13 +283,22 @@ class TransportConformance:
 
     @pytest.mark.anyio
     async def test_write_to_closed_peer_fails(self, endpoints: tuple[Transport, Transport]) -> None:
-        _, b = endpoints
+        """Writes to a peer whose endpoint closed fail within ``peer_gone_timeout``. A transport that can revoke
+        a writer fails the first one. One that cannot may take a moment to learn the peer went (NIXL over
+        shared memory: the peer's worker is gone, but a copy into memory that is still mapped needs nothing of
+        it; seen once in CI, in-process), so a write in that moment may still succeed; then one must fail."""
+        a, b = endpoints
         src, dst, link = await self._setup(endpoints, 4096, 4096)
         await link.write(self._ops(src, dst, [(0, 0, 64)]))
         await b.aclose()
         with anyio.fail_after(self.peer_gone_timeout):
-            with pytest.raises(TransportError):
-                await link.write(self._ops(src, dst, [(0, 0, 4096)]))
+            while True:
+                try:
+                    await link.write(self._ops(src, dst, [(0, 0, 4096)]))
+                except TransportError:
+                    break
+                assert not a.capabilities.revocable, "a write to a closed peer succeeded"
+                await anyio.sleep(0.05)  # no event tells when the transport noticed: look again
         await link.aclose()
 
     # -- the plugin boundary -----------------------------------------------------------------
