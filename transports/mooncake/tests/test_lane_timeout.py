@@ -5,7 +5,8 @@ seconds, and read it for every transfer on their own threads. The plugin set it 
 ``initialize()`` and restored it, so the engine never saw it: a write to a stopped peer raised at
 ``transfer_timeout`` (the plugin's own deadline) but its transfers ran on for the default 30 s, and the
 sender kept the destination fenced that long plus ``write_lifetime``. It is now set for the process
-before its first engine starts (measured in a fresh process: the first engine of a process decides).
+while no engine of it exists (measured in a fresh process: the first engine of a process decides, until
+the last one is gone).
 """
 
 from __future__ import annotations
