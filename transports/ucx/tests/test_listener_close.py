@@ -6,13 +6,19 @@ listener that still accepted on the port and called back with freed data while s
 (kept by the graveyard after a served connection, or inside ucxx after a handshake given up with its
 receive posted): a client of the old port then made ucxx log ``KeyError: 'cb_func'`` (found by a review;
 the same before the plugin had its own listener). Now dead endpoints let go of the listener at close,
-and a listener whose handshake was given up is kept with its data."""
+and a listener whose handshake was given up is kept with its data.
+
+A handshake given up (at ``connect_timeout``, or cut short by the close) kept the port listening after the
+owner closed, for as long as the process lived: ``close_blocking`` on its endpoint, with a stream receive
+posted that UCX cannot cancel, left the endpoint, and with it ucxx's listener, referenced inside ucxx."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -20,6 +26,8 @@ import ucxx
 from aioembed.testing import region_of
 from aioembed.transports.base import WriteOp
 from aioembed.transports.registry import open_transport
+
+from aioembed_ucx import _listener
 
 from .conftest import UCX_OPTIONS, ucx_transport
 from .test_handshake import _line, handshake_peer
@@ -77,3 +85,50 @@ async def test_a_client_of_a_closed_owners_port_meets_no_freed_callback(case: st
         await owner.aclose()
         for w in writers:
             await w.aclose()
+
+
+def _listening(port: int) -> bool:
+    """Whether a socket of this process listens on ``port`` (``/proc/self/net/tcp*`` lists the namespace's)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(target[len("socket:["):-1])
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()  # sl, local address, remote address, state (0A: LISTEN), ..., inode
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in mine:
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("case", ["given_up", "closing"])
+async def test_a_closed_owner_stops_listening_after_a_handshake_it_gave_up(case: str) -> None:
+    """``given_up``: the owner closed a connection stuck in the handshake at ``connect_timeout``, then closes;
+    ``closing``: the owner closes while the handshake is stuck."""
+    deadline = 2.0
+    owner = await open_transport("ucx", dict(UCX_OPTIONS, connect_timeout=deadline))
+    retired = len(_listener._RETIRED)
+    try:
+        owner.descriptor()  # listens from here
+        local = ucx_transport(owner)
+        port, listener = local.port, local._listener
+        assert port is not None and listener is not None and _listening(port)
+        with handshake_peer(port, "silent") as peer:
+            assert await _line(peer, 30) == "connected"
+            if case == "given_up":
+                start = time.monotonic()
+                while not listener.handshakes_given_up:
+                    assert time.monotonic() - start < deadline + 10.0, "the stuck handshake was never given up"
+                    await asyncio.sleep(0.05)
+                assert await _line(peer, 10) == "closed"
+                assert _listening(port)  # the owner is open: it still listens
+            else:
+                assert listener.handshaking == 1
+            await owner.aclose()
+            assert not _listening(port), f"the closed owner's port {port} still listens ({case} handshake)"
+            assert len(_listener._RETIRED) == retired, "the closed listener was kept for an endpoint ucxx holds"
+    finally:
+        await owner.aclose()

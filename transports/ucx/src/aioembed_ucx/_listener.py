@@ -14,8 +14,11 @@ exchange itself, in the same order (the listener sends first, then receives; ucx
 connecting sides receive first), waiting through :func:`~aioembed_ucx._progress.wait_request` (in
 ``blocking`` mode the loop's event-driven progress: no polling). A handshake that has not completed
 within ``handshake_timeout`` seconds (the endpoint's ``connect_timeout``) is given up: its endpoint and
-buffers go to the graveyard (kept while UCX may still write into them) and the endpoint is closed.
-Each connection has its own task, so a stuck handshake never holds up another peer's.
+buffers go to the graveyard (kept while UCX may still write into them) and the endpoint is closed with a
+close request (:func:`~aioembed_ucx._progress.close_posted`: ``close_blocking`` left the endpoint, and
+with it ucxx's listener and its port, alive for good); :meth:`Listener.aclose` waits for those closes, so
+the port is closed when it returns. Each connection has its own task, so a stuck handshake never holds up
+another peer's.
 """
 
 from __future__ import annotations
@@ -33,15 +36,18 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+
 from aioembed_ucx._graveyard import GRAVEYARD
-from aioembed_ucx._progress import kick, wait_request
+from aioembed_ucx._progress import close_posted, kick, wait_request
 
 __all__ = ["Listener"]
 
 _RETIRED: list[Any] = []
-"""ucxx listeners of closed :class:`Listener` s that gave up a handshake with its receive posted: ucxx keeps
-that endpoint, and with it its C++ listener, which calls back with the Python object's data; so the object
-is kept too (one per such close; a late connection is then closed at once instead of meeting freed data)."""
+"""ucxx listeners of closed :class:`Listener` s with an endpoint of a given-up handshake that UCX had not closed
+within ``handshake_timeout`` of the close: that endpoint keeps ucxx's C++ listener, which calls back with the
+Python object's data; so the object is kept too (a late connection is then closed at once instead of
+meeting freed data)."""
 
 log = logging.getLogger("aioembed.transports.ucx")
 
@@ -74,6 +80,8 @@ class Listener:
         self._on_endpoint = on_endpoint
         self.handshake_timeout = handshake_timeout
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing: set[Any] = set()
+        """Close requests of the endpoints of given-up handshakes, until they completed."""
         self._closed = False
         self._outlived = False
         self.handshaking = 0
@@ -116,16 +124,16 @@ class Listener:
                 failure = "timeout"
             except Exception as exc:  # a UCX error: the peer went away (or closed) before it was done
                 failure = repr(exc)
-        except BaseException:  # cancelled: the listener is closing
-            self._outlived = True
-            _give_up(endpoint, mine, theirs, mine_arr, theirs_arr)
+        except BaseException:  # cancelled: the listener is closing (and waits for the close)
+            self._give_up(endpoint, mine, theirs, mine_arr, theirs_arr)
             raise
         finally:
             self.handshaking -= 1
         if failure is not None:
-            self._outlived = True
             # A receive may still be posted into ``theirs``: UCX can write into it until the endpoint is closed.
-            _give_up(endpoint, mine, theirs, mine_arr, theirs_arr)
+            closing = self._give_up(endpoint, mine, theirs, mine_arr, theirs_arr)
+            if closing is not None:
+                await self._wait_closed([closing])  # cancelled: aclose() waits for it
             if failure == "timeout":
                 log.warning("ucx: a peer connected but did not complete the UCX handshake within "
                             "connect_timeout=%s s (frozen, or not a ucxx peer); its connection was closed",
@@ -142,18 +150,51 @@ class Listener:
         ep._aioembed_ucx_listener = self._raw  # its callback data must outlive every endpoint of it
         await self._on_endpoint(ep)
 
+    def _give_up(self, endpoint: Any, *buffers: object) -> Any:
+        """Close a connection that may have a receive posted, keeping its buffers while UCX may write into them;
+        the close request, kept until it completed (``None``: the endpoint had failed, and is closed)."""
+        GRAVEYARD.bury(endpoint, *buffers)
+        try:
+            closing = close_posted(endpoint)
+        except Exception as exc:  # not closed: ucxx keeps the endpoint, and with it its listener
+            log.warning("ucx: cannot close an incoming connection whose UCX handshake was given up (%r); "
+                        "the listener's port stays open until the process exits", exc)
+            self._outlived = True
+            return None
+        if closing is not None:
+            self._closing.add(closing)
+        return closing
+
+    async def _wait_closed(self, requests: list[Any]) -> None:
+        """Until UCX closed the endpoints of these close requests (each one's failure is the endpoint's end
+        too), at most ``handshake_timeout``; those not closed by then are left to UCX."""
+        with anyio.move_on_after(self.handshake_timeout):
+            for request in requests:
+                with contextlib.suppress(Exception):
+                    await wait_request(request)
+                self._closing.discard(request)
+
     async def aclose(self) -> None:
-        """Stop listening and cancel every connection's task (handshakes and what they handed over)."""
+        """Stop listening and cancel every connection's task (handshakes and what they handed over); returns
+        once the port is closed (unless UCX did not close a given-up handshake's endpoint in time)."""
         self._closed = True
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._closing:  # endpoints of handshakes given up: closed by UCX's progress, in a moment
+            await self._wait_closed(list(self._closing))
+        if self._closing:
+            log.warning("ucx: %d incoming connections whose UCX handshake was given up were not closed within "
+                        "connect_timeout=%s s; the listener's port %s stays open while UCX keeps them",
+                        len(self._closing), self.handshake_timeout, self.port)
+            self._outlived = True
+            self._closing.clear()
         GRAVEYARD.prune(time.monotonic())  # dead endpoints let go of ucxx's listener (and its port) now
         if self._outlived:
-            # An endpoint of a handshake given up with its receive posted stays referenced inside ucxx, and
-            # with it ucxx's C++ listener, which calls back with this object's data: keep it.
+            # An endpoint that UCX did not close stays referenced inside ucxx, and with it ucxx's C++ listener,
+            # which calls back with this object's data: keep it.
             _RETIRED.append(self._raw)
         self._raw = None
         self._ctx = None
@@ -175,9 +216,3 @@ def _close(endpoint: Any) -> None:
         endpoint.close_blocking(period=10**8, max_attempts=1)
     with contextlib.suppress(RuntimeError):  # no running loop here (ucxx's progress thread)
         kick()  # the peer learns at once that the connection ended
-
-
-def _give_up(endpoint: Any, *buffers: object) -> None:
-    """Close a connection that may have a receive posted, keeping its buffers while UCX may write into them."""
-    GRAVEYARD.bury(endpoint, *buffers)
-    _close(endpoint)

@@ -19,6 +19,7 @@ case an event never reaches the descriptor (ucxx keeps the same guard).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import logging
@@ -30,8 +31,8 @@ from typing import Any
 
 from aioembed_ucx._graveyard import GRAVEYARD
 
-__all__ = ["ArmedProgress", "Posted", "cancel_posted", "install_armed_progress", "kick", "post", "tag_recv",
-           "tag_send", "wait_posted", "wait_request"]
+__all__ = ["ArmedProgress", "Posted", "cancel_posted", "close_posted", "install_armed_progress", "kick", "post",
+           "tag_recv", "tag_send", "wait_posted", "wait_request"]
 
 log = logging.getLogger("aioembed.transports.ucx")
 
@@ -206,6 +207,34 @@ def kick() -> None:
     driver = _driver()
     if driver is not None:
         driver.kick()
+
+
+def close_posted(endpoint: Any) -> Any:
+    """Start closing a live raw ucxx endpoint that may have a stream receive posted (a peer-info exchange given
+    up); the close request (await it with :func:`wait_request`), or ``None`` where the endpoint had failed
+    already (then closed at once). Call it once per endpoint, never after it was closed: on an endpoint
+    already closing ucxx returns an empty request, which crashes when dropped.
+
+    Not ``close_blocking``: that cancels the endpoint's requests before it closes the endpoint, and UCX cannot
+    cancel a stream receive (only closing the endpoint completes it), so ucxx kept the receive among the
+    requests it was cancelling, inside the endpoint, and the receive holds its endpoint: a cycle that nothing
+    broke. The endpoint lived for good, and one accepted by a listener kept ucxx's listener, and its port,
+    listening after the owner closed. The close request closes the endpoint first, which completes the
+    receive, and the endpoint is freed once nothing of ours holds it."""
+    try:
+        alive = bool(endpoint.alive)
+    except Exception:
+        alive = False
+    if not alive:  # failed: UCX ended what was posted on it; nothing waits on a close request
+        with contextlib.suppress(Exception):
+            endpoint.close_blocking(period=10**8, max_attempts=1)
+        with contextlib.suppress(RuntimeError):  # no running loop here
+            kick()
+        return None
+    request = endpoint.close()
+    with contextlib.suppress(RuntimeError):
+        kick()  # the close is done in the worker's progress: now, and the peer learns at once
+    return request
 
 
 async def wait_request(request: Any) -> None:

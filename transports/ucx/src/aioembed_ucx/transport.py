@@ -52,7 +52,17 @@ from aioembed_ucx._context import ensure_context, load_ucxx
 from aioembed_ucx._graveyard import GRAVEYARD as _GRAVEYARD
 from aioembed_ucx._listener import Listener
 from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
-from aioembed_ucx._progress import Posted, cancel_posted, kick, post, tag_recv, tag_send, wait_posted, wait_request
+from aioembed_ucx._progress import (
+    Posted,
+    cancel_posted,
+    close_posted,
+    kick,
+    post,
+    tag_recv,
+    tag_send,
+    wait_posted,
+    wait_request,
+)
 
 __all__ = ["UcxLink", "UcxTransport"]
 
@@ -609,8 +619,10 @@ async def _create_endpoint(ucxx: Any, host: str, port: int) -> Any:
         await wait_request(ucx_ep.stream_send(mine_arr))
     except BaseException:
         _GRAVEYARD.bury(ucx_ep, mine, theirs, mine_arr, theirs_arr)
+        # Not close_blocking (it left an endpoint with its receive posted alive for good: see close_posted);
+        # the graveyard keeps the endpoint until UCX closed it.
         with contextlib.suppress(Exception):
-            ucx_ep.close_blocking(period=10**8, max_attempts=1)
+            close_posted(ucx_ep)
         raise
     peer_tag, checksum = struct.unpack("QQ", theirs)
     if checksum != hash64bits(peer_tag):
