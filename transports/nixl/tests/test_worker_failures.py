@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aioembed_nixl._engine import _Peer, _Prepared, _Resources
+from aioembed_nixl._engine import Engine, _Peer, _Prepared, _Resources
 from aioembed_nixl._loop import LoopWaker
 from aioembed_nixl._worker import STALL_CAP, AgentWorker, Posted, WriteJob
 
@@ -29,35 +29,37 @@ class _Handle:
             raise RuntimeError("NIXL_ERR_BACKEND")
 
 
-class _Engine:
-    def __init__(self) -> None:
-        self.forgotten: list[_Peer] = []
-
-    def forget_if_unused(self, peer: _Peer) -> None:
-        if peer.inflight == 0 and peer.links == 0:
-            self.forgotten.append(peer)
+def _engine_with(peer: _Peer) -> Engine:
+    """The engine's bookkeeping, with no agent (as after teardown: metadata removal is not a NIXL call)."""
+    engine = Engine.__new__(Engine)
+    engine.name, engine.agent, engine._unreleased = "local-agent", None, []
+    engine._peers = {peer.name: peer}
+    return engine
 
 
 def test_a_failing_list_release_still_counts_the_transfer_as_ended() -> None:
-    engine, peer = _Engine(), _Peer("peer-agent")
+    peer = _Peer("peer-agent")
+    engine = _engine_with(peer)
     peer.inflight = 1
     prepared = _Prepared(_Handle(), version=1)
     prepared.users, prepared.retired = 1, True  # the peer re-announced: the old list goes with its last user
     local, remote, xfer = _Handle(fails=True), _Handle(fails=True), _Handle()
-    res = _Resources(engine, peer, xfer, local=local, own_remote=remote, prepared=prepared)  # type: ignore[arg-type]
+    res = _Resources(engine, peer, xfer, local=local, own_remote=remote, prepared=prepared)
     posted = Posted(xfer, 64, check=lambda h: "DONE", release=res.release)
     res.release(posted, True)
     assert (xfer.released, local.released, remote.released) == (1, 1, 1)
-    assert peer.inflight == 0 and engine.forgotten == [peer]  # the peer's metadata can go
+    assert peer.inflight == 0 and not engine._peers  # the peer's metadata can go
     assert prepared.users == 0 and prepared.handle is None  # the retired list was released
     assert posted.handle is None
+    assert [h for _, h in engine._unreleased] == [local, remote]  # kept for a retry, not dropped
 
 
 def test_a_failing_transfer_release_is_not_retried(caplog: Any) -> None:
-    engine, peer = _Engine(), _Peer("peer-agent")
+    peer = _Peer("peer-agent")
+    engine = _engine_with(peer)
     peer.inflight = 1
     xfer = _Handle(fails=True)
-    res = _Resources(engine, peer, xfer, local=None, own_remote=None, prepared=None)  # type: ignore[arg-type]
+    res = _Resources(engine, peer, xfer, local=None, own_remote=None, prepared=None)
     res.release(Posted(xfer, 64, check=lambda h: "DONE", release=res.release), True)
     assert getattr(xfer, "_released", False) and peer.inflight == 0
     assert "could not release a transfer handle" in caplog.text

@@ -38,10 +38,12 @@ class _Prepared:
         self.users = 0
         self.retired = False
 
-    def release_if_unused(self) -> None:
+    def take_if_unused(self) -> Any:
+        """The handle, taken for the caller to release, once retired and unused; else None."""
         if self.retired and self.users == 0 and self.handle is not None:
             handle, self.handle = self.handle, None
-            handle.release()
+            return handle
+        return None
 
 
 class _Peer:
@@ -102,19 +104,13 @@ class _Resources:
             handle = getattr(self, name)
             setattr(self, name, None)
             if handle is not None:
-                try:
-                    handle.release()
-                except Exception as exc:
-                    log.warning("nixl: could not release a transfer's %s descriptor list (%s: %s); left to the "
-                                "agent's teardown", name, type(exc).__name__, exc)
+                self.engine.release_or_warn(handle, f"a transfer's {name} descriptor list")
         prepared, self.prepared = self.prepared, None
-        try:
-            if prepared is not None:
-                prepared.users -= 1
-                prepared.release_if_unused()
-        finally:
-            self.peer.inflight -= 1
-            self.engine.forget_if_unused(self.peer)
+        if prepared is not None:
+            prepared.users -= 1
+            self.engine.retire_or_warn(prepared, self.peer.name)
+        self.peer.inflight -= 1
+        self.engine.forget_or_warn(self.peer)
 
 
 class Engine:
@@ -127,6 +123,12 @@ class Engine:
         self.agent: Any = create_agent(nixl, name, options)
         self.mem_types = [str(m) for m in self.agent.get_backend_mem_types(options.backend)]
         self._regs: dict[MemoryRegion, Any] = {}
+        self._stale: list[tuple[MemoryRegion, Any]] = []
+        """Registrations NIXL refused to deregister: off the books of live memory, still NIXL's (it counts
+        registrations of one region), retried at each :meth:`deregister` and at teardown."""
+        self._unreleased: list[tuple[str, Any]] = []
+        """Descriptor list handles whose release NIXL refused, with what they were: retried when a link
+        closes and at teardown."""
         self._local: SegmentIndex | None = None
         self._peers: dict[str, _Peer] = {}
         self._links: list[LinkState] = []
@@ -134,22 +136,35 @@ class Engine:
     # -- memory ---------------------------------------------------------------------------
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
-        """Register distinct new regions (each on its own, so each can be deregistered on its own)."""
+        """Register distinct new regions (each on its own, so each can be deregistered on its own). Nothing
+        that can raise runs between NIXL's registering a region and its entry here: the descriptor list is
+        built first, and ``register_memory`` takes it as is. A failure deregisters the regions this call
+        registered; the caller gets the failure, not a failed rollback (kept, see :meth:`_deregister_quietly`)."""
         done: list[MemoryRegion] = []
         try:
             for r in regions:
-                desc = [(r.address, r.length, device_id(r.device), "")]
-                self.agent.register_memory(desc, mem_type(r.device), backends=self._backends)
-                self._regs[r] = self.agent.get_reg_descs(desc, mem_type(r.device))
+                reg = self.agent.get_reg_descs([(r.address, r.length, device_id(r.device), "")], mem_type(r.device))
+                self.agent.register_memory(reg, backends=self._backends)
+                self._regs[r] = reg
                 done.append(r)
         except BaseException:
-            self.deregister(done)
+            self._deregister_quietly(done)
             raise
         finally:
             self._local = None
 
     def deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        """Deregister ``regions``, and retry the registrations NIXL refused before. One NIXL refuses now leaves
+        the books of live memory (the caller unregistered it) but not NIXL's: it is kept, retried, and raised."""
         self._local = None
+        self._retry_stale()
+        failed = self._deregister(regions)
+        if failed:
+            raise RuntimeError(f"deregister_memory failed for {len(failed)} region(s): {'; '.join(failed[:3])}; "
+                               "kept registered in NIXL, retried at the next deregistration and at teardown")
+
+    def _deregister(self, regions: Sequence[MemoryRegion]) -> list[str]:
+        """Deregister each of ``regions``; one NIXL refuses goes to :attr:`_stale`. The failures, described."""
         failed: list[str] = []
         for r in regions:
             reg = self._regs.pop(r, None)
@@ -158,9 +173,28 @@ class Engine:
             try:
                 self.agent.deregister_memory(reg, backends=self._backends)
             except Exception as exc:
+                self._stale.append((r, reg))
                 failed.append(f"{r}: {type(exc).__name__}: {exc}")
+        return failed
+
+    def _deregister_quietly(self, regions: Sequence[MemoryRegion]) -> None:
+        """Undo a failed registration call: a failure here is logged (and kept), the caller's error is raised."""
+        failed = self._deregister(regions)
         if failed:
-            raise RuntimeError(f"deregister_memory failed for {len(failed)} region(s): {'; '.join(failed[:3])}")
+            log.warning("nixl agent %s: could not deregister %s after a failed registration; kept registered in "
+                        "NIXL, retried at the next deregistration and at teardown", self.name, "; ".join(failed))
+
+    def _retry_stale(self) -> list[str]:
+        """Deregister again what NIXL refused before; what it refuses again stays. The failures, described."""
+        stale, self._stale = self._stale, []
+        failed: list[str] = []
+        for r, reg in stale:
+            try:
+                self.agent.deregister_memory(reg, backends=self._backends)
+            except Exception as exc:
+                self._stale.append((r, reg))
+                failed.append(f"{r} (refused before): {type(exc).__name__}: {exc}")
+        return failed
 
     def local_segments(self) -> SegmentIndex:
         if self._local is None:
@@ -215,25 +249,84 @@ class Engine:
                         "left to the agent's teardown", self.name, name, type(exc).__name__, exc)
 
     def close_link(self, link: LinkState) -> None:
+        """Close a link whatever NIXL raises on the way: each prepared list is released (one NIXL refuses is
+        kept for a retry), the peer's count goes down and its metadata goes once unused; then the first
+        failure is raised."""
         if link.closed:
             return
         link.closed = True
         self._links.remove(link)
+        self._retry_unreleased()  # what NIXL refused before (this link's refusals wait for the next one)
+        errors: list[Exception] = []
         for prepared in link.prepared.values():
             prepared.retired = True
-            prepared.release_if_unused()
+            if (exc := self._retire(prepared, link.peer.name)) is not None:
+                errors.append(exc)
         link.prepared.clear()
         link.peer.links -= 1
-        self.forget_if_unused(link.peer)
+        try:
+            self.forget_if_unused(link.peer)
+        except Exception as exc:
+            errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def forget_if_unused(self, peer: _Peer) -> None:
         """Drop a peer's metadata once no link and no transfer uses it (doing it earlier would orphan the
-        transfers: ``check_xfer_state`` then raises NOT_FOUND while their bytes still land)."""
+        transfers: ``check_xfer_state`` then raises NOT_FOUND while their bytes still land). Raises NIXL's
+        error if it refuses: the peer then stays on the books, as its metadata stays loaded, and its removal
+        is retried when it is next unused and at teardown."""
         if peer.links > 0 or peer.inflight > 0 or self._peers.get(peer.name) is not peer:
             return
-        del self._peers[peer.name]
         if peer.name != self.name and self.agent is not None:
             self.agent.remove_remote_agent(peer.name)
+        del self._peers[peer.name]
+
+    def forget_or_warn(self, peer: _Peer) -> None:
+        """:meth:`forget_if_unused` where nobody is there to be told (a transfer's end)."""
+        try:
+            self.forget_if_unused(peer)
+        except Exception as exc:
+            log.warning("nixl agent %s: could not remove agent %s's metadata (%s: %s); retried when the peer is "
+                        "next unused and at teardown", self.name, peer.name, type(exc).__name__, exc)
+
+    # -- descriptor list handles ----------------------------------------------------------
+
+    def _release(self, handle: Any, what: str) -> Exception | None:
+        """Release a descriptor list handle; one NIXL refuses is kept in :attr:`_unreleased` (never dropped: its
+        wrapper would retry from ``__del__``, on whatever thread, holding the native agent until then)."""
+        try:
+            handle.release()
+        except Exception as exc:
+            self._unreleased.append((what, handle))
+            return exc
+        return None
+
+    def _warn_unreleased(self, what: str, exc: Exception | None) -> None:
+        """For paths where the caller's error, or none, is the one to report."""
+        if exc is not None:
+            log.warning("nixl agent %s: could not release %s (%s: %s); retried when a link closes and at teardown",
+                        self.name, what, type(exc).__name__, exc)
+
+    def release_or_warn(self, handle: Any, what: str) -> None:
+        self._warn_unreleased(what, self._release(handle, what))
+
+    def _retire(self, prepared: _Prepared, peer: str) -> Exception | None:
+        """Release a retired prepared list once no transfer uses it."""
+        handle = prepared.take_if_unused()
+        return None if handle is None else self._release(handle, f"a prepared list of agent {peer}'s memory")
+
+    def retire_or_warn(self, prepared: _Prepared, peer: str) -> None:
+        self._warn_unreleased(f"a prepared list of agent {peer}'s memory", self._retire(prepared, peer))
+
+    def _retry_unreleased(self) -> list[str]:
+        """Release again what NIXL refused before; what it refuses again stays. The failures, described."""
+        unreleased, self._unreleased = self._unreleased, []
+        failed: list[str] = []
+        for what, handle in unreleased:
+            if (exc := self._release(handle, what)) is not None:
+                failed.append(f"{what}: {type(exc).__name__}: {exc}")
+        return failed
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -255,11 +348,11 @@ class Engine:
         if current is not None and current.version == glist.version:
             return current
         handle = self.agent.prep_xfer_dlist(link.peer.name, glist.descriptors(), rmem, backends=self._backends)
+        fresh = _Prepared(handle, glist.version)
+        link.prepared[rmem] = fresh  # first: the old list's release raising must not lose the new one
         if current is not None:
             current.retired = True
-            current.release_if_unused()
-        fresh = _Prepared(handle, glist.version)
-        link.prepared[rmem] = fresh
+            self.retire_or_warn(current, link.peer.name)
         return fresh
 
     def _post(self, job: WriteJob, link: LinkState, group: list[Piece], *, mems: tuple[str, str],
@@ -282,9 +375,9 @@ class Engine:
             xfer = self.agent.make_prepped_xfer("WRITE", local_list, np.arange(len(plan.local), dtype=np.int32),
                                                 remote, indices, backends=self._backends)
         except BaseException:
-            for handle in (local_list, own_remote):
-                if handle is not None:
-                    handle.release()
+            for name, handle in (("local", local_list), ("own_remote", own_remote)):
+                if handle is not None:  # each released whatever the other does; the caller gets the first error
+                    self.release_or_warn(handle, f"a write's {name} descriptor list")
             raise
         res = _Resources(self, link.peer, xfer, local=local_list, own_remote=own_remote, prepared=prepared)
         if prepared is not None:
@@ -333,7 +426,13 @@ class Engine:
                 attempt("releasing a transfer in flight", posted.release, posted, False)
             for link in list(self._links):
                 attempt("closing a link", self.close_link, link)
-            attempt("deregistering memory", self.deregister, list(self._regs))
+            problems.extend(f"releasing {what} (refused before)" for what in self._retry_unreleased())
+            for _, handle in self._unreleased:
+                handle._released = True  # never again from __del__: the agent is destroyed below
+            self._unreleased.clear()
+            problems.extend(f"deregistering {r}" for r in self._retry_stale())
+            problems.extend(f"deregistering {r}" for r in self._deregister(list(self._regs)))
+            self._stale.clear()  # what NIXL still refuses goes with the agent
             for peer in list(self._peers.values()):
                 del self._peers[peer.name]
                 if peer.name != self.name:
