@@ -14,7 +14,9 @@ class TestPeerRestarts(PeerRestartSuite):
     # their timeout from it): a read that releases a dead peer's connections can wait that long for a reconnect
     # round (seen in CI: the fourth of four reads queued while the lanes reconnected to the refusing port).
     transport_options = {"protocol": "tcp", "hostname": "127.0.0.1", "transfer_timeout": 5}
-    settle_timeout = 5 + 5.0
+    # 30 s: the lanes' default, should an engine of the test process have been alive (deciding the variables)
+    # when the suite's opened.
+    settle_timeout = 30 + 5.0
 
     def transport_books(self, transport: Any) -> Mapping[str, int]:
         # An idle endpoint sees its leftover transfers end at its next write or link close; the books are read

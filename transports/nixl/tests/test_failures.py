@@ -352,6 +352,31 @@ async def test_a_cancelled_connect_leaves_no_link_state_behind() -> None:
         assert len(engine._links) == 1 and {p.links for p in engine._peers.values()} == {1}
 
 
+async def test_a_cancelled_connects_failing_undo_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The undo of a cancelled ``connect()`` runs as a job nobody waits for: a failure of it was stored on that
+    job and never seen (found by a review)."""
+    async with await open_transport("nixl", NIXL_OPTIONS) as owner, writer(NIXL_OPTIONS, SMALL) as (t, _):
+        engine = t._engine  # type: ignore[attr-defined]
+        real_connect, real_close = engine.connect, engine.close_link
+
+        def slow_connect(desc: Any) -> Any:
+            time.sleep(0.3)  # on the worker thread: the caller gives up meanwhile
+            return real_connect(desc)
+
+        def failing_close(link: Any) -> None:
+            real_close(link)
+            raise RuntimeError("NIXL_ERR_BACKEND (injected into the undo)")
+
+        engine.connect, engine.close_link = slow_connect, failing_close
+        with anyio.move_on_after(0.1):
+            await t.connect(owner.descriptor())
+        engine.connect = real_connect
+        await t.connect(owner.descriptor())  # queued after the undo: by now it ran
+        engine.close_link = real_close
+        assert any("undoing a call" in r.getMessage() and "injected into the undo" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
 async def test_a_burst_to_one_peer_does_not_time_out_while_its_writes_complete() -> None:
     """Writes queued behind others on one link are not late while the link moves: the deadline counted
     from the post, and 30 of 48 concurrent writes timed out with 6x headroom (found by a review)."""

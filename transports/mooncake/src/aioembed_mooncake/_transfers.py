@@ -25,9 +25,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import anyio
 
-__all__ = [
-    "DONE", "FAILED", "PENDING", "CompletionForecast", "Credits", "CreditsClosed", "PendingTransfer", "TransferPoller",
-]
+__all__ = ["DONE", "PENDING", "CompletionForecast", "Credits", "CreditsClosed", "PendingTransfer", "TransferPoller"]
 
 _POLL_FIRST = 0.00005
 _POLL_MAX = 0.002
@@ -42,10 +40,7 @@ _SPIN_SLACK_MAX = 0.002
 """Past its expected end, a late transfer is looked at on every turn for 25 % of the expected time
 more (0.5 to 2 ms); then the loop sleeps again (it is late: the forecast learns from it)."""
 
-DONE, PENDING, FAILED = 1, 0, -1
-"""``transfer_check_status`` answers: completed, still pending, failed. The engine reports a transfer failed only
-once each of its slices ended (its TCP lane closes a failed slice's connection before it says so); ``-2``, its
-slice timeout (``MC_SLICE_TIMEOUT``, off by default), comes while slices may still be moving."""
+DONE, PENDING = 1, 0
 
 
 class CompletionForecast:

@@ -50,7 +50,7 @@ from aioembed_mooncake._engine import (
     start_engine,
 )
 from aioembed_mooncake._regions import EngineRegistrations, Piece, PieceIndex
-from aioembed_mooncake._transfers import DONE, FAILED, PENDING, Credits, CreditsClosed, PendingTransfer, TransferPoller
+from aioembed_mooncake._transfers import DONE, PENDING, Credits, CreditsClosed, PendingTransfer, TransferPoller
 
 __all__ = ["DESCRIPTOR_VERSION", "MooncakeLink", "MooncakeTransport", "default_hostname"]
 
@@ -660,16 +660,15 @@ class MooncakeTransport(Transport):
 
     async def _settled(self, stuck: list[PendingTransfer]) -> None:
         """Until every transfer a timed-out write left in the engine has a final status (for the sender's
-        fencing: see ``TransportError.settled``); sees that they are polled while no write leads.
-
-        One that ended failed adds nothing: the engine says so only once every slice of it ended, each failed
-        slice's connection closed first (``tcp_transport_lane_impl.h``, ``handleLaneTerminal``), so only bytes
-        in the peer's socket buffers may still land, which the ``orphan_lifetime`` the sender adds covers (it
-        waited ``write_lifetime`` more: whenever a lane's timeout ended in-flight transfers just after the write
-        gave up, a race of two clocks of one length, the fence of a peer that came back lasted 32 s longer).
-        Any other end (the engine's slice timeout: slices may still be moving) is given ``write_lifetime`` more."""
+        fencing: see ``TransportError.settled``); sees that they are polled while no write leads. Any leftover
+        that did not complete is given ``write_lifetime`` more. One the engine reports failed (-1) has ended in
+        every lane, its connection closed first, but that close is graceful: what the sender's kernel still
+        had queued for the socket (MiBs) is delivered, or retransmitted after a partition heals, whenever the
+        peer reads again, and so is what sits in the peer's buffers. ``orphan_lifetime`` (2 s of the sender's
+        time) does not bound that; the ledger's floor (``write_lifetime`` from the write's failure) covers a
+        leftover that ends near the write's deadline, but not one that kept moving long after it."""
         await self._poller.watch(lambda: all(t.status != PENDING for t in stuck), max_delay=_SETTLE_POLL_MAX)
-        if any(t.status not in (DONE, FAILED) for t in stuck):
+        if any(t.status != DONE for t in stuck):
             await anyio.sleep(self.write_lifetime)
 
     @staticmethod

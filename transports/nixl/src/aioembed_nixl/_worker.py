@@ -17,12 +17,13 @@ see the README); it is polled every 50 ms until it ends, then released, and its 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import anyio
 
@@ -59,6 +60,15 @@ class CallJob(_Job, Generic[T]):
         super().__init__()
         self.fn = fn
         self.result: T | None = None
+
+
+def _undo_or_warn(undo: Callable[[T], object], result: T) -> None:
+    """A queued undo nobody waits for: its failure is logged, not left on a job nobody reads."""
+    try:
+        undo(result)
+    except Exception as exc:
+        log.warning("nixl: undoing a call its cancelled caller no longer owns failed (%s: %s); what it "
+                    "made is left to the endpoint's close", type(exc).__name__, exc)
 
 
 class Posted:
@@ -156,8 +166,8 @@ class AgentWorker:
             await self._run_job(job)
         except BaseException:
             if undo is not None and job.done.is_set() and job.error is None:
-                result = job.result
-                self._queue(CallJob(lambda: undo(result)))  # type: ignore[arg-type]
+                result = cast("T", job.result)  # it succeeded: result is fn()'s
+                self._queue(CallJob(functools.partial(_undo_or_warn, undo, result)))
             raise
         if job.error is not None:
             raise job.error

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import importlib
 import logging
@@ -232,6 +233,12 @@ def close_posted(endpoint: Any) -> Any:
             kick()
         return None
     request = endpoint.close()
+    if not request.ucxx_ptr:
+        # Already closing (a close raced in: ucxx's error handling on its progress thread, or a second call):
+        # ucxx returned an empty request, whose wrapper crashes the process when it is deallocated, even by the
+        # interpreter's shutdown: never let it be (one reference more, never given back).
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(request))
+        return None
     with contextlib.suppress(RuntimeError):
         kick()  # the close is done in the worker's progress: now, and the peer learns at once
     return request
