@@ -165,16 +165,18 @@ class Engine:
 
     def _deregister(self, regions: Sequence[MemoryRegion]) -> list[str]:
         """Deregister each of ``regions``; one NIXL refuses goes to :attr:`_stale`. The failures, described."""
+        taken = [(r, reg) for r in regions if (reg := self._regs.pop(r, None)) is not None]
+        return self._deregister_each(taken, "")
+
+    def _deregister_each(self, pairs: Sequence[tuple[MemoryRegion, Any]], note: str) -> list[str]:
+        """``deregister_memory`` for each (region, registration); those NIXL refuses go to :attr:`_stale`."""
         failed: list[str] = []
-        for r in regions:
-            reg = self._regs.pop(r, None)
-            if reg is None:
-                continue
+        for r, reg in pairs:
             try:
                 self.agent.deregister_memory(reg, backends=self._backends)
             except Exception as exc:
                 self._stale.append((r, reg))
-                failed.append(f"{r}: {type(exc).__name__}: {exc}")
+                failed.append(f"{r}{note}: {type(exc).__name__}: {exc}")
         return failed
 
     def _deregister_quietly(self, regions: Sequence[MemoryRegion]) -> None:
@@ -187,14 +189,7 @@ class Engine:
     def _retry_stale(self) -> list[str]:
         """Deregister again what NIXL refused before; what it refuses again stays. The failures, described."""
         stale, self._stale = self._stale, []
-        failed: list[str] = []
-        for r, reg in stale:
-            try:
-                self.agent.deregister_memory(reg, backends=self._backends)
-            except Exception as exc:
-                self._stale.append((r, reg))
-                failed.append(f"{r} (refused before): {type(exc).__name__}: {exc}")
-        return failed
+        return self._deregister_each(stale, " (refused before)")
 
     def local_segments(self) -> SegmentIndex:
         if self._local is None:
