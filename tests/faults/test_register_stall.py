@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferFailed, TransferTimeout
-from aioembed.session import sender as sender_module
 from aioembed.session.receiver import CLOSE_GRACE
-from aioembed.session.sender import STOP_GRACE
+from aioembed.session.sender import STOP_GRACE, UNREGISTER_GRACE
 from aioembed.session.tasks import BackgroundTasks
 from aioembed.testing import MockTransport
 from aioembed.transports.base import MemoryRegion
@@ -120,8 +119,6 @@ async def test_room_timeout_bounds_a_stalled_register() -> None:
 
 
 # -- the end of send(): unregister() of the caller's tensors ----------------------------------------------------
-
-UNREGISTER_GRACE = getattr(sender_module, "UNREGISTER_GRACE", 1.0)
 
 
 class StallingUnregister(MockTransport):

@@ -92,13 +92,16 @@ async def _settled_holdings(books: Callable[[], Mapping[str, int]], baseline: Ho
     """The least of a few samples over half a second: what is held, not what is passing through. With a
     ``baseline``, first up to ``settle`` seconds for what grew past it to go (records a plugin lets go of a
     bounded time after a peer's death, such as a transfer to it that its engine ends at a timeout)."""
+    def sample() -> Holdings:
+        return dataclasses.replace(holdings(), books=dict(books()))
+
     if baseline is not None:
         with anyio.move_on_after(settle):
-            while dataclasses.replace(holdings(), books=dict(books())).grew_past(baseline, slack):  # noqa: ASYNC110
+            while sample().grew_past(baseline, slack):  # noqa: ASYNC110
                 await anyio.sleep(0.1)
     samples = []
     for _ in range(5):
-        samples.append(dataclasses.replace(holdings(), books=dict(books())))
+        samples.append(sample())
         await anyio.sleep(0.1)
     least = {name: min(h.counts()[name] for h in samples) for name in samples[0].counts()}
     return Holdings(least.pop("fds"), least.pop("sockets"), least.pop("threads"), least.pop("tasks"), least)

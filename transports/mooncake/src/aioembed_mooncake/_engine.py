@@ -167,7 +167,7 @@ class StartedEngine:
     rpc_port: int
     transfer_timeout: int = 30
     """Seconds: the timeout the engine took from ``MC_TRANSFER_TIMEOUT`` when it was constructed."""
-    progress_timeout: int = 30
+    lane_timeout: int = 30
     """Seconds: ``MC_TCP_PROGRESS_TIMEOUT_SEC`` as the engine's TCP lanes read it (process-wide, fixed
     while engines run)."""
     tcp_lanes: int = 0
@@ -371,13 +371,13 @@ def start_engine(settings: EngineSettings) -> StartedEngine:
                 + ("" if settings.metadata_server == "P2PHANDSHAKE"
                    else "; is the metadata server reachable? (the default 'P2PHANDSHAKE' needs none)")
             )
-        progress_timeout = lane_timeout(os.environ.get(TCP_TIMEOUT_VARIABLES[0]))
+        lanes_timeout = lane_timeout(os.environ.get(TCP_TIMEOUT_VARIABLES[0]))
     # Only now is the engine safe to query: get_rpc_port() before initialize() segfaults.
     port = int(engine.get_rpc_port())
     p2p = settings.metadata_server == "P2PHANDSHAKE"
     session = f"{settings.hostname}:{port}" if p2p else settings.hostname
     return StartedEngine(engine=engine, session=session, rpc_port=port, transfer_timeout=transfer_timeout,
-                         progress_timeout=progress_timeout, tcp_lanes=lanes)
+                         lane_timeout=lanes_timeout, tcp_lanes=lanes)
 
 
 def _listening_fds(port: int) -> list[int]:

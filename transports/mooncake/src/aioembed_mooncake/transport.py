@@ -42,6 +42,7 @@ from aioembed.transports.base import (
 from aioembed.transports.close_once import CloseOnce
 
 from aioembed_mooncake._engine import (
+    ENGINE_DEFAULT_TIMEOUT,
     EngineSettings,
     cuda_build_installed,
     destroy_engine,
@@ -255,7 +256,6 @@ class MooncakeTransport(Transport):
         self.rpc_port = rpc_port
         self._transfer_timeout = config.transfer_timeout if config.transfer_timeout is not None else engine_timeout
         self._lane_timeout = lane_timeout
-        self._progress_timeout = max(30, lane_timeout)
         self.closed = False
         self._closing = CloseOnce()
         self._engine: Any = engine
@@ -304,7 +304,7 @@ class MooncakeTransport(Transport):
         process from the first ``transfer_timeout`` and never changes it while engines run, see ``_engine``),
         so it is taken when the endpoint opens; as a bound on when a failed write's bytes may still land,
         never taken below 30."""
-        return self._progress_timeout
+        return max(ENGINE_DEFAULT_TIMEOUT, self._lane_timeout)
 
     @property
     def transfer_timeout(self) -> int:
@@ -322,7 +322,7 @@ class MooncakeTransport(Transport):
         log.info("mooncake transport: engine up, session %s, protocol %s%s", started.session, config.protocol,
                  f", devices {config.device_name}" if config.device_name else "")
         self = cls(config, started.engine, started.session, started.rpc_port,
-                   engine_timeout=started.transfer_timeout, lane_timeout=started.progress_timeout,
+                   engine_timeout=started.transfer_timeout, lane_timeout=started.lane_timeout,
                    tcp_lanes=started.tcp_lanes)
         rc = await anyio.to_thread.run_sync(started.engine.register_memory, self._scratch_address, _SCRATCH_BYTES)
         if rc != 0:
@@ -723,8 +723,9 @@ class MooncakeTransport(Transport):
             f"ops, after {elapsed:.2f}s"
             + (f" (no progress within the engine's TCP lane timeout, {self._lane_timeout}s: the peer is hung or "
                "unreachable)" if timed_out else "")
-            + ". The engine cannot cancel a transfer: bytes of this write already in the peer's socket "
-            "buffers may still be written there, so the destination may not be reused until that is ruled out"
+            + ". The engine cannot cancel a transfer: bytes of this write already in a socket's buffers (this host's "
+            "queue or the peer's) may still be written there, so the destination may not be reused until that is "
+            "ruled out"
         )
 
 

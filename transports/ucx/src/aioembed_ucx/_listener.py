@@ -39,7 +39,7 @@ from typing import Any
 import anyio
 
 from aioembed_ucx._graveyard import GRAVEYARD
-from aioembed_ucx._progress import close_posted, kick, wait_request
+from aioembed_ucx._progress import close_at_once, close_posted, wait_request
 
 __all__ = ["Listener"]
 
@@ -100,7 +100,7 @@ class Listener:
     def _accepted(self, endpoint: Any) -> None:
         """On the loop: a new connection's endpoint (UCX created it from the connection request)."""
         if self._closed:
-            _close(endpoint)
+            close_at_once(endpoint)
             return
         task = self._loop.create_task(self._handshake(endpoint))
         self._tasks.add(task)
@@ -144,7 +144,7 @@ class Listener:
         peer_tag, checksum = _PEER_INFO.unpack(theirs)
         if checksum != u.hash64bits(peer_tag):
             log.warning("ucx: an incoming connection sent a bad UCX handshake (checksum mismatch); closed it")
-            _close(endpoint)
+            close_at_once(endpoint)
             return
         ep = u.Endpoint(endpoint=endpoint, ctx=self._ctx, tags={"msg_send": peer_tag, "msg_recv": msg_tag})
         ep._aioembed_ucx_listener = self._raw  # its callback data must outlive every endpoint of it
@@ -209,10 +209,3 @@ def _on_connection(endpoint: Any, listener_ref: weakref.ref[Listener]) -> None:
         return  # our listener is gone (ucxx's may live on, kept by an endpoint): dropping the endpoint closes it
     with contextlib.suppress(RuntimeError):  # the loop closed: as above
         listener._loop.call_soon_threadsafe(listener._accepted, endpoint)
-
-
-def _close(endpoint: Any) -> None:
-    with contextlib.suppress(Exception):
-        endpoint.close_blocking(period=10**8, max_attempts=1)
-    with contextlib.suppress(RuntimeError):  # no running loop here (ucxx's progress thread)
-        kick()  # the peer learns at once that the connection ended

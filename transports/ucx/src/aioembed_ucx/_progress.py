@@ -32,8 +32,8 @@ from typing import Any
 
 from aioembed_ucx._graveyard import GRAVEYARD
 
-__all__ = ["ArmedProgress", "Posted", "cancel_posted", "close_posted", "install_armed_progress", "kick", "post",
-           "tag_recv", "tag_send", "wait_posted", "wait_request"]
+__all__ = ["ArmedProgress", "Posted", "cancel_posted", "close_at_once", "close_posted", "install_armed_progress",
+           "kick", "post", "tag_recv", "tag_send", "wait_posted", "wait_request"]
 
 log = logging.getLogger("aioembed.transports.ucx")
 
@@ -210,6 +210,14 @@ def kick() -> None:
         driver.kick()
 
 
+def close_at_once(endpoint: Any) -> None:
+    """Close a raw ucxx endpoint with nothing posted on it (or one that failed), now; from any thread."""
+    with contextlib.suppress(Exception):
+        endpoint.close_blocking(period=10**8, max_attempts=1)
+    with contextlib.suppress(RuntimeError):  # no running loop here (ucxx's progress thread)
+        kick()  # the peer learns at once that the connection ended
+
+
 def close_posted(endpoint: Any) -> Any:
     """Start closing a live raw ucxx endpoint that may have a stream receive posted (a peer-info exchange given
     up); the close request (await it with :func:`wait_request`), or ``None`` where the endpoint had failed
@@ -227,10 +235,7 @@ def close_posted(endpoint: Any) -> Any:
     except Exception:
         alive = False
     if not alive:  # failed: UCX ended what was posted on it; nothing waits on a close request
-        with contextlib.suppress(Exception):
-            endpoint.close_blocking(period=10**8, max_attempts=1)
-        with contextlib.suppress(RuntimeError):  # no running loop here
-            kick()
+        close_at_once(endpoint)
         return None
     request = endpoint.close()
     if not request.ucxx_ptr:
