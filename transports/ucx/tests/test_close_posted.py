@@ -1,6 +1,10 @@
 """``close_posted`` on an endpoint that is already closing: ucxx returns an empty close request, whose wrapper
 crashes the process (SIGSEGV) when it is dropped. ``endpoint.alive`` stays true while a close request is in
-flight, so the guard on ``alive`` does not catch it; the empty request is detected and kept instead."""
+flight, so the guard on ``alive`` does not catch it; the empty request is detected and kept instead.
+
+The child runs ucxx as the transport does (``ensure_context``: blocking mode, progress only on the loop's
+turns), so the first close cannot complete before the second call: with ucxx's default progress thread it
+sometimes did, and the second call took the failed-endpoint path instead (CI, stop 40)."""
 
 from __future__ import annotations
 
@@ -11,9 +15,12 @@ import textwrap
 CHILD = textwrap.dedent("""
     import asyncio, gc
     import ucxx
+    from aioembed_ucx._context import ensure_context
+    from aioembed_ucx._options import UcxOptions
     from aioembed_ucx._progress import close_posted, wait_request
 
     async def main():
+        ensure_context(UcxOptions(tls="tcp", progress_mode="blocking"))
         got = asyncio.get_running_loop().create_future()
         async def handler(ep):
             got.set_result(ep)
@@ -25,6 +32,7 @@ CHILD = textwrap.dedent("""
         first = close_posted(raw)
         assert first is not None and raw.alive  # alive until the close completes
         second = close_posted(raw)  # a close raced in: ucxx answers with an empty request
+        assert second is None
         del second
         gc.collect()
         await wait_request(first)
