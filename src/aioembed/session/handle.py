@@ -87,15 +87,24 @@ class ReceiveHandle:
     async def result(self) -> Received:
         """Wait for the room and return the request, or raise its :class:`TransferError`."""
         await self._done.wait()
+        return self._ended_result()
+
+    async def lease(self) -> Lease:
+        """For a room started with ``zero_copy=True``: wait and return its :class:`Lease`."""
+        await self._done.wait()
+        return self._ended_lease()
+
+    def _ended_result(self) -> Received:
+        """:meth:`result` of a room that has ended (the receiver's own ``receive()`` drove it in the caller's
+        task: returning without a wait saves the loop turn in which other tasks ran first)."""
         if self._error is not None:
             raise self._error
         if not isinstance(self._result, Received):
             raise TransferError(f"room {self.room!r} was received zero-copy: use lease()", room=self.room)
         return self._result
 
-    async def lease(self) -> Lease:
-        """For a room started with ``zero_copy=True``: wait and return its :class:`Lease`."""
-        await self._done.wait()
+    def _ended_lease(self) -> Lease:
+        """:meth:`lease` of a room that has ended (see :meth:`_ended_result`)."""
         if self._error is not None:
             raise self._error
         if isinstance(self._result, Received) or self._result is None:

@@ -489,6 +489,8 @@ class EmbeddingReceiver:
         try:
             if driver is not None:
                 await driver.run(cancelled="receive() was cancelled")  # in this task: no task, no wake-up
+                if handle.done:  # always, once run() returned: no wait (a loop turn, others' tasks first)
+                    return handle._ended_result()
             return await handle.result()
         except anyio.get_cancelled_exc_class():
             handle.cancel("receive() was cancelled")
@@ -507,6 +509,8 @@ class EmbeddingReceiver:
         try:
             if driver is not None:
                 await driver.run(cancelled="receive_leased() was cancelled")
+                if handle.done:
+                    return handle._ended_lease()
             return await handle.lease()
         except anyio.get_cancelled_exc_class():
             handle.cancel("receive_leased() was cancelled")
