@@ -503,6 +503,9 @@ class EmbeddingReceiver:
         exposed as views under a :class:`Lease`. Release it promptly (``lease.release()``,
         ``async with lease:``, or use :meth:`lease`): its blocks are unavailable to other rooms until
         then. The whole request must fit the pool at once; a larger one fails with ``TransferFailed``.
+        A room that ended is returned without a further wait: a cancel that came in the same loop step as its
+        last frame reaches the caller at its next ``await``, with the lease in hand (release it, e.g. in a
+        ``finally`` or with :meth:`lease`).
         """
         handle, driver = self._open_room(room, expected_tokens=expected_tokens, zero_copy=True, sender=sender,
                                          parts=parts)
