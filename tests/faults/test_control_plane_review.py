@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,6 +30,7 @@ from aioembed import (
 )
 from aioembed.protocol.messages import MAX_FRAME_BYTES, Abort, AbortAck, Hello, Init, Reject, Status, Welcome
 from aioembed.session import connection
+from aioembed.testing.ports import fixed_port
 from aioembed.transports.loopback import LoopbackTransport
 
 from ..session.conftest import LAYOUT, assert_same, make_request
@@ -118,15 +118,9 @@ async def test_a_sender_that_went_silent_and_then_exited_releases_its_blocks() -
                 await anyio.sleep(0.02)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_a_refused_handshake_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(connection, "REFUSAL_RETRY", 0.3)
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{fixed_port()}"
     good = CFG.replace(handshake_timeout=2.0, input_timeout=3.0)
     async with EmbeddingReceiver(LAYOUT, good, connect=address) as r:
         async with EmbeddingSender(LAYOUT, good.replace(block_size=256), bind=address):

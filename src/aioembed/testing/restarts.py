@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import functools
 import os
-import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from aioembed.config import TransferConfig
 from aioembed.samples import deterministic_request, same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
+from aioembed.testing.ports import fixed_port
 from aioembed.testing.processes import ProcessSide, RoomSpec, SideSpec, room_source, spawn
 
 __all__ = ["Holdings", "PeerRestartSuite", "holdings"]
@@ -117,12 +117,6 @@ async def _until(what: str, done: Callable[[], bool], timeout: float, side: Proc
         raise AssertionError(f"not within {timeout} s: {what}{tail}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class PeerRestartSuite:
     """Subclass with ``transport_name`` (and options) to run the restart scenarios."""
 
@@ -200,7 +194,7 @@ class PeerRestartSuite:
 
     async def _receiver_outlives_senders(self, cycles: int) -> None:
         layout = standard_layout(self.hidden)
-        address = f"tcp://127.0.0.1:{_free_port()}"  # each sender restarts on it, as a deployed encoder does
+        address = f"tcp://127.0.0.1:{fixed_port()}"  # each sender restarts on it, as a deployed encoder does
         async with EmbeddingReceiver(layout, TransferConfig.from_mapping(self.config()), connect=address) as receiver:
             seen: list[Holdings] = []
             books = functools.partial(self._books, receiver)

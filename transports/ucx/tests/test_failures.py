@@ -44,11 +44,16 @@ def owner_process(**options: Any) -> Iterator[tuple[subprocess.Popen[bytes], dic
                                 stdout=subprocess.PIPE, stderr=errors)
         try:
             assert proc.stdout is not None
+            skipped = []  # UCX logs to stdout too (e.g. a failed bind): not the owner's line
             line = proc.stdout.readline()
+            while line and not line.startswith(b"{"):
+                skipped.append(line.decode(errors="replace"))
+                line = proc.stdout.readline()
             if not line:
                 proc.wait()
                 errors.seek(0)
-                raise AssertionError(f"the owner process did not start: {errors.read().decode()[-2000:]}")
+                raise AssertionError(f"the owner process did not start: {''.join(skipped)[-2000:]}"
+                                     f"{errors.read().decode()[-2000:]}")
             info = json.loads(line)
             yield proc, info
         finally:

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 from aioembed.errors import TransportError
 from aioembed.testing import region_of
+from aioembed.testing.ports import fixed_port
 from aioembed.transports.base import Transport, WriteOp
 from aioembed.transports.registry import open_transport
 
@@ -84,9 +84,7 @@ async def test_a_cancelled_aclose_still_closes_everything() -> None:
 
 
 async def test_a_restarted_owner_listens_again_on_its_fixed_port_at_once() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = fixed_port()  # below the ephemeral range: no outgoing connection takes it between the two owners
     async with writer() as (w, src):
         for attempt in range(2):
             # The second owner starts while the first one's sockets on the port are in TIME_WAIT (without
