@@ -4,7 +4,7 @@ flight, so the guard on ``alive`` does not catch it; the empty request is detect
 
 The child runs ucxx as the transport does (``ensure_context``: blocking mode, progress only on the loop's
 turns), so the first close cannot complete before the second call: with ucxx's default progress thread it
-sometimes did, and the second call took the failed-endpoint path instead (CI, stop 40)."""
+sometimes did under load, and the second call took the failed-endpoint path instead."""
 
 from __future__ import annotations
 

@@ -36,11 +36,9 @@ _SPIN_LEAD = 0.0012
 sleep of the selector (1 ms), so a sleep never overshoots the expected end."""
 _SPIN_SLACK = 0.002
 """Past its expected end, a late transfer is looked at on every turn for 2 ms more; then the loop sleeps
-again (it is late: the forecast learns from it). Small transfers end in two ways on a small VM: inside the
-submit, or 0.7-1 ms after it (handed to an engine thread on an idle vCPU). The forecast averages the two,
-and with 0.5 ms of slack (until 2026-11-27) the late kind was seen only after the loop's first sleeps
-(the selector's 1 ms), about 1.9 ms after its submit: in some runs a third of 64-token requests took
-twice as long (W3 one at a time, 400-480 instead of 850-950 requests/s)."""
+again (it is late: the forecast learns from it). Small transfers end either inside their submit or
+0.7-1 ms after it (handed to an engine thread on an idle vCPU), and the forecast averages the two: with
+less slack the late kind was seen only after the selector's 1 ms sleeps, about 1.9 ms after its submit."""
 
 DONE, PENDING = 1, 0
 

@@ -46,6 +46,11 @@ class _Prepared:
         return None
 
 
+def _prepared_list(peer: str) -> str:
+    """How a prepared list is named in warnings and teardown problems."""
+    return f"a prepared list of agent {peer}'s memory"
+
+
 class _Peer:
     """A remote agent whose metadata this agent holds, with its links and transfers."""
 
@@ -297,22 +302,21 @@ class Engine:
             return exc
         return None
 
-    def _warn_unreleased(self, what: str, exc: Exception | None) -> None:
-        """For paths where the caller's error, or none, is the one to report."""
-        if exc is not None:
+    def release_or_warn(self, handle: Any, what: str) -> None:
+        """:meth:`_release` where the caller's error, or none, is the one to report."""
+        if (exc := self._release(handle, what)) is not None:
             log.warning("nixl agent %s: could not release %s (%s: %s); retried when a link closes and at teardown",
                         self.name, what, type(exc).__name__, exc)
-
-    def release_or_warn(self, handle: Any, what: str) -> None:
-        self._warn_unreleased(what, self._release(handle, what))
 
     def _retire(self, prepared: _Prepared, peer: str) -> Exception | None:
         """Release a retired prepared list once no transfer uses it."""
         handle = prepared.take_if_unused()
-        return None if handle is None else self._release(handle, f"a prepared list of agent {peer}'s memory")
+        return None if handle is None else self._release(handle, _prepared_list(peer))
 
     def retire_or_warn(self, prepared: _Prepared, peer: str) -> None:
-        self._warn_unreleased(f"a prepared list of agent {peer}'s memory", self._retire(prepared, peer))
+        handle = prepared.take_if_unused()
+        if handle is not None:
+            self.release_or_warn(handle, _prepared_list(peer))
 
     def _retry_unreleased(self) -> list[str]:
         """Release again what NIXL refused before; what it refuses again stays. The failures, described."""

@@ -55,6 +55,7 @@ from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
 from aioembed_ucx._progress import (
     Posted,
     cancel_posted,
+    close_at_once,
     close_posted,
     kick,
     post,
@@ -626,7 +627,7 @@ async def _create_endpoint(ucxx: Any, host: str, port: int) -> Any:
         raise
     peer_tag, checksum = struct.unpack("QQ", theirs)
     if checksum != hash64bits(peer_tag):
-        ucx_ep.close_blocking(period=10**8, max_attempts=1)
+        close_at_once(ucx_ep)  # nothing posted on it any more
         raise TransportError(f"UCX peer-info checksum mismatch from {host}:{port}")
     return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer_tag, "msg_recv": msg_tag})
 
