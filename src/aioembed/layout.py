@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class Field:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    _row_elements: int = field(init=False, repr=False, compare=False)
+    _row_bytes: int = field(init=False, repr=False, compare=False)
+    """Kept, not recomputed: every request's planning asks for them, several times per field."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
@@ -32,16 +35,18 @@ class Field:
         if not isinstance(self.dtype, torch.dtype):
             raise LayoutError(f"field dtype must be a torch.dtype, got {self.dtype!r}")
         object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "_row_elements", math.prod(shape))
+        object.__setattr__(self, "_row_bytes", self._row_elements * self.dtype.itemsize)
 
     @property
     def row_elements(self) -> int:
         """Number of elements in one token's row."""
-        return math.prod(self.shape)
+        return self._row_elements
 
     @property
     def row_bytes(self) -> int:
         """Bytes in one token's row."""
-        return self.row_elements * self.dtype.itemsize
+        return self._row_bytes
 
     def rows_over(self, raw: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``num_tokens`` rows of this field over ``raw``, a contiguous uint8 tensor of exactly their bytes

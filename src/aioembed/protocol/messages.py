@@ -506,11 +506,24 @@ _TYPES: dict[str, type[_Base]] = {
 }
 
 
+_FIELDS: dict[type[_Base], tuple[tuple[dataclasses.Field[Any], ...], frozenset[str]]] = {}
+
+
+def _fields_of(cls: type[_Base]) -> tuple[tuple[dataclasses.Field[Any], ...], frozenset[str]]:
+    """The dataclass fields of message class ``cls`` and the keys a frame of it may hold (looked up once:
+    every frame is encoded or decoded with them)."""
+    known = _FIELDS.get(cls)
+    if known is None:
+        fields = dataclasses.fields(cls)
+        known = _FIELDS[cls] = (fields, frozenset({f.name for f in fields} | {"type", "v"}))
+    return known
+
+
 def encode(msg: Message | _Base) -> bytes:
     """msgpack bytes of ``msg``. Validates the fields first, so a bad value fails here, not at the peer."""
     cls = type(msg)
     body: dict[str, Any] = {"type": cls.TYPE, "v": PROTOCOL_VERSION}
-    for f in dataclasses.fields(msg):
+    for f in _fields_of(cls)[0]:
         value = getattr(msg, f.name)
         cls.SCHEMA[f.name](f.name, value)
         body[f.name] = value.value if isinstance(value, enum.Enum) else value
@@ -563,11 +576,12 @@ def _message_class(body: dict[Any, Any], room: RoomId | None) -> type[_Base]:
 
 def _fields(cls: type[_Base], body: dict[Any, Any], room: RoomId | None) -> dict[str, Any]:
     """Every field of ``cls`` from ``body``, validated (defaults for omitted optional ones)."""
-    extra = set(body) - {f.name for f in dataclasses.fields(cls)} - {"type", "v"}
+    fields, allowed = _fields_of(cls)
+    extra = body.keys() - allowed
     if extra:
         raise ProtocolError(f"{cls.TYPE}: unexpected fields {sorted(map(str, extra))}", room=room)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in fields:
         if f.name not in body:
             if f.default is dataclasses.MISSING:
                 raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}", room=room)

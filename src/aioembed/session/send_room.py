@@ -171,7 +171,7 @@ class SendRoomDriver:
             if m.state.terminal:
                 return True, None
             deadline, phase = self.next_deadline()
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            with anyio.CancelScope(deadline=deadline):
                 await self.wake.wait()
             self.wake = anyio.Event()
             if not m.state.terminal and anyio.current_time() >= deadline:
@@ -239,7 +239,8 @@ class SendRoomDriver:
             self.poke()
             return
         finally:
-            ctx.apply(ctx.ledger.ended(wid, outcome, now=anyio.current_time(), lifetime=ctx.transport.write_lifetime,
+            ended_at = anyio.current_time()
+            ctx.apply(ctx.ledger.ended(wid, outcome, now=ended_at, lifetime=ctx.transport.write_lifetime,
                                        settling=settled is not None))
             if settled is not None:
                 ctx.spawn(self._settle, wid, settled)
@@ -256,7 +257,7 @@ class SendRoomDriver:
             return
         if status.state is TransferStatus.SUCCESS:
             self.finished.add(task.rank)
-        self.status_sent_at[task.rank] = anyio.current_time()
+        self.status_sent_at[task.rank] = ended_at  # the RESUME wait counts from the write's end, just before STATUS
         log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
                   task.count, len(ops))
         self.poke()

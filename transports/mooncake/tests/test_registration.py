@@ -88,6 +88,23 @@ def test_cut_points() -> None:
     assert idx.cut_points(250, 200) == [50, 150]  # crosses 300 and 400
     assert idx.cut_points(100, 400) == [100, 200, 300]
     assert idx.cut_points(310, 50) == []  # between pieces
+    assert idx.cut_points(120, 30) == []  # inside one piece
+
+
+def test_cut_points_match_every_boundary_inside_the_span() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        pieces, pos = [], rng.randrange(0, 50)
+        for _ in range(rng.randrange(0, 6)):
+            start = pos + rng.choice([0, 0, rng.randrange(1, 40)])  # adjacent pieces and gaps
+            pos = start + rng.randrange(1, 60)
+            pieces.append(Piece(start, pos))
+        idx = PieceIndex(pieces)
+        bounds = {b for p in pieces for b in (p.start, p.end)}
+        for _ in range(20):
+            address, length = rng.randrange(0, pos + 20), rng.randrange(1, 120)
+            want = sorted(b - address for b in bounds if address < b < address + length)
+            assert idx.cut_points(address, length) == want, (pieces, address, length)
 
 
 def test_random_register_unregister_sequences_keep_invariants() -> None:

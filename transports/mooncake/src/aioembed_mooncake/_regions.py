@@ -81,9 +81,11 @@ class PieceIndex:
     def cut_points(self, address: int, length: int) -> list[int]:
         """Sorted offsets in ``(0, length)`` where ``[address, address + length)`` crosses a piece boundary."""
         end = address + length
-        cuts: set[int] = set()
         i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0 and end <= self._ends[i]:
+            return []  # inside one piece (every write op of a registered tensor or pool field)
         i = max(i, 0)
+        cuts: set[int] = set()
         while i < len(self._starts) and self._starts[i] < end:
             for b in (self._starts[i], self._ends[i]):
                 if address < b < end:

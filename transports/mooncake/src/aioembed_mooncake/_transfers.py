@@ -19,6 +19,7 @@ so a stalled peer holds its own link's credits and nothing else: writes to healt
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
@@ -188,7 +189,7 @@ class TransferPoller:
                     return False
                 if self._leading:
                     progress = self._progress
-                    with anyio.move_on_after(None if deadline is None else deadline - anyio.current_time()):
+                    with anyio.CancelScope(deadline=math.inf if deadline is None else deadline):
                         await progress.wait()  # the leader polls for everyone; look again after it moved
                     continue
                 self._leading = True

@@ -565,8 +565,13 @@ class MooncakeTransport(Transport):
             link._announced.check(op.dst, op.length, f"write destination at {link.peer}")
         pieces: list[tuple[int, int, int]] = []
         for op in ops:
-            cuts = set(local.cut_points(op.src, op.length))
-            cuts.update(link._segments.cut_points(op.dst, op.length))
+            src_cuts = local.cut_points(op.src, op.length)
+            dst_cuts = link._segments.cut_points(op.dst, op.length)
+            if not src_cuts and not dst_cuts and op.length <= step:  # the usual op: one engine transfer
+                pieces.append((op.src, op.dst, op.length))
+                continue
+            cuts = set(src_cuts)
+            cuts.update(dst_cuts)
             cuts.update(range(step, op.length, step))
             bounds = [0, *sorted(cuts), op.length]
             for a, b in itertools.pairwise(bounds):
