@@ -30,6 +30,7 @@ from aioembed.session import (
     Part,
     Received,
     ReceiveHandle,
+    RegisteredSources,
     RoomStream,
     TransferStats,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "TransferStats",
     "Received",
     "ReceiveHandle",
+    "RegisteredSources",
     "EmbeddingSender",
     "EmbeddingReceiver",
     "AioembedError",

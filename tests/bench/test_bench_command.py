@@ -190,3 +190,24 @@ async def test_an_unknown_receive_mode_is_refused_not_measured_as_another() -> N
             await pair.one("r1", src, expected=8, mode="leased", check=None)
         times, _ = await pair.series(["r2"], src, expected=8, mode="lease", concurrency=1, check=[m.opts.seed, 8])
         assert len(times) == 1
+
+
+@pytest.mark.anyio
+async def test_registered_sources_send_the_goals_rows_from_the_registered_buffers() -> None:
+    from aioembed.bench.measure import Measurer
+
+    base = TransferConfig(transport="loopback")
+    m = Measurer(BenchOptions(base_config=base, registered_sources=True), None, lambda s: None)
+    src = m.source(64)
+    async with m._session(base.replace(pool_tokens=1024, default_tokens=128)) as pair:
+        await m.register_sources(pair, src)
+        sender = pair.senders[0]
+        assert sender.source_buffers == 1
+        staging = sender._staging
+        assert staging is not None
+        staged: list[int] = []
+        stage = staging.stage
+        staging.stage = lambda tensors, n: staged.append(n) or stage(tensors, n)  # type: ignore[method-assign]
+        times, _ = await pair.series([f"r{i}" for i in range(8)], src, expected=64, mode="lease", concurrency=4,
+                                     check=[m.opts.seed, 64])
+        assert len(times) == 8 and staged == []  # every row checked bit for bit, none staged

@@ -111,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'two': the receiver in a child process, the sender (and the raw baseline's source) "
                              "here; 'one': both in this process; auto (default): two where the transport crosses "
                              "processes (every plugin transport), one for loopback")
+    parser.add_argument("--registered-sources", action="store_true",
+                        help="goals: register the source tensors once with the sender (register_sources(), as an "
+                             "encoder with long-lived output buffers does), so send() neither stages nor registers "
+                             "per request; the raw baseline's sources are registered once either way")
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
@@ -147,6 +151,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         senders_tokens=args.senders_tokens,
         stream_tokens=args.stream_tokens if args.stream_tokens is not None else (20000 if quick else 100000),
         process_model=_process_model(args.process_model, base.transport),
+        registered_sources=bool(args.registered_sources),
     )
 
 
@@ -303,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
         "the copying receive() moves every byte twice (transport write into the pool, copy-out into the output) "
         "where the raw baseline moves it once",
     ]
+    if opts.registered_sources:
+        notes.append("sources: the goals' source tensors are registered once with the sender (register_sources()): "
+                     "send() writes from them without staging or registering per request")
     factory, baseline_info, baseline_notes = choose_baseline(resolve_baseline(opts.transport), opts)
     notes.extend(baseline_notes)
     zero_copy = has_zero_copy()
@@ -347,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
             "idle_rooms": opts.idle_rooms, "idle_seconds": opts.idle_seconds, "memory_tokens": opts.memory_tokens,
         },
         "process_model": opts.process_model,
+        "registered_sources": opts.registered_sources,
         "raw_baseline": baseline_info,
         "zero_copy": {"available": zero_copy},
         "workloads": workloads,

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 from aioembed.bench.stats import ratio, summarize
 
 if TYPE_CHECKING:
+    import torch
+
     from aioembed.bench.baselines import RawBaseline
     from aioembed.bench.measure import Measurer, _Pair
 
@@ -132,10 +134,9 @@ async def _w2(m: Measurer, pair: _Pair, baseline: RawBaseline | None, reps: int)
     return point, goals
 
 
-async def _w3(m: Measurer, pair: _Pair, baseline: RawBaseline | None, reps: int, *, concurrency: int,
-              rooms: int) -> dict[str, Any]:
+async def _w3(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mapping[str, torch.Tensor], reps: int, *,
+              concurrency: int, rooms: int) -> dict[str, Any]:
     n = W3_TOKENS
-    src = m.source(n)
     check = [m.opts.seed, n]
     names = [name for name, _ in MODES] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     modes = dict(MODES)
@@ -198,9 +199,11 @@ async def run_goals(m: Measurer) -> dict[str, Any]:
     rooms1, rooms32 = (40, 96) if opts.quick else (200, 512)
     top = max(W1_TOKENS, W2_TOKENS)
     src = m.source(top)
+    small = m.source(W3_TOKENS)
     points: list[dict[str, Any]] = []
     goals: list[dict[str, Any]] = []
     async with m._session(cfg) as pair, m._baseline(cfg, src, top) as baseline:
+        await m.register_sources(pair, src, small)
         m.tick(f"goals: W1 ({W1_TOKENS} tokens)")
         point, g = await _w1(m, pair, baseline, reps_big)
         points.append(point)
@@ -212,8 +215,8 @@ async def run_goals(m: Measurer) -> dict[str, Any]:
         goals += g
         m.tick("")
         m.tick(f"goals: W3 ({W3_TOKENS}-token requests, 1 and 32 in flight)")
-        one = await _w3(m, pair, baseline, reps_w3, concurrency=1, rooms=rooms1)
-        many = await _w3(m, pair, baseline, reps_w3, concurrency=32, rooms=rooms32)
+        one = await _w3(m, pair, baseline, small, reps_w3, concurrency=1, rooms=rooms1)
+        many = await _w3(m, pair, baseline, small, reps_w3, concurrency=32, rooms=rooms32)
         points += [one, many]
         goals += _w3_goals(one, many)
         m.tick("")

@@ -126,6 +126,9 @@ class BenchOptions:
     """Tokens of the streaming workload's request."""
     process_model: str = "one"
     """``"one"``: sender and receiver in this process; ``"two"``: the receiver in a child process."""
+    registered_sources: bool = False
+    """The goals' source tensors are registered once with the sender (``register_sources()``), as an encoder
+    with long-lived output buffers would: ``send()`` neither stages nor registers per request."""
 
     @property
     def transport(self) -> str:
@@ -596,6 +599,13 @@ class Measurer:
         """The rows a workload sends, on the pool's device: a GPU pool is measured GPU to GPU, as an
         encoder and a language model on GPUs move them (a raw baseline gets the same tensors)."""
         return make_source(self.layout, num_tokens, seed=self.opts.seed, device=self.opts.base_config.device)
+
+    async def register_sources(self, pair: _Pair, *sources: Mapping[str, torch.Tensor]) -> None:
+        """With ``registered_sources``: register ``sources`` once with every sender of ``pair`` (kept until the
+        session closes)."""
+        if self.opts.registered_sources:
+            for sender in pair.senders:
+                await sender.register_sources(*(t for src in sources for t in src.values()))
 
     def _next_room(self, prefix: str) -> str:
         self._room += 1

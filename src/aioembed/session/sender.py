@@ -14,6 +14,7 @@ about ``CLOSE_GRACE`` seconds.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -86,6 +87,7 @@ from aioembed.session.liveness import LoopWatch, PeerClock
 from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
 from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.send_room import SendContext, SendRoomDriver
+from aioembed.session.source_buffers import RegisteredSources, SourceBufferIndex, check_source_tensors
 from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import MemoryRegion, Transport
 from aioembed.transports.boundary import GuardedTransport, guard
@@ -118,12 +120,14 @@ class _Ended(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class _Source:
-    """What one ``send()`` writes from: the caller's tensors (registered for it) or rows staged in the
-    sender's staging area (registered once)."""
+    """What one ``send()`` writes from: the caller's tensors (registered for it), rows staged in the
+    sender's staging area (registered once), or the caller's tensors inside buffers it registered
+    (``register_sources()``)."""
 
     regions: list[MemoryRegion]
     tensors: list[torch.Tensor]
     staged: StagedRows | None
+    kept: RegisteredSources | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -178,6 +182,9 @@ class EmbeddingSender:
         self._sources: dict[int, _Source] = {}
         self._unregistering: dict[int, _Unregistration] = {}  # sources whose unregister() has not returned
         self._staging: StagingArea | None = None
+        self._source_buffers = SourceBufferIndex()
+        self._buffer_keys = itertools.count(-1, -1)
+        """Keys of registered source buffers being unregistered, in ``_unregistering`` (sends' sources count up)."""
         self._draining: dict[SessionKey, PeerSession] = {}  # dropped sessions whose writes have not ended
         self._handshaking: set[tuple[str, int]] = set()
         self._last_refusal: str | None = None
@@ -291,6 +298,8 @@ class EmbeddingSender:
                 self._log_stalled_unregisters()
                 await self._teardown()
             finally:
+                for kept in self._source_buffers.all():  # the closed transport dropped their registrations
+                    kept.mark_closed()
                 self._closed.set()
 
     async def _teardown(self) -> None:
@@ -359,7 +368,7 @@ class EmbeddingSender:
                         metadata: Mapping[str, Any] | None, stream: torch.cuda.Stream | None = None) -> None:
         """``send()`` of the room (or room part) with wire id ``room``."""
         try:
-            num_tokens, meta, sources, staged = await self._input_of(room, tensors, metadata, stream)
+            num_tokens, meta, sources, staged, kept = await self._input_of(room, tensors, metadata, stream)
         except (InvalidRequest, LayoutError) as exc:
             # A receiver that already asked for the room learns why at once, not at its input_timeout.
             if self._room_is_waiting(room):
@@ -369,6 +378,8 @@ class EmbeddingSender:
         if r is not None and r.active:
             if staged is not None:
                 self._staging_release(staged)
+            if kept is not None:
+                kept.release()
             raise InvalidRequest(f"room {room!r} is already being sent")
         assert self._room_ctx is not None
         now = anyio.current_time()
@@ -376,13 +387,14 @@ class EmbeddingSender:
             r = SendRoomDriver(room, self._room_ctx, now)
             self._rooms[room] = r
         source = self._ledger.new_source()
-        regions = [] if staged else [MemoryRegion.of_tensor(t) for t in sources]
-        self._sources[source] = _Source(regions, sources, staged)
+        own = staged is None and kept is None  # the caller's tensors, registered for this send()
+        regions = [MemoryRegion.of_tensor(t) for t in sources] if own else []
+        self._sources[source] = _Source(regions, sources, staged, kept)
         r.take_input(sources, source, meta, now)
         self._active_sends += 1
         self._idle = anyio.Event() if self._active_sends == 1 else self._idle
         t_start = time.perf_counter()
-        registration = None if staged else _Registration(poke=r.poke)
+        registration = _Registration(poke=r.poke) if own else None
         error: BaseException | None = None
         try:
             r.machine.on_input(num_tokens)
@@ -401,13 +413,26 @@ class EmbeddingSender:
 
     async def _input_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None,
                         stream: torch.cuda.Stream | None) -> tuple[int, dict[str, Any], list[torch.Tensor],
-                                                                   StagedRows | None]:
-        """The request checked, and the tensors its writes read: (tokens, metadata, sources, staged rows)."""
+                                                                   StagedRows | None, RegisteredSources | None]:
+        """The request checked, and the tensors its writes read: (tokens, metadata, sources, staged rows, the
+        registered source buffers they lie in, acquired for this send)."""
         num_tokens, meta = self._check_request(room, tensors, metadata)
+        kept = self._source_buffers.covering(tensors[name] for name in self.layout)
+        if kept is not None:
+            try:
+                return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, kept
+            except BaseException:
+                kept.release()
+                raise
         if self._staging is not None:
             staged = self._staging.stage(tensors, num_tokens)
             if staged is not None:
-                return num_tokens, meta, list(staged.tensors.values()), staged
+                return num_tokens, meta, list(staged.tensors.values()), staged, None
+        return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, None
+
+    async def _ready_sources(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
+                             stream: torch.cuda.Stream | None) -> list[torch.Tensor]:
+        """``_sources_of``, and the checks that the room may still be sent once they are ready."""
         tomb = self._ended.get(room)
         sources = await self._sources_of(room, tensors, stream)
         if self._closing:  # aclose() began while the sources were being made: it cannot see this room
@@ -420,7 +445,7 @@ class EmbeddingSender:
                 del self._ended[room]
             raise TransferAborted(f"room {room!r} was ended by the {ended.by} while send() prepared its rows: "
                                   f"{ended.reason}", room=room)
-        return num_tokens, meta, sources, None
+        return sources
 
     @staticmethod
     def _room_key(room: int | str, part: int | None) -> RoomId:
@@ -604,6 +629,9 @@ class EmbeddingSender:
         if entry.staged is not None:
             self._staging_release(entry.staged)
             return None
+        if entry.kept is not None:
+            entry.kept.release()
+            return None
         return entry
 
     async def _release_source(self, source: int) -> None:
@@ -668,6 +696,57 @@ class EmbeddingSender:
     def _staging_release(self, staged: StagedRows) -> None:
         if self._staging is not None:
             self._staging.release(staged)
+
+    async def register_sources(self, *tensors: torch.Tensor) -> RegisteredSources:
+        """Register long-lived buffers (contiguous tensors, e.g. an encoder's preallocated outputs) with the
+        transport once: a ``send()`` whose every field lies inside them (``buf[:n]`` slices) is written from
+        them directly, without the staging copy of a small request or the registration and unregistration
+        of the caller's tensors that every other ``send()`` pays (on RDMA, pinning tens of MB costs
+        milliseconds per request).
+
+        The buffers stay registered, and referenced, until ``aclose()`` on the returned object (``async
+        with await sender.register_sources(...)``) or the sender's close. As with any ``send()``, rows
+        must stay unchanged until their ``send()`` returns; ``aclose()`` also waits until no write reads
+        the buffers (a failed write that may still be moving holds them for its transport's write
+        lifetime). Raises :class:`InvalidRequest` for a tensor that is not contiguous or on a device the
+        transport does not move, and :class:`TransportError` if the transport refuses the registration. Not
+        cancellable while the transport registers (plugins bound their own calls).
+        """
+        self._check_running()
+        assert self._transport is not None
+        regions = check_source_tensors(tensors, cuda=self._transport.capabilities.cuda)
+        # Not cut short by a cancel: the object is returned with the registration (a cancel reaches the caller
+        # at its next await, the object in hand), so a registration is never left without its owner.
+        with anyio.CancelScope(shield=True):
+            await self._transport.register(regions)
+        kept = RegisteredSources(tensors, regions, self._start_buffers_close)
+        if self._closing:  # aclose() began meanwhile: the transport's close drops the registration
+            kept.mark_closed()
+            raise AioembedError("the sender closed while register_sources() registered the buffers")
+        self._source_buffers.add(kept)
+        log.info("sender: %d source buffer(s) registered, %d bytes", len(regions), sum(r.length for r in regions))
+        return kept
+
+    def _start_buffers_close(self, kept: RegisteredSources) -> None:
+        """``RegisteredSources.aclose()`` began: unregister them once no write reads them, in a task the sender
+        owns (a cancelled ``aclose()`` does not leave them half closed)."""
+        # Skipped once the sender is closing: its transport's close drops the registration.
+        self._spawn(self._close_buffers, kept, if_skipped=kept.mark_closed)
+
+    async def _close_buffers(self, kept: RegisteredSources) -> None:
+        try:
+            await kept.wait_idle()
+            self._source_buffers.discard(kept)
+            key = next(self._buffer_keys)
+            u = self._unregistration(key, _Source(list(kept.regions), list(kept.tensors), None), None)
+            await self._run_unregister(key, u)
+        finally:
+            kept.mark_closed()
+
+    @property
+    def source_buffers(self) -> int:
+        """Registered source buffers (``register_sources()``) not yet closed."""
+        return len(self._source_buffers)
 
     def abort(self, room: int | str, reason: str = "aborted by the sender", *, part: int | None = None) -> None:
         """End ``room`` (or part ``part`` of it) without sending it (e.g. the encoder failed on it).
