@@ -112,9 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "here; 'one': both in this process; auto (default): two where the transport crosses "
                              "processes (every plugin transport), one for loopback")
     parser.add_argument("--registered-sources", action="store_true",
-                        help="goals: register the source tensors once with the sender (register_sources(), as an "
-                             "encoder with long-lived output buffers does), so send() neither stages nor registers "
-                             "per request; the raw baseline's sources are registered once either way")
+                        help="goals, sizes: register the source tensors once with the sender (register_sources(), "
+                             "as an encoder with long-lived output buffers does), so send() neither stages nor "
+                             "registers per request; the raw baseline's sources are registered once either way")
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
@@ -309,8 +309,8 @@ def run(args: argparse.Namespace) -> int:
         "where the raw baseline moves it once",
     ]
     if opts.registered_sources:
-        notes.append("sources: the goals' source tensors are registered once with the sender (register_sources()): "
-                     "send() writes from them without staging or registering per request")
+        notes.append("sources: the source tensors (goals, sizes) are registered once with the sender "
+                     "(register_sources()): send() writes from them without staging or registering per request")
     factory, baseline_info, baseline_notes = choose_baseline(resolve_baseline(opts.transport), opts)
     notes.extend(baseline_notes)
     zero_copy = has_zero_copy()

@@ -127,8 +127,9 @@ class BenchOptions:
     process_model: str = "one"
     """``"one"``: sender and receiver in this process; ``"two"``: the receiver in a child process."""
     registered_sources: bool = False
-    """The goals' source tensors are registered once with the sender (``register_sources()``), as an encoder
-    with long-lived output buffers would: ``send()`` neither stages nor registers per request."""
+    """The source tensors of the goals and sizes workloads are registered once with the sender
+    (``register_sources()``), as an encoder with long-lived output buffers would: ``send()`` neither stages
+    nor registers per request."""
 
     @property
     def transport(self) -> str:
@@ -722,6 +723,7 @@ class Measurer:
         bpt = self.layout.bytes_per_token
         points = []
         async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
+            await self.register_sources(pair, src)
             variants = self._variants(baseline, "aioembed")
             for n in opts.sizes:
                 self.tick(f"sizes: {n} tokens")
