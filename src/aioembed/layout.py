@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -14,7 +15,7 @@ from aioembed.errors import LayoutError
 __all__ = ["Field", "Layout"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Field:
     """One per-token field: the shape of a single token's row and its dtype.
 
@@ -24,10 +25,6 @@ class Field:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    _row_elements: int = field(init=False, repr=False, compare=False)
-    _row_bytes: int = field(init=False, repr=False, compare=False)
-    """Kept, not recomputed: every request's planning asks for them, several times per field."""
-
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
         if any(not isinstance(d, int) or isinstance(d, bool) or d <= 0 for d in shape):
@@ -35,18 +32,18 @@ class Field:
         if not isinstance(self.dtype, torch.dtype):
             raise LayoutError(f"field dtype must be a torch.dtype, got {self.dtype!r}")
         object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "_row_elements", math.prod(shape))
-        object.__setattr__(self, "_row_bytes", self._row_elements * self.dtype.itemsize)
 
-    @property
+    # Computed once (kept in the instance's __dict__, not a dataclass field: asdict() and pickles are as
+    # before): every request's planning asks for them several times per field.
+    @cached_property
     def row_elements(self) -> int:
         """Number of elements in one token's row."""
-        return self._row_elements
+        return math.prod(self.shape)
 
-    @property
+    @cached_property
     def row_bytes(self) -> int:
         """Bytes in one token's row."""
-        return self._row_bytes
+        return self.row_elements * self.dtype.itemsize
 
     def rows_over(self, raw: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``num_tokens`` rows of this field over ``raw``, a contiguous uint8 tensor of exactly their bytes

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -211,3 +212,27 @@ async def test_registered_sources_send_the_goals_rows_from_the_registered_buffer
         times, _ = await pair.series([f"r{i}" for i in range(8)], src, expected=64, mode="lease", concurrency=4,
                                      check=[m.opts.seed, 64])
         assert len(times) == 8 and staged == []  # every row checked bit for bit, none staged
+
+
+@pytest.mark.anyio
+async def test_goals_with_registered_sources_send_every_room_from_the_registered_buffers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through run_goals itself: W1, W2 and W3 send what was registered (a workload that made its own source
+    tensors would register them per send, and --registered-sources would measure nothing)."""
+    from aioembed.bench.measure import Measurer
+    from aioembed.session.source_buffers import SourceBufferIndex
+
+    covered: list[bool] = []
+    covering = SourceBufferIndex.covering
+
+    def counting(self: SourceBufferIndex, tensors: Any) -> Any:
+        found = covering(self, tensors)
+        covered.append(found is not None)
+        return found
+
+    monkeypatch.setattr(SourceBufferIndex, "covering", counting)
+    opts = BenchOptions(base_config=TransferConfig(transport="loopback"), quick=True, repeat=1, hidden=64,
+                        registered_sources=True)
+    result = await Measurer(opts, None, lambda s: None).run_goals()
+    assert [p["label"].split(":")[0] for p in result["points"]] == ["W1", "W2", "W3", "W3"]
+    assert len(covered) > 100 and all(covered), (covered.count(False), len(covered))

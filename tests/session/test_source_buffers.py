@@ -11,7 +11,15 @@ import anyio
 import pytest
 import torch
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, InvalidRequest, RegisteredSources, TransferConfig
+from aioembed import (
+    AioembedError,
+    EmbeddingReceiver,
+    EmbeddingSender,
+    InvalidRequest,
+    RegisteredSources,
+    TransferConfig,
+    TransferError,
+)
 from aioembed.errors import TransportError
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 from aioembed.transports.base import MemoryRegion
@@ -230,3 +238,200 @@ async def test_the_senders_close_ends_registered_buffers() -> None:
     assert kept.closed
     with anyio.fail_after(1):
         await kept.aclose()  # at once: the closed transport dropped the registration
+
+
+async def test_aclose_during_the_senders_close_returns_once_the_transport_dropped_the_buffers() -> None:
+    """A failed write that may still land holds the buffers; the sender closes meanwhile (and cancels the task
+    that waited to unregister them): ``aclose()`` returns only once the closed transport dropped them, never
+    while a write may still read them from a registration that still stands (the review's repro)."""
+    fail = anyio.Event()
+
+    def faults(call: WriteCall) -> WriteFault | None:
+        if fail.is_set():
+            return WriteFault(error=TransportError("link dropped", may_land=True), land_after=0.2)
+        return None
+
+    writer = CountingTransport(cancel_safe_writes=False, write_lifetime=3.0, faults=faults)
+    sender, receiver = await _pair(writer)
+    buffers = _buffers(1024)
+    kept = await sender.register_sources(*buffers.values())
+    rows = _fill(buffers, 0, make_request(300, seed=5))
+    fail.set()
+    seen: dict[str, object] = {}
+    async with anyio.create_task_group() as tg:
+        handle = receiver.start("r")
+        with pytest.raises(Exception):  # noqa: B017 - the room fails: its type is the session's to say
+            await sender.send("r", rows)
+        assert kept.in_use == 1
+
+        async def close_kept() -> None:
+            await kept.aclose()
+            seen.update(in_use=kept.in_use, transport_closed=writer.closed)
+
+        tg.start_soon(close_kept)
+        await anyio.sleep(0.05)
+        assert not seen  # still read by the failed write
+        tg.start_soon(sender.aclose)
+        await handle.wait()
+    await receiver.aclose()
+    assert seen["in_use"] == 0 or seen["transport_closed"], seen
+
+
+async def test_register_sources_racing_the_senders_close_is_waited_for_and_refused() -> None:
+    """The sender's close waits for a registration in progress (the transport is not closed under it) and
+    ``register_sources()`` then says the sender closed."""
+    class SlowRegister(CountingTransport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.order: list[str] = []
+
+        async def register(self, regions: Sequence[MemoryRegion]) -> None:
+            if self.registered:  # not the staging area's, at the sender's start
+                with anyio.CancelScope(shield=True):  # as plugins do
+                    await anyio.sleep(0.3)
+                self.order.append("registered")
+            await super().register(regions)
+
+        async def aclose(self) -> None:
+            self.order.append("closed")
+            await super().aclose()
+
+    writer = SlowRegister()
+    sender, receiver = await _pair(writer)
+    outcome: list[BaseException] = []
+
+    async def register() -> None:
+        try:
+            await sender.register_sources(*_buffers(256).values())
+        except AioembedError as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(register)
+        await anyio.sleep(0.05)
+        tg.start_soon(sender.aclose)
+    await receiver.aclose()
+    assert len(outcome) == 1 and "closed" in str(outcome[0]), outcome
+    assert writer.order == ["registered", "closed"]
+
+
+async def test_the_use_count_comes_back_after_a_refused_an_aborted_and_a_cancelled_send() -> None:
+    slow = anyio.Event()
+
+    def faults(call: WriteCall) -> WriteFault | None:
+        return WriteFault(delay=0.3) if slow.is_set() else None
+
+    writer = CountingTransport(faults=faults)
+    sender, receiver = await _pair(writer)
+    try:
+        buffers = _buffers(1024)
+        kept = await sender.register_sources(*buffers.values())
+        rows = _fill(buffers, 0, make_request(300, seed=5))
+        slow.set()
+
+        async def in_use() -> None:
+            with anyio.fail_after(5):
+                while kept.in_use == 0:
+                    await anyio.sleep(0.005)
+
+        async def idle() -> None:
+            with anyio.fail_after(3):
+                while kept.in_use:
+                    await anyio.sleep(0.005)
+
+        async with anyio.create_task_group() as tg:  # a second send() of a room being sent is refused
+            tg.start_soon(sender.send, "r1", rows)
+            h1 = receiver.start("r1")
+            await in_use()
+            with pytest.raises(InvalidRequest):
+                await sender.send("r1", rows)
+            assert kept.in_use == 1
+            await h1.wait()
+        await idle()
+
+        async def aborted() -> None:
+            with pytest.raises(TransferError):
+                await sender.send("r2", rows)
+
+        async with anyio.create_task_group() as tg:  # abort() while the write runs
+            tg.start_soon(aborted)
+            h2 = receiver.start("r2")
+            await in_use()
+            sender.abort("r2")
+            await h2.wait()
+        await idle()
+
+        async with anyio.create_task_group() as tg:  # a cancelled send()
+            tg.start_soon(sender.send, "r3", rows)
+            receiver.start("r3")
+            await in_use()
+            tg.cancel_scope.cancel()
+        await idle()
+        await kept.aclose()
+        assert writer.unregistered == [list(kept.regions)]
+    finally:
+        await _close(sender, receiver)
+
+
+async def test_a_cancelled_register_or_aclose_leaves_nothing_half_done() -> None:
+    class SlowRegister(CountingTransport):
+        async def register(self, regions: Sequence[MemoryRegion]) -> None:
+            if self.registered:  # not the staging area's
+                await anyio.sleep(0.2)
+            await super().register(regions)
+
+    writer = SlowRegister()
+    sender, receiver = await _pair(writer)
+    try:
+        got: list[RegisteredSources] = []
+        with anyio.move_on_after(0.05):  # cancelled while the transport registers: the object still comes back
+            async with await sender.register_sources(*_buffers(256).values()) as kept:
+                got.append(kept)
+                await anyio.sleep(1)
+        assert len(got) == 1
+        with anyio.fail_after(2):
+            await got[0].aclose()  # its async with began it; this waits for the end
+        assert writer.unregistered == [list(got[0].regions)] and sender.source_buffers == 0
+        other = await sender.register_sources(*_buffers(128).values())
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await other.aclose()  # cancelled: the sender finishes it
+        with anyio.fail_after(2):
+            await other.aclose()
+        assert other.closed and len(writer.unregistered) == 2
+    finally:
+        await _close(sender, receiver)
+
+
+async def test_a_refused_registration_is_raised_and_nothing_is_kept() -> None:
+    writer = CountingTransport()
+    sender, receiver = await _pair(writer)
+    try:
+        writer.raise_on["register"] = TransportError("the engine refused the memory")
+        with pytest.raises(TransportError, match="refused the memory"):
+            await sender.register_sources(*_buffers(64).values())
+        assert sender.source_buffers == 0
+    finally:
+        writer.raise_on.clear()
+        await _close(sender, receiver)
+
+
+async def test_the_same_memory_registered_twice_stays_usable_while_one_registration_is_open() -> None:
+    writer = CountingTransport()
+    sender, receiver = await _pair(writer)
+    try:
+        buffers = _buffers(512)
+        first = await sender.register_sources(*buffers.values())
+        second = await sender.register_sources(*buffers.values())
+        await first.aclose()
+        registers = len(writer.registered)
+        want = make_request(400, seed=6)
+        rows = _fill(buffers, 50, want)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "r", rows)
+            got = await receiver.receive("r")
+        assert_same(got.tensors, want)
+        assert len(writer.registered) == registers and second.in_use == 0  # written from the second one
+        await second.aclose()
+    finally:
+        await _close(sender, receiver)

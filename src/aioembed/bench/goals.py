@@ -55,10 +55,10 @@ def _rotations(variants: Sequence[str], reps: int) -> list[list[str]]:
     return [[variants[(i + j) % k] for j in range(k)] for i in range(reps)]
 
 
-async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, *, n: int, reps: int,
-                       variants: Sequence[tuple[str, str, int | None]]) -> dict[str, list[float]]:
-    """Seconds per transfer of each ``(name, mode, expected_tokens)`` variant and each raw method."""
-    src = m.source(n)
+async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mapping[str, torch.Tensor], *,
+                       n: int, reps: int, variants: Sequence[tuple[str, str, int | None]]) -> dict[str, list[float]]:
+    """Seconds per transfer of ``src`` (``n`` rows, ``m.source(n)``'s) for each ``(name, mode, expected_tokens)``
+    variant and each raw method."""
     check = [m.opts.seed, n]
     names = [v[0] for v in variants] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     by_name = {v[0]: v for v in variants}
@@ -90,11 +90,11 @@ def _raw_best(samples: Mapping[str, list[float]]) -> tuple[str | None, float | N
     return best, raw[best]
 
 
-async def _w1(m: Measurer, pair: _Pair, baseline: RawBaseline | None, reps: int) -> tuple[dict[str, Any],
-                                                                                       list[dict[str, Any]]]:
+async def _w1(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mapping[str, torch.Tensor],
+              reps: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     n = W1_TOKENS
     nbytes = n * m.layout.bytes_per_token
-    samples = await _timed_point(m, pair, baseline, n=n, reps=reps,
+    samples = await _timed_point(m, pair, baseline, src, n=n, reps=reps,
                                  variants=[(name, mode, None) for name, mode in MODES])
     raw_name, raw_t = _raw_best(samples)
     med = {k: summarize(v).median for k, v in samples.items() if v}
@@ -110,13 +110,13 @@ async def _w1(m: Measurer, pair: _Pair, baseline: RawBaseline | None, reps: int)
     return point, goals
 
 
-async def _w2(m: Measurer, pair: _Pair, baseline: RawBaseline | None, reps: int) -> tuple[dict[str, Any],
-                                                                                       list[dict[str, Any]]]:
+async def _w2(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mapping[str, torch.Tensor],
+              reps: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     n = W2_TOKENS
     nbytes = n * m.layout.bytes_per_token
     variants = [(f"{name}:{kind}", mode, None if kind == "rounds" else n)
                 for name, mode in MODES for kind in ("rounds", "one")]
-    samples = await _timed_point(m, pair, baseline, n=n, reps=reps, variants=variants)
+    samples = await _timed_point(m, pair, baseline, src, n=n, reps=reps, variants=variants)
     raw_name, raw_t = _raw_best(samples)
     med = {k: summarize(v).median for k, v in samples.items() if v}
     over = {name: ratio(med[f"{name}:rounds"], med[f"{name}:one"]) for name, _ in MODES}
@@ -199,18 +199,20 @@ async def run_goals(m: Measurer) -> dict[str, Any]:
     rooms1, rooms32 = (40, 96) if opts.quick else (200, 512)
     top = max(W1_TOKENS, W2_TOKENS)
     src = m.source(top)
-    small = m.source(W3_TOKENS)
+    # What each workload sends, made once (a registered source must be what send() is given).
+    w1_src, small = m.source(W1_TOKENS), m.source(W3_TOKENS)
+    w2_src = src if top == W2_TOKENS else m.source(W2_TOKENS)
     points: list[dict[str, Any]] = []
     goals: list[dict[str, Any]] = []
     async with m._session(cfg) as pair, m._baseline(cfg, src, top) as baseline:
-        await m.register_sources(pair, src, small)
+        await m.register_sources(pair, w1_src, w2_src, small)
         m.tick(f"goals: W1 ({W1_TOKENS} tokens)")
-        point, g = await _w1(m, pair, baseline, reps_big)
+        point, g = await _w1(m, pair, baseline, w1_src, reps_big)
         points.append(point)
         goals += g
         m.tick("")
         m.tick(f"goals: W2 ({W2_TOKENS} tokens, rounds vs one)")
-        point, g = await _w2(m, pair, baseline, reps_big)
+        point, g = await _w2(m, pair, baseline, w2_src, reps_big)
         points.append(point)
         goals += g
         m.tick("")

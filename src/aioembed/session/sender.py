@@ -332,10 +332,10 @@ class EmbeddingSender:
         now = anyio.current_time()
         stalled = [u for u in self._unregistering.values() if not u.done.is_set()]
         if stalled and self._transport is not None:
+            of = ", ".join(repr(u.room) if u.room is not None else "registered buffers" for u in stalled[:5])
             log.warning("sender: closing waits for transport %r's unregister() of %d source(s) (rooms %s; the "
                         "oldest for %.1f s): the transport is not closed under a call in progress",
-                        self._transport.name, len(stalled), ", ".join(repr(u.room) for u in stalled[:5]),
-                        max(now - u.since for u in stalled))
+                        self._transport.name, len(stalled), of, max(now - u.since for u in stalled))
 
     def _check_running(self) -> None:
         if not self._tasks.entered or self._closing:
@@ -715,14 +715,28 @@ class EmbeddingSender:
         self._check_running()
         assert self._transport is not None
         regions = check_source_tensors(tensors, cuda=self._transport.capabilities.cuda)
-        # Not cut short by a cancel: the object is returned with the registration (a cancel reaches the caller
-        # at its next await, the object in hand), so a registration is never left without its owner.
+        # In a task the sender owns, so that its close waits for the call rather than closing the transport under
+        # it; waited for without a cancel cutting it short: the object is returned with the registration (a
+        # cancel reaches the caller at its next await, the object in hand), never a registration without owner.
+        done, failed = anyio.Event(), []
+
+        async def register() -> None:
+            assert self._transport is not None
+            try:
+                await self._transport.register(regions)
+            except Exception as exc:  # raised to the caller below
+                failed.append(exc)
+            finally:
+                done.set()
+
+        self._spawn(register, if_skipped=done.set)
         with anyio.CancelScope(shield=True):
-            await self._transport.register(regions)
-        kept = RegisteredSources(tensors, regions, self._start_buffers_close)
+            await done.wait()
+        if failed:
+            raise failed[0]
         if self._closing:  # aclose() began meanwhile: the transport's close drops the registration
-            kept.mark_closed()
             raise AioembedError("the sender closed while register_sources() registered the buffers")
+        kept = RegisteredSources(tensors, regions, self._start_buffers_close)
         self._source_buffers.add(kept)
         log.info("sender: %d source buffer(s) registered, %d bytes", len(regions), sum(r.length for r in regions))
         return kept
@@ -731,14 +745,16 @@ class EmbeddingSender:
         """``RegisteredSources.aclose()`` began: unregister them once no write reads them, in a task the sender
         owns (a cancelled ``aclose()`` does not leave them half closed)."""
         # Skipped once the sender is closing: its transport's close drops the registration.
-        self._spawn(self._close_buffers, kept, if_skipped=kept.mark_closed)
+        # (skipped: still in _source_buffers, so _close() marks it closed once the transport is closed)
+        self._spawn(self._close_buffers, kept)
 
     async def _close_buffers(self, kept: RegisteredSources) -> None:
+        # Cancelled while writes still read them (the sender closing): _close() marks them after the transport closed.
+        await kept.wait_idle()
+        self._source_buffers.discard(kept)
+        key = next(self._buffer_keys)
+        u = self._unregistration(key, _Source(list(kept.regions), list(kept.tensors), None), None)
         try:
-            await kept.wait_idle()
-            self._source_buffers.discard(kept)
-            key = next(self._buffer_keys)
-            u = self._unregistration(key, _Source(list(kept.regions), list(kept.tensors), None), None)
             await self._run_unregister(key, u)
         finally:
             kept.mark_closed()
@@ -1132,8 +1148,9 @@ class EmbeddingSender:
     @property
     def sources_held(self) -> int:
         """``send()`` sources whose memory is still registered or staged (its ``send()`` runs, or a write
-        may still read it, or the transport's ``unregister()`` of it has not returned); 0 once idle. The
-        staging area itself stays registered while the sender runs."""
+        may still read it, or the transport's ``unregister()`` of it has not returned), and registered source
+        buffers being unregistered; 0 once idle. The staging area and source buffers not closed
+        (:attr:`source_buffers`) stay registered while the sender runs and are not counted."""
         return len(self._sources) + len(self._unregistering)
 
     @property
