@@ -5,7 +5,7 @@ once no write reads them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import pytest
@@ -47,6 +47,15 @@ class CountingTransport(MockTransport):
     async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
         self.unregistered.append(list(regions))
         await super().unregister(regions)
+
+
+def _faults_after(on: anyio.Event, fault: Callable[[], WriteFault]) -> Callable[[WriteCall], WriteFault | None]:
+    """A fault policy: ``fault()`` for every write once ``on`` is set, none before."""
+    return lambda call: fault() if on.is_set() else None
+
+
+def _may_land() -> WriteFault:
+    return WriteFault(error=TransportError("link dropped", may_land=True), land_after=0.2)
 
 
 def _buffers(tokens: int) -> dict[str, torch.Tensor]:
@@ -150,11 +159,7 @@ async def test_a_request_partly_outside_the_buffers_is_sent_the_usual_way() -> N
 
 async def test_aclose_waits_until_no_write_reads_the_buffers() -> None:
     slow = anyio.Event()
-
-    def faults(call: WriteCall) -> WriteFault | None:
-        return WriteFault(delay=0.5) if slow.is_set() else None
-
-    writer = CountingTransport(faults=faults)
+    writer = CountingTransport(faults=_faults_after(slow, lambda: WriteFault(delay=0.5)))
     sender, receiver = await _pair(writer)
     try:
         buffers = _buffers(1024)
@@ -187,13 +192,7 @@ async def test_aclose_waits_until_no_write_reads_the_buffers() -> None:
 async def test_a_failed_write_that_may_still_land_holds_the_buffers_for_its_lifetime() -> None:
     lifetime = 0.6
     fail = anyio.Event()
-
-    def faults(call: WriteCall) -> WriteFault | None:
-        if fail.is_set():
-            return WriteFault(error=TransportError("link dropped", may_land=True), land_after=0.2)
-        return None
-
-    writer = CountingTransport(cancel_safe_writes=False, write_lifetime=lifetime, faults=faults)
+    writer = CountingTransport(cancel_safe_writes=False, write_lifetime=lifetime, faults=_faults_after(fail, _may_land))
     sender, receiver = await _pair(writer)
     try:
         buffers = _buffers(1024)
@@ -245,13 +244,7 @@ async def test_aclose_during_the_senders_close_returns_once_the_transport_droppe
     that waited to unregister them): ``aclose()`` returns only once the closed transport dropped them, never
     while a write may still read them from a registration that still stands (the review's repro)."""
     fail = anyio.Event()
-
-    def faults(call: WriteCall) -> WriteFault | None:
-        if fail.is_set():
-            return WriteFault(error=TransportError("link dropped", may_land=True), land_after=0.2)
-        return None
-
-    writer = CountingTransport(cancel_safe_writes=False, write_lifetime=3.0, faults=faults)
+    writer = CountingTransport(cancel_safe_writes=False, write_lifetime=3.0, faults=_faults_after(fail, _may_land))
     sender, receiver = await _pair(writer)
     buffers = _buffers(1024)
     kept = await sender.register_sources(*buffers.values())
@@ -317,11 +310,7 @@ async def test_register_sources_racing_the_senders_close_is_waited_for_and_refus
 
 async def test_the_use_count_comes_back_after_a_refused_an_aborted_and_a_cancelled_send() -> None:
     slow = anyio.Event()
-
-    def faults(call: WriteCall) -> WriteFault | None:
-        return WriteFault(delay=0.3) if slow.is_set() else None
-
-    writer = CountingTransport(faults=faults)
+    writer = CountingTransport(faults=_faults_after(slow, lambda: WriteFault(delay=0.3)))
     sender, receiver = await _pair(writer)
     try:
         buffers = _buffers(1024)
