@@ -743,13 +743,13 @@ class EmbeddingSender:
 
     def _start_buffers_close(self, kept: RegisteredSources) -> None:
         """``RegisteredSources.aclose()`` began: unregister them once no write reads them, in a task the sender
-        owns (a cancelled ``aclose()`` does not leave them half closed)."""
-        # Skipped once the sender is closing: its transport's close drops the registration.
-        # (skipped: still in _source_buffers, so _close() marks it closed once the transport is closed)
+        owns (a cancelled ``aclose()`` does not leave them half closed). Refused once the sender is closing:
+        they stay in its index, and its close marks them closed once its transport (which drops them) closed."""
         self._spawn(self._close_buffers, kept)
 
     async def _close_buffers(self, kept: RegisteredSources) -> None:
-        # Cancelled while writes still read them (the sender closing): _close() marks them after the transport closed.
+        """Cancelled while a write still reads them (the sender closing), this leaves them to the sender's close,
+        which marks them closed only once its transport closed: never while a registration that stands is read."""
         await kept.wait_idle()
         self._source_buffers.discard(kept)
         key = next(self._buffer_keys)

@@ -23,7 +23,7 @@ import torch
 from aioembed.errors import InvalidRequest
 from aioembed.transports.base import MemoryRegion
 
-__all__ = ["RegisteredSources", "SourceBufferIndex"]
+__all__ = ["RegisteredSources", "SourceBufferIndex", "check_source_tensors"]
 
 
 class RegisteredSources:
