@@ -11,6 +11,7 @@ import pytest
 import torch
 from aioembed import EmbeddingReceiver, EmbeddingSender, Layout, TransferConfig
 from aioembed.testing.processes import RoomSpec, SideSpec, deterministic_request, spawn, standard_layout
+from aioembed.testing.source_buffers import check_registered_sources
 
 pytestmark = pytest.mark.anyio
 
@@ -121,45 +122,7 @@ async def test_two_processes_four_ranks_fifty_rooms() -> None:
             assert sorted(ev["room"] for ev in evs) == list(range(50))
 
 
+
 async def test_sends_from_registered_source_buffers_over_the_engine() -> None:
-    """register_sources() with the real engine: rooms from slices of the buffers arrive bit for bit with no
-    registration per send (small ones would be staged, large ones registered), also while a send registered
-    its own tensors inside the buffers' memory (overlapping engine registrations), and aclose() leaves the
-    engine with the staging area only."""
     async with running(config()) as (sender, [receiver]):
-        transport = sender._transport
-        buffers = LAYOUT.empty(TOKENS)
-        kept = await sender.register_sources(*buffers.values())
-        registered = len(transport.regions)  # type: ignore[union-attr]
-        for i, (at, n) in enumerate([(0, 64), (1000, 300), (0, TOKENS), (5000, 9000)]):
-            want = deterministic_request(LAYOUT, n, f"kept-{i}")
-            rows = {}
-            for name, t in want.items():
-                buffers[name][at:at + n].copy_(t)
-                rows[name] = buffers[name][at:at + n]
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sender.send, f"kept-{i}", rows)
-                got = await receiver.receive(f"kept-{i}")
-            assert_same(got.tensors, want)
-            assert len(transport.regions) == registered  # type: ignore[union-attr]
-            if i == 1:  # one field outside the buffers: this send registers its own tensors, two inside them
-                mixed = dict(rows, token_ids=rows["token_ids"].clone())
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(sender.send, "mixed", mixed)
-                    got = await receiver.receive("mixed")
-                assert_same(got.tensors, want)
-                assert len(transport.regions) == registered  # type: ignore[union-attr]  # its own undone
-        await kept.aclose()
-        assert kept.closed and sender.source_buffers == 0
-        # The same memory once closed: a large send registers (and unregisters) its own tensors again.
-        want = deterministic_request(LAYOUT, 4000, "after")
-        rows = {}
-        for name, t in want.items():
-            buffers[name][:4000].copy_(t)
-            rows[name] = buffers[name][:4000]
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, "after", rows)
-            got = await receiver.receive("after")
-        assert_same(got.tensors, want)
-        assert sender.sources_held == 0
-        assert len(transport.regions) == len(LAYOUT)  # type: ignore[union-attr]  # the staging area only
+        await check_registered_sources(sender, receiver, LAYOUT, tokens=TOKENS)

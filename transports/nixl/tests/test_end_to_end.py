@@ -9,6 +9,7 @@ import anyio
 import pytest
 import torch
 from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
+from aioembed.testing.source_buffers import check_registered_sources
 
 from .conftest import NIXL_OPTIONS
 
@@ -63,3 +64,11 @@ async def test_three_rounds_and_concurrent_rooms_in_one_process() -> None:
         assert st.free == st.total and receiver.rooms_in_flight == 0
         assert sender.sources_held == 0  # per-send registrations undone
         assert len(sender._transport.regions) == len(LAYOUT)  # type: ignore[union-attr]  # the staging area only
+
+
+async def test_sends_from_registered_source_buffers() -> None:
+    cfg = TransferConfig(transport="nixl", transport_options=NIXL_OPTIONS, default_tokens=8192, pool_tokens=16384)
+    async with EmbeddingSender(LAYOUT, cfg) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address) as receiver:
+        await receiver.wait_connected(timeout=10)
+        await check_registered_sources(sender, receiver, LAYOUT, tokens=16384)

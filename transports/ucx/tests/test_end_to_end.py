@@ -9,6 +9,7 @@ import anyio
 import pytest
 import torch
 from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
+from aioembed.testing.source_buffers import check_registered_sources
 
 from .conftest import UCX_OPTIONS
 
@@ -94,3 +95,11 @@ async def test_concurrent_rooms_and_ranks_in_one_process() -> None:
             # round shrinks to what is free, so it may take more
             assert res.rounds == 1 if sizes[room] <= 1024 else res.rounds >= 2
             assert_same(res.tensors, make_request(sizes[room], room))
+
+
+async def test_sends_from_registered_source_buffers() -> None:
+    cfg = config(default_tokens=8192, pool_tokens=16384)
+    async with EmbeddingSender(LAYOUT, cfg) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address) as receiver:
+        await receiver.wait_connected(timeout=10)
+        await check_registered_sources(sender, receiver, LAYOUT, tokens=16384)
