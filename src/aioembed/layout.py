@@ -25,6 +25,7 @@ class Field:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
         if any(not isinstance(d, int) or isinstance(d, bool) or d <= 0 for d in shape):

@@ -5,7 +5,8 @@ once no write reads them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -21,10 +22,12 @@ from aioembed import (
     TransferError,
 )
 from aioembed.errors import TransportError
+from aioembed.samples import same_rows
 from aioembed.testing import MockTransport, WriteCall, WriteFault
+from aioembed.testing.source_buffers import rows_in, send_and_check
 from aioembed.transports.base import MemoryRegion
 
-from .conftest import LAYOUT, assert_same, make_request
+from .conftest import LAYOUT, make_request
 
 pytestmark = pytest.mark.anyio
 
@@ -62,34 +65,19 @@ def _buffers(tokens: int) -> dict[str, torch.Tensor]:
     return LAYOUT.empty(tokens)
 
 
-def _fill(buffers: dict[str, torch.Tensor], at: int, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``rows`` written into ``buffers`` from row ``at``; the slices a send() passes."""
-    n = next(iter(rows.values())).shape[0]
-    out = {}
-    for name, t in rows.items():
-        buffers[name][at:at + n].copy_(t)
-        out[name] = buffers[name][at:at + n]
-    return out
-
-
-async def _pair(writer: MockTransport) -> tuple[EmbeddingSender, EmbeddingReceiver]:
-    sender = EmbeddingSender(LAYOUT, CFG, transport=writer)
-    await sender.__aenter__()
-    receiver = EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport())
-    await receiver.__aenter__()
-    await receiver.wait_connected()
-    return sender, receiver
-
-
-async def _close(sender: EmbeddingSender, receiver: EmbeddingReceiver) -> None:
-    await receiver.aclose()
-    await sender.aclose()
+@asynccontextmanager
+async def _paired(writer: MockTransport) -> AsyncIterator[tuple[EmbeddingSender, EmbeddingReceiver]]:
+    """A sender on ``writer`` and a connected receiver, both closed at the end (closing twice is a no-op, so a
+    test may close either itself)."""
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        yield sender, receiver
 
 
 async def test_sends_from_registered_buffers_neither_stage_nor_register() -> None:
     writer = CountingTransport()
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, receiver):
         buffers = _buffers(4096)
         kept = await sender.register_sources(*buffers.values())
         assert isinstance(kept, RegisteredSources) and sender.source_buffers == 1
@@ -107,19 +95,13 @@ async def test_sends_from_registered_buffers_neither_stage_nor_register() -> Non
         # Small (would be staged) and large (would be registered) requests, at the start and inside.
         for i, (at, n) in enumerate([(0, 64), (100, 64), (0, 2000), (1500, 2500)]):
             want = make_request(n, seed=i)
-            rows = _fill(buffers, at, want)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sender.send, f"r{i}", rows)
-                got = await receiver.receive(f"r{i}")
-            assert_same(got.tensors, want)
+            rows = rows_in(buffers, at, want)
+            await send_and_check(sender, receiver, f"r{i}", rows, want)
         assert staged == 0 and len(writer.registered) == registers and writer.unregistered == []
         assert kept.in_use == 0 and sender.sources_held == 0
         # A request from other memory goes the usual way (staged).
         want = make_request(64, seed=9)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, "other", want)
-            got = await receiver.receive("other")
-        assert_same(got.tensors, want)
+        await send_and_check(sender, receiver, "other", want, want)
         assert staged == 1
 
         await kept.aclose()
@@ -128,44 +110,32 @@ async def test_sends_from_registered_buffers_neither_stage_nor_register() -> Non
         assert all(not any(r.address <= x.address < r.end for x in writer.regions) for r in kept.regions)
         # The same buffers once closed: an ordinary send() again (a large one registers its own tensors).
         want = make_request(2000, seed=10)
-        rows = _fill(buffers, 0, want)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, "after", rows)
-            got = await receiver.receive("after")
-        assert_same(got.tensors, want)
+        rows = rows_in(buffers, 0, want)
+        await send_and_check(sender, receiver, "after", rows, want)
         assert len(writer.registered) == registers + 1
-    finally:
-        await _close(sender, receiver)
 
 
 async def test_a_request_partly_outside_the_buffers_is_sent_the_usual_way() -> None:
     writer = CountingTransport()
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, receiver):
         buffers = _buffers(1024)
         async with await sender.register_sources(*buffers.values()):
             registers = len(writer.registered)
             want = make_request(1000, seed=3)
-            rows = _fill(buffers, 0, want)
+            rows = rows_in(buffers, 0, want)
             rows["token_ids"] = rows["token_ids"].clone()  # one field elsewhere
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sender.send, "r", rows)
-                got = await receiver.receive("r")
-            assert_same(got.tensors, want)
+            await send_and_check(sender, receiver, "r", rows, want)
             assert len(writer.registered) == registers + 1  # this send() registered its own tensors
-    finally:
-        await _close(sender, receiver)
 
 
 async def test_aclose_waits_until_no_write_reads_the_buffers() -> None:
     slow = anyio.Event()
     writer = CountingTransport(faults=_faults_after(slow, lambda: WriteFault(delay=0.5)))
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, receiver):
         buffers = _buffers(1024)
         kept = await sender.register_sources(*buffers.values())
         want = make_request(300, seed=4)
-        rows = _fill(buffers, 0, want)
+        rows = rows_in(buffers, 0, want)
         slow.set()
         sent_at: list[float] = []
 
@@ -183,21 +153,18 @@ async def test_aclose_waits_until_no_write_reads_the_buffers() -> None:
             closed_at = time.monotonic()
             assert sent_at and closed_at >= sent_at[0]  # not before the write ended and send() returned
             got = await handle.result()
-        assert_same(got.tensors, want)
+        assert same_rows(got.tensors, want)
         assert writer.unregistered == [list(kept.regions)] and sender.sources_held == 0
-    finally:
-        await _close(sender, receiver)
 
 
 async def test_a_failed_write_that_may_still_land_holds_the_buffers_for_its_lifetime() -> None:
     lifetime = 0.6
     fail = anyio.Event()
     writer = CountingTransport(cancel_safe_writes=False, write_lifetime=lifetime, faults=_faults_after(fail, _may_land))
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, receiver):
         buffers = _buffers(1024)
         kept = await sender.register_sources(*buffers.values())
-        rows = _fill(buffers, 0, make_request(300, seed=5))
+        rows = rows_in(buffers, 0, make_request(300, seed=5))
         fail.set()
         async with anyio.create_task_group() as tg:
             handle = receiver.start("r")
@@ -210,14 +177,11 @@ async def test_a_failed_write_that_may_still_land_holds_the_buffers_for_its_life
             assert kept.in_use == 0 and writer.unregistered == [list(kept.regions)]
             await handle.wait()
             tg.cancel_scope.cancel()
-    finally:
-        await _close(sender, receiver)
 
 
 async def test_register_sources_refuses_what_cannot_be_one_registration() -> None:
     writer = CountingTransport()
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, _):
         with pytest.raises(InvalidRequest, match="not contiguous"):
             await sender.register_sources(torch.zeros(8, 8).t())
         with pytest.raises(InvalidRequest, match="at least one"):
@@ -225,15 +189,12 @@ async def test_register_sources_refuses_what_cannot_be_one_registration() -> Non
         with pytest.raises(InvalidRequest, match="empty"):
             await sender.register_sources(torch.zeros(0))
         assert sender.source_buffers == 0
-    finally:
-        await _close(sender, receiver)
 
 
 async def test_the_senders_close_ends_registered_buffers() -> None:
     writer = CountingTransport()
-    sender, receiver = await _pair(writer)
-    kept = await sender.register_sources(*_buffers(256).values())
-    await _close(sender, receiver)
+    async with _paired(writer) as (sender, _):
+        kept = await sender.register_sources(*_buffers(256).values())
     assert kept.closed
     with anyio.fail_after(1):
         await kept.aclose()  # at once: the closed transport dropped the registration
@@ -245,28 +206,27 @@ async def test_aclose_during_the_senders_close_returns_once_the_transport_droppe
     while a write may still read them from a registration that still stands (the review's repro)."""
     fail = anyio.Event()
     writer = CountingTransport(cancel_safe_writes=False, write_lifetime=3.0, faults=_faults_after(fail, _may_land))
-    sender, receiver = await _pair(writer)
-    buffers = _buffers(1024)
-    kept = await sender.register_sources(*buffers.values())
-    rows = _fill(buffers, 0, make_request(300, seed=5))
-    fail.set()
-    seen: dict[str, object] = {}
-    async with anyio.create_task_group() as tg:
-        handle = receiver.start("r")
-        with pytest.raises(Exception):  # noqa: B017 - the room fails: its type is the session's to say
-            await sender.send("r", rows)
-        assert kept.in_use == 1
+    async with _paired(writer) as (sender, receiver):
+        buffers = _buffers(1024)
+        kept = await sender.register_sources(*buffers.values())
+        rows = rows_in(buffers, 0, make_request(300, seed=5))
+        fail.set()
+        seen: dict[str, object] = {}
+        async with anyio.create_task_group() as tg:
+            handle = receiver.start("r")
+            with pytest.raises(Exception):  # noqa: B017 - the room fails: its type is the session's to say
+                await sender.send("r", rows)
+            assert kept.in_use == 1
 
-        async def close_kept() -> None:
-            await kept.aclose()
-            seen.update(in_use=kept.in_use, transport_closed=writer.closed)
+            async def close_kept() -> None:
+                await kept.aclose()
+                seen.update(in_use=kept.in_use, transport_closed=writer.closed)
 
-        tg.start_soon(close_kept)
-        await anyio.sleep(0.05)
-        assert not seen  # still read by the failed write
-        tg.start_soon(sender.aclose)
-        await handle.wait()
-    await receiver.aclose()
+            tg.start_soon(close_kept)
+            await anyio.sleep(0.05)
+            assert not seen  # still read by the failed write
+            tg.start_soon(sender.aclose)
+            await handle.wait()
     assert seen["in_use"] == 0 or seen["transport_closed"], seen
 
 
@@ -290,20 +250,19 @@ async def test_register_sources_racing_the_senders_close_is_waited_for_and_refus
             await super().aclose()
 
     writer = SlowRegister()
-    sender, receiver = await _pair(writer)
-    outcome: list[BaseException] = []
+    async with _paired(writer) as (sender, _):
+        outcome: list[BaseException] = []
 
-    async def register() -> None:
-        try:
-            await sender.register_sources(*_buffers(256).values())
-        except AioembedError as exc:
-            outcome.append(exc)
+        async def register() -> None:
+            try:
+                await sender.register_sources(*_buffers(256).values())
+            except AioembedError as exc:
+                outcome.append(exc)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(register)
-        await anyio.sleep(0.05)
-        tg.start_soon(sender.aclose)
-    await receiver.aclose()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(register)
+            await anyio.sleep(0.05)
+            tg.start_soon(sender.aclose)
     assert len(outcome) == 1 and "closed" in str(outcome[0]), outcome
     assert writer.order == ["registered", "closed"]
 
@@ -311,11 +270,10 @@ async def test_register_sources_racing_the_senders_close_is_waited_for_and_refus
 async def test_the_use_count_comes_back_after_a_refused_an_aborted_and_a_cancelled_send() -> None:
     slow = anyio.Event()
     writer = CountingTransport(faults=_faults_after(slow, lambda: WriteFault(delay=0.3)))
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, receiver):
         buffers = _buffers(1024)
         kept = await sender.register_sources(*buffers.values())
-        rows = _fill(buffers, 0, make_request(300, seed=5))
+        rows = rows_in(buffers, 0, make_request(300, seed=5))
         slow.set()
 
         async def in_use() -> None:
@@ -358,8 +316,6 @@ async def test_the_use_count_comes_back_after_a_refused_an_aborted_and_a_cancell
         await idle()
         await kept.aclose()
         assert writer.unregistered == [list(kept.regions)]
-    finally:
-        await _close(sender, receiver)
 
 
 async def test_a_cancelled_register_or_aclose_leaves_nothing_half_done() -> None:
@@ -370,8 +326,7 @@ async def test_a_cancelled_register_or_aclose_leaves_nothing_half_done() -> None
             await super().register(regions)
 
     writer = SlowRegister()
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, _):
         got: list[RegisteredSources] = []
         with anyio.move_on_after(0.05):  # cancelled while the transport registers: the object still comes back
             async with await sender.register_sources(*_buffers(256).values()) as kept:
@@ -388,39 +343,27 @@ async def test_a_cancelled_register_or_aclose_leaves_nothing_half_done() -> None
         with anyio.fail_after(2):
             await other.aclose()
         assert other.closed and len(writer.unregistered) == 2
-    finally:
-        await _close(sender, receiver)
 
 
 async def test_a_refused_registration_is_raised_and_nothing_is_kept() -> None:
     writer = CountingTransport()
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, _):
         writer.raise_on["register"] = TransportError("the engine refused the memory")
         with pytest.raises(TransportError, match="refused the memory"):
             await sender.register_sources(*_buffers(64).values())
         assert sender.source_buffers == 0
-    finally:
-        writer.raise_on.clear()
-        await _close(sender, receiver)
 
 
 async def test_the_same_memory_registered_twice_stays_usable_while_one_registration_is_open() -> None:
     writer = CountingTransport()
-    sender, receiver = await _pair(writer)
-    try:
+    async with _paired(writer) as (sender, receiver):
         buffers = _buffers(512)
         first = await sender.register_sources(*buffers.values())
         second = await sender.register_sources(*buffers.values())
         await first.aclose()
         registers = len(writer.registered)
         want = make_request(400, seed=6)
-        rows = _fill(buffers, 50, want)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, "r", rows)
-            got = await receiver.receive("r")
-        assert_same(got.tensors, want)
+        rows = rows_in(buffers, 50, want)
+        await send_and_check(sender, receiver, "r", rows, want)
         assert len(writer.registered) == registers and second.in_use == 0  # written from the second one
         await second.aclose()
-    finally:
-        await _close(sender, receiver)

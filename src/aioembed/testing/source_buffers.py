@@ -5,31 +5,37 @@ transport with the sender's staging area only."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import anyio
 import torch
 
 from aioembed.layout import Layout
+from aioembed.samples import same_rows
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 from aioembed.testing.processes import deterministic_request
 
-__all__ = ["check_registered_sources"]
+__all__ = ["check_registered_sources", "rows_in", "send_and_check"]
 
 
-def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for name, w in want.items():
-        g = got[name]
-        assert g.shape == w.shape and g.dtype == w.dtype, name
-        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), name
+def rows_in(buffers: Mapping[str, torch.Tensor], at: int, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``rows`` written into ``buffers`` from row ``at``: the slices of the buffers a ``send()`` is given."""
+    n = next(iter(rows.values())).shape[0]
+    out = {}
+    for name, t in rows.items():
+        buffers[name][at:at + n].copy_(t)
+        out[name] = buffers[name][at:at + n]
+    return out
 
 
-async def _room(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str, rows: dict[str, torch.Tensor],
-                want: dict[str, torch.Tensor]) -> None:
+async def send_and_check(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str,
+                         rows: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> None:
+    """Send ``rows`` as ``room`` and receive it; the rows that arrived are ``want``, bit for bit."""
     async with anyio.create_task_group() as tg:
         tg.start_soon(sender.send, room, rows)
         got = await receiver.receive(room)
-    _same(got.tensors, want)
+    assert same_rows(got.tensors, want), f"room {room!r}: the rows differ"
 
 
 async def check_registered_sources(sender: EmbeddingSender, receiver: EmbeddingReceiver, layout: Layout, *,
@@ -44,25 +50,17 @@ async def check_registered_sources(sender: EmbeddingSender, receiver: EmbeddingR
     small = min(64, sender.config.staging_max_tokens)
     for i, (at, n) in enumerate([(0, small), (tokens // 20, 300), (0, tokens), (tokens // 4, tokens // 2)]):
         want = deterministic_request(layout, n, f"kept-{i}")
-        rows = {}
-        for name, t in want.items():
-            buffers[name][at:at + n].copy_(t)
-            rows[name] = buffers[name][at:at + n]
-        await _room(sender, receiver, f"kept-{i}", rows, want)
+        rows = rows_in(buffers, at, want)
+        await send_and_check(sender, receiver, f"kept-{i}", rows, want)
         assert len(regions) == registered, "a send() from registered buffers registered something"
         if i == 1:  # one field outside the buffers: this send registers its own tensors, two inside the buffers
-            mixed = dict(rows)
-            first = next(iter(mixed))
-            mixed[first] = mixed[first].clone()
-            await _room(sender, receiver, "mixed", mixed, want)
+            first = next(iter(rows))
+            await send_and_check(sender, receiver, "mixed", {**rows, first: rows[first].clone()}, want)
             assert len(regions) == registered, "a send()'s own registration was not undone"
     await kept.aclose()
     assert kept.closed and sender.source_buffers == 0
     want = deterministic_request(layout, 4000, "after")
-    rows = {}
-    for name, t in want.items():
-        buffers[name][:4000].copy_(t)
-        rows[name] = buffers[name][:4000]
-    await _room(sender, receiver, "after", rows, want)  # once closed: a send() registers its own tensors again
+    # Once closed: a send() from the same memory registers its own tensors again.
+    await send_and_check(sender, receiver, "after", rows_in(buffers, 0, want), want)
     assert sender.sources_held == 0
     assert len(regions) == staging_only, "the buffers are still registered after aclose()"
