@@ -21,6 +21,7 @@ import anyio
 import anyio.abc
 import torch
 
+from aioembed.bench.event_channel import parse_event
 from aioembed.config import TransferConfig
 from aioembed.errors import ConfigError, TransportError
 from aioembed.layout import Layout
@@ -164,14 +165,17 @@ class BaselinePeer:
         """The process's next line, parsed."""
         assert self._proc is not None and self._proc.stdout is not None
         with anyio.fail_after(timeout):
-            while b"\n" not in self._buf:
-                try:
-                    self._buf += await self._proc.stdout.receive()
-                except anyio.EndOfStream:
-                    raise TransportError(f"{self.name} baseline peer process ended: {self.stderr_tail()}") from None
-        line, self._buf = self._buf.split(b"\n", 1)
-        out: dict[str, Any] = json.loads(line)
-        return out
+            while True:
+                while b"\n" not in self._buf:
+                    try:
+                        self._buf += await self._proc.stdout.receive()
+                    except anyio.EndOfStream:
+                        raise TransportError(
+                            f"{self.name} baseline peer process ended: {self.stderr_tail()}") from None
+                line, self._buf = self._buf.split(b"\n", 1)
+                out = parse_event(line, f"{self.name} baseline peer")
+                if out is not None:
+                    return out
 
     async def ask(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
         """Send a command; its answer."""

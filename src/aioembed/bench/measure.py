@@ -41,6 +41,7 @@ import anyio.abc
 import torch
 
 from aioembed.bench.baselines import RawBaseline
+from aioembed.bench.event_channel import parse_event
 from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
     REQUEST_MIXES,
@@ -410,7 +411,9 @@ class _RemotePair(_Pair):
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    ev = json.loads(line)
+                    ev = parse_event(line, "bench peer")
+                    if ev is None:
+                        continue
                     if ev.get("event") == "ready":
                         self._ready.set()
                     elif ev.get("event") == "done":

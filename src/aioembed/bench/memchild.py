@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 
+from aioembed.bench.event_channel import claim_stdout, emit
 from aioembed.bench.workloads import make_source
 from aioembed.config import TransferConfig
 from aioembed.samples import standard_layout
@@ -138,9 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m aioembed.bench.memchild SPEC_JSON")
-    result = anyio.run(_run, json.loads(args[0]))
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+    claim_stdout()
+    emit(**anyio.run(_run, json.loads(args[0])))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ from typing import Any
 import anyio
 import torch
 
+from aioembed.bench.event_channel import claim_stdout
+from aioembed.bench.event_channel import emit as _emit
 from aioembed.bench.workloads import check_receive_mode, make_source
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
@@ -54,11 +56,6 @@ from aioembed.samples import same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 
 __all__ = ["main"]
-
-
-def _emit(**event: Any) -> None:
-    sys.stdout.write(json.dumps(event) + "\n")
-    sys.stdout.flush()
 
 
 class _Checker:
@@ -277,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m aioembed.bench.peer SPEC_JSON")
+    claim_stdout()
     asyncio.run(_run(json.loads(args[0])))
 
 

@@ -34,6 +34,8 @@ import anyio
 import anyio.abc
 import torch
 
+from aioembed.bench.event_channel import claim_stdout
+from aioembed.bench.event_channel import emit as _emit
 from aioembed.config import TransferConfig
 from aioembed.errors import AioembedError
 from aioembed.layout import Layout
@@ -114,11 +116,6 @@ class SideSpec:
 
 _EVENT_START = b'{"event": '
 """How every line :func:`_emit` writes starts (``event`` is its first key)."""
-
-
-def _emit(**event: Any) -> None:
-    sys.stdout.write(json.dumps(event, default=str) + "\n")
-    sys.stdout.flush()
 
 
 LOOP_WATCHDOG_SECONDS = 3.0
@@ -381,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--spec", required=True, help="SideSpec as JSON")
     args = parser.parse_args(argv)
     spec = SideSpec.from_json(args.spec)
+    claim_stdout()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {spec.role}[{spec.rank}] %(name)s %(levelname)s %(message)s")
     if spec.backend not in ("asyncio", "trio"):

@@ -38,6 +38,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 from aioembed.bench.baselines import BaselinePeer, destination_memory
+from aioembed.bench.event_channel import claim_stdout, emit
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
@@ -181,9 +182,6 @@ def _peer(spec: dict[str, Any]) -> None:
     if rc != 0:
         raise SystemExit(f"batch_register_memory returned {rc}")
 
-    def emit(**event: Any) -> None:
-        sys.stdout.write(json.dumps(event) + "\n")
-        sys.stdout.flush()
 
     emit(session=started.session, addrs={k: t.data_ptr() for k, t in dst.items()}, pid=os.getpid())
     for line in sys.stdin:
@@ -205,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m aioembed_mooncake.bench SPEC_JSON")
+    claim_stdout()
     _peer(json.loads(args[0]))
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from aioembed.bench.baselines import BaselinePeer, destination_memory
+from aioembed.bench.event_channel import claim_stdout, emit
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
@@ -188,8 +189,6 @@ def _drop(agent: Any) -> None:
 
 
 def _peer(spec: dict[str, Any]) -> None:
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # native libraries print to fd 1; keep it for the JSON lines only
     opts = NixlOptions.parse(spec["options"])
     agent = create_agent(load_nixl(), f"aioembed-bench-peer-{uuid.uuid4().hex[:12]}", opts)
     capacity = int(spec["capacity"])
@@ -201,10 +200,6 @@ def _peer(spec: dict[str, Any]) -> None:
     _settle(device)  # the zero fill lands before any write, not after it
     for t in dst.values():
         agent.register_memory([(t.data_ptr(), t.numel(), dev, "")], mem)
-
-    def emit(**event: Any) -> None:
-        out.write(json.dumps(event) + "\n")
-        out.flush()
 
     emit(metadata=bytes(agent.get_agent_metadata()).hex(), addresses={k: t.data_ptr() for k, t in dst.items()},
          pid=os.getpid())
@@ -223,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m aioembed_nixl.bench SPEC_JSON")
+    claim_stdout()  # native libraries print to fd 1: keep it for the JSON lines only
     _peer(json.loads(args[0]))
 
 

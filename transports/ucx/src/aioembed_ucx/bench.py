@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from aioembed.bench.baselines import BaselinePeer, destination_memory
+from aioembed.bench.event_channel import claim_stdout, emit
 from aioembed.config import TransferConfig
 from aioembed.errors import TransportError
 from aioembed.layout import Layout
@@ -157,10 +158,6 @@ async def _peer(spec: dict[str, Any]) -> None:
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
 
-    def emit(**event: Any) -> None:
-        sys.stdout.write(json.dumps(event) + "\n")
-        sys.stdout.flush()
-
     emit(host=opts.host, port=int(listener.port), pid=os.getpid())
     while line := await reader.readline():
         cmd = json.loads(line)
@@ -179,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m aioembed_ucx.bench SPEC_JSON")
+    claim_stdout()  # UCX logs its warnings to fd 1: keep it for the JSON lines only
     asyncio.run(_peer(json.loads(args[0])))
 
 

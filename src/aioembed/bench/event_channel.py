@@ -1,0 +1,54 @@
+"""The event channel of a child process that reports to its parent in JSON lines on stdout: the bench's
+receiving peer, a raw baseline's destination, the memory child, the test processes.
+
+Native libraries such a child loads write to file descriptor 1 as well (UCX logs its warnings to stdout unless
+told otherwise), and a line of theirs would land in the parent's event stream. So the child claims its stdout
+once, at start, before those libraries load: events go to a private duplicate of descriptor 1, and descriptor 1
+itself (and ``sys.stdout``) then point at stderr, where the parent keeps what the child logs for its errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, TextIO
+
+__all__ = ["claim_stdout", "emit", "parse_event"]
+
+log = logging.getLogger(__name__)
+
+_channel: TextIO | None = None
+
+
+def claim_stdout() -> None:
+    """Keep stdout for :func:`emit` alone; anything else written to it goes to stderr from now on."""
+    global _channel  # noqa: PLW0603  (stdout is one per process)
+    if _channel is not None:
+        return
+    sys.stdout.flush()
+    _channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+
+def emit(**event: Any) -> None:
+    """Write one event, a JSON object on a line of its own, to the parent (``sys.stdout`` until
+    :func:`claim_stdout` was called)."""
+    out = _channel if _channel is not None else sys.stdout
+    out.write(json.dumps(event, default=str) + "\n")
+    out.flush()
+
+
+def parse_event(line: bytes, who: str) -> dict[str, Any] | None:
+    """The event on one line from a child's stdout, or ``None`` (logged) for a line that is not one: a
+    child that did not claim its stdout, or a library that wrote there before it did."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        log.warning("%s wrote a line that is not an event, skipped: %r", who, line[:300])
+        return None
+    return event
