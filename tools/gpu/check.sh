@@ -2,7 +2,7 @@
 # The GPU checks, on a host with a CUDA device and the plugins installed with their CUDA builds
 # (e.g. pip install -e '.[test,cli]' 'transports/nixl[cu13]' 'transports/ucx[cu13]' 'transports/mooncake[cuda13]').
 # For each installed plugin: the shared CUDA suite (must pass, nothing skipped), then its race tests
-# without the stream fences (they must fail); then a GPU-to-GPU bench line over NIXL. Exits non-zero
+# without the stream fences (they must fail); then a GPU-to-GPU bench line per plugin. Exits non-zero
 # if any of that does not hold. Changes nothing.
 set -u
 PY=${PY:-python3}
@@ -25,14 +25,23 @@ for plugin in nixl ucx mooncake; do
     tests/test_gpu.py -p without_fences -p no:cacheprovider -q -rA \
     -k "producing_kernel or non_contiguous or released_lease or copy_into_out_waits" 2>&1)
   status=$?
-  echo "$out" | tail -6
+  echo "$out" | grep -E "^(PASSED|FAILED|ERROR) " ; echo "$out" | tail -1
   if [ "$status" -eq 0 ]; then echo "== $plugin: the race tests passed without the fences: they catch nothing"; failed=1; fi
 done
-if "$PY" -c "import aioembed_nixl" 2>/dev/null; then
+# GPU-to-GPU bench lines: NIXL against raw NIXL on the same GPU bytes; Mooncake and UCX have no raw GPU
+# baseline yet, so their lines show aioembed alone (no ratio).
+for plugin in nixl ucx mooncake; do
+  "$PY" -c "import aioembed_$plugin" 2>/dev/null || continue
+  case $plugin in
+    nixl) opts='{ write_timeout = 20.0 }'; sizes=${NIXL_BENCH_SIZES:-8192,20000,100000} ;;
+    ucx) opts='{ tls = "tcp,cuda_copy,cuda_ipc", host = "127.0.0.1" }'; sizes=${BENCH_SIZES:-20000,100000} ;;
+    mooncake) opts='{ protocol = "tcp", hostname = "127.0.0.1" }'; sizes=${BENCH_SIZES:-20000,100000} ;;
+  esac
   cfg=$(mktemp --suffix=.toml)
-  printf '[aioembed]\ntransport = "nixl"\ndevice = "cuda:0"\ntransport_options = { write_timeout = 20.0 }\n' > "$cfg"
-  echo "== nixl: GPU to GPU bench (raw NIXL moves the same GPU bytes)"
-  "$PY" -m aioembed bench --config "$cfg" --workloads sizes,resume --sizes 8192,20000,100000 --repeat 5 || failed=1
+  printf '[aioembed]\ntransport = "%s"\ndevice = "cuda:0"\ntransport_options = %s\n' "$plugin" "$opts" > "$cfg"
+  echo "== $plugin: GPU to GPU bench"
+  "$PY" -m aioembed bench --config "$cfg" --workloads "${BENCH_WORKLOADS:-sizes,resume}" --sizes "$sizes" --repeat "${BENCH_REPEAT:-5}" \
+    ${BENCH_JSON_DIR:+--json "$BENCH_JSON_DIR/bench-$plugin.json"} || failed=1
   rm -f "$cfg"
-fi
+done
 exit "$failed"

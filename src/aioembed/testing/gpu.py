@@ -31,6 +31,7 @@ from aioembed.config import TransferConfig
 from aioembed.samples import deterministic_request, same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
+from aioembed.testing.source_buffers import check_registered_sources, rows_in
 from aioembed.transports.registry import resolve_transport
 
 __all__ = ["CudaSuite"]
@@ -128,6 +129,29 @@ class CudaSuite:
                 tg.start_soon(sender.send, "strided", src)
                 got = await receiver.receive("strided")
             assert same_rows(_to_cpu(got.tensors), _to_cpu(want))
+
+    async def test_a_send_from_registered_buffers_waits_for_the_producing_kernel(self) -> None:
+        """Rows written into registered CUDA buffers (``register_sources()``) by a kernel still queued: the
+        write straight from the buffers (no staging, no registration per send) waits for it too."""
+        want = _on_gpu(deterministic_request(LAYOUT, 700, "kept"))
+        async with self.pair() as (sender, receiver):
+            buffers = LAYOUT.empty(4096, device="cuda:0")
+            async with await sender.register_sources(*buffers.values()):
+                torch.cuda.synchronize()
+                _late()
+                src = rows_in(buffers, 1000, want)  # copies queued after the late kernel
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(sender.send, "kept", src)
+                    got = await receiver.receive("kept")
+                assert sender.source_buffers == 1
+            assert same_rows(_to_cpu(got.tensors), _to_cpu(want)), "rows read before the producing kernel ran"
+            assert sender.source_buffers == 0 and sender.sources_held == 0
+
+    async def test_registered_cuda_buffers_bit_for_bit_with_no_registration_per_send(self) -> None:
+        async with self.pair() as (sender, receiver):
+            if not hasattr(sender._transport, "regions"):
+                pytest.skip(f"transport {self.transport_name!r} does not expose its registered regions")
+            await check_registered_sources(sender, receiver, LAYOUT, tokens=4096, device="cuda:0")
 
     # -- the consumer race ------------------------------------------------------------------------
 

@@ -35,16 +35,17 @@ async def send_and_check(sender: EmbeddingSender, receiver: EmbeddingReceiver, r
     async with anyio.create_task_group() as tg:
         tg.start_soon(sender.send, room, rows)
         got = await receiver.receive(room)
-    assert same_rows(got.tensors, want), f"room {room!r}: the rows differ"
+    assert same_rows({n: t.cpu() for n, t in got.tensors.items()}, {n: t.cpu() for n, t in want.items()}), \
+        f"room {room!r}: the rows differ"
 
 
 async def check_registered_sources(sender: EmbeddingSender, receiver: EmbeddingReceiver, layout: Layout, *,
-                                   tokens: int = 20000) -> None:
+                                   tokens: int = 20000, device: str = "cpu") -> None:
     """Run the check on a connected pair whose transport exposes ``regions`` (what it holds registered).
-    ``tokens`` rows per buffer; the sender needs a staging area (``staging_tokens``)."""
+    ``tokens`` rows per buffer, on ``device``; the sender needs a staging area (``staging_tokens``)."""
     regions = sender._transport.regions  # type: ignore[union-attr]
     staging_only = len(regions)
-    buffers = layout.empty(tokens)
+    buffers = layout.empty(tokens, device=device)
     kept = await sender.register_sources(*buffers.values())
     registered = len(regions)
     small = min(64, sender.config.staging_max_tokens)
