@@ -34,6 +34,24 @@ def test_after_the_claim_stdout_carries_the_events_alone() -> None:
     assert "UCX  WARN" in err and "a stray print" in err and '{"looks": "like json"}' in err
 
 
+SCOPED = """
+import os, sys
+from aioembed.bench.event_channel import claimed_stdout
+with claimed_stdout() as out:
+    os.write(1, b"UCX  WARN  from a native library\\n")
+    print("a stray print")
+    out.write('{"report": 1}\\n')
+print("stdout given back")
+"""
+
+
+def test_stdout_is_claimed_for_a_block_and_given_back() -> None:
+    """``aioembed bench --json -``: the report alone on stdout while the bench runs, stdout as before after."""
+    proc = subprocess.run([sys.executable, "-c", SCOPED], capture_output=True, timeout=60, check=True)
+    assert proc.stdout.decode().splitlines() == ['{"report": 1}', "stdout given back"]
+    assert "UCX  WARN  from a native library" in proc.stderr.decode() and "a stray print" in proc.stderr.decode()
+
+
 def test_a_line_that_is_not_an_event_is_skipped_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="aioembed.bench.event_channel"):
         assert parse_event(b"[vm:1] UCX  WARN  transports 'cuda_copy' are not available", "peer") is None

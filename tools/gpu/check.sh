@@ -18,7 +18,7 @@ for plugin in nixl ucx mooncake; do
   echo "== $plugin: CudaSuite (must pass, none skipped)"
   out=$(cd "transports/$plugin" && "$PY" -m pytest tests/test_gpu.py -p no:cacheprovider -q -rA 2>&1)
   status=$?
-  echo "$out" | tail -14
+  echo "$out" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED) "; echo "$out" | tail -1
   if [ "$status" -ne 0 ] || echo "$out" | tail -1 | grep -q skipped; then echo "== $plugin: FAILED"; failed=1; fi
   echo "== $plugin: race tests without the stream fences (at least one must fail)"
   out=$(cd "transports/$plugin" && PYTHONPATH="$here/tools/gpu${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest \
@@ -33,7 +33,7 @@ done
 for plugin in nixl ucx mooncake; do
   "$PY" -c "import aioembed_$plugin" 2>/dev/null || continue
   case $plugin in
-    nixl) opts='{ write_timeout = 20.0 }'; sizes=${NIXL_BENCH_SIZES:-8192,20000,100000} ;;
+    nixl) opts='{ write_timeout = 20.0 }'; sizes=${BENCH_SIZES:-8192,20000,100000} ;;
     ucx) opts='{ tls = "tcp,cuda_copy,cuda_ipc", host = "127.0.0.1" }'; sizes=${BENCH_SIZES:-20000,100000} ;;
     mooncake) opts='{ protocol = "tcp", hostname = "127.0.0.1" }'; sizes=${BENCH_SIZES:-20000,100000} ;;
   esac

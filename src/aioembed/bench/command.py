@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import anyio
 
@@ -24,6 +24,7 @@ from aioembed.bench.baselines import (
     moves_cuda,
     resolve_baseline,
 )
+from aioembed.bench.event_channel import claimed_stdout
 from aioembed.bench.measure import WORKLOADS, BenchOptions, Measurer, has_zero_copy, plan_steps
 from aioembed.bench.targets import evaluate_targets
 from aioembed.bench.workloads import (
@@ -268,7 +269,15 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``aioembed bench``; returns the exit code."""
+    """Run ``aioembed bench``; returns the exit code. With ``--json -`` stdout carries the JSON report alone:
+    what a native library prints there meanwhile (UCX logs its warnings to stdout) goes to stderr."""
+    if args.json == "-":
+        with claimed_stdout() as out:
+            return _run(args, out)
+    return _run(args, sys.stdout)
+
+
+def _run(args: argparse.Namespace, stdout: TextIO) -> int:
     if importlib.util.find_spec("rich") is None:
         print(f"aioembed bench: error: {CLI_HINT}", file=sys.stderr)
         return 2
@@ -367,8 +376,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         text = json.dumps(_finite(result), indent=1, allow_nan=False, default=str)
         if to_stdout:
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
+            stdout.write(text + "\n")
+            stdout.flush()
         else:
             Path(args.json).write_text(text + "\n")
             console.print(f"JSON written to {args.json}", highlight=False)

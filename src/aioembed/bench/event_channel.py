@@ -5,6 +5,7 @@ Native libraries such a child loads write to file descriptor 1 as well (UCX logs
 told otherwise), and a line of theirs would land in the parent's event stream. So the child claims its stdout
 once, at start, before those libraries load: events go to a private duplicate of descriptor 1, and descriptor 1
 itself (and ``sys.stdout``) then point at stderr, where the parent keeps what the child logs for its errors.
+``aioembed bench --json -`` keeps its own stdout the same way while it runs (:func:`claimed_stdout`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TextIO
 
-__all__ = ["claim_stdout", "emit", "parse_event"]
+__all__ = ["claim_stdout", "claimed_stdout", "emit", "parse_event"]
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,9 @@ _channel: TextIO | None = None
 
 
 def claim_stdout() -> None:
-    """Keep stdout for :func:`emit` alone; anything else written to it goes to stderr from now on."""
+    """Keep stdout for :func:`emit` alone, for good; anything else written to it goes to stderr from now on.
+    For a child process, called before it loads a native library (in its ``__main__`` block, so that a test
+    calling its ``main()`` in-process keeps its own stdout)."""
     global _channel  # noqa: PLW0603  (stdout is one per process)
     if _channel is not None:
         return
@@ -31,6 +36,24 @@ def claim_stdout() -> None:
     _channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+
+
+@contextmanager
+def claimed_stdout() -> Iterator[TextIO]:
+    """Within the block, stdout is the yielded stream's alone (``aioembed bench --json -`` writes its report
+    there) and what else is written to it goes to stderr; stdout is given back afterwards."""
+    sys.stdout.flush()
+    saved_fd, saved = os.dup(1), sys.stdout
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield out
+    finally:
+        out.close()
+        sys.stdout = saved
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
 
 
 def emit(**event: Any) -> None:

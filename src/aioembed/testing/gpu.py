@@ -135,7 +135,7 @@ class CudaSuite:
         write straight from the buffers (no staging, no registration per send) waits for it too."""
         want = _on_gpu(deterministic_request(LAYOUT, 700, "kept"))
         async with self.pair() as (sender, receiver):
-            buffers = LAYOUT.empty(4096, device="cuda:0")
+            buffers = {n: t.zero_() for n, t in LAYOUT.empty(4096, device="cuda:0").items()}
             async with await sender.register_sources(*buffers.values()):
                 torch.cuda.synchronize()
                 _late()

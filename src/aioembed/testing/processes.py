@@ -251,7 +251,8 @@ class ProcessSide:
         self.name = name
         self.events: list[dict[str, Any]] = []
         self.other_output: list[str] = []
-        """Lines on stdout that are not events (a native library's own logging)."""
+        """Lines on stdout that are not events (what a native library wrote there before the process claimed
+        its stdout; afterwards such output is in its stderr)."""
         self._buffer = b""
         self._stderr_path = stderr_path
 
@@ -277,7 +278,8 @@ class ProcessSide:
 
     async def next_event(self, timeout: float = 60.0) -> dict[str, Any]:
         """The next JSON event printed by the process (raises ``TimeoutError`` or ``EOFError``). Other lines
-        (a native library logging to stdout, as UCX does) are kept in :attr:`other_output` and skipped."""
+        (written before the process claimed its stdout for its events) are kept in :attr:`other_output` and
+        skipped."""
         assert self.process.stdout is not None
         with anyio.fail_after(timeout):
             while True:
@@ -378,7 +380,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--spec", required=True, help="SideSpec as JSON")
     args = parser.parse_args(argv)
     spec = SideSpec.from_json(args.spec)
-    claim_stdout()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {spec.role}[{spec.rank}] %(name)s %(levelname)s %(message)s")
     if spec.backend not in ("asyncio", "trio"):
@@ -387,4 +388,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    claim_stdout()  # native libraries print to fd 1: keep it for the JSON lines only
     main()

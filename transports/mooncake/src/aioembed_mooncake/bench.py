@@ -181,8 +181,6 @@ def _peer(spec: dict[str, Any]) -> None:
     rc = engine.batch_register_memory(addrs, [t.numel() for t in dst.values()])
     if rc != 0:
         raise SystemExit(f"batch_register_memory returned {rc}")
-
-
     emit(session=started.session, addrs={k: t.data_ptr() for k, t in dst.items()}, pid=os.getpid())
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -203,9 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m aioembed_mooncake.bench SPEC_JSON")
-    claim_stdout()
     _peer(json.loads(args[0]))
 
 
 if __name__ == "__main__":
+    claim_stdout()  # native libraries print to fd 1: keep it for the JSON lines only
     main()

@@ -218,9 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m aioembed_nixl.bench SPEC_JSON")
-    claim_stdout()  # native libraries print to fd 1: keep it for the JSON lines only
     _peer(json.loads(args[0]))
 
 
 if __name__ == "__main__":
+    claim_stdout()  # native libraries print to fd 1: keep it for the JSON lines only
     main()
