@@ -13,7 +13,7 @@ here=$PWD
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || { echo "tools/gpu/check.sh: $PY sees no CUDA device (or has no torch); nothing to check" >&2; exit 1; }
 failed=0
-for plugin in nixl ucx mooncake; do
+for plugin in ${PLUGINS:-nixl ucx mooncake}; do
   "$PY" -c "import aioembed_$plugin" 2>/dev/null || { echo "== $plugin: not installed, skipped"; continue; }
   echo "== $plugin: CudaSuite (must pass, none skipped)"
   out=$(cd "transports/$plugin" && "$PY" -m pytest tests/test_gpu.py -p no:cacheprovider -q -rA 2>&1)
@@ -30,7 +30,7 @@ for plugin in nixl ucx mooncake; do
 done
 # GPU-to-GPU bench lines: NIXL against raw NIXL on the same GPU bytes; Mooncake and UCX have no raw GPU
 # baseline yet, so their lines show aioembed alone (no ratio).
-for plugin in nixl ucx mooncake; do
+for plugin in ${PLUGINS:-nixl ucx mooncake}; do
   "$PY" -c "import aioembed_$plugin" 2>/dev/null || continue
   case $plugin in
     nixl) opts='{ write_timeout = 20.0 }'; sizes=${BENCH_SIZES:-8192,20000,100000} ;;
