@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, on a host with a CUDA device and the plugins installed with their CUDA builds
-# (e.g. pip install -e '.[test,cli]' 'transports/nixl[cu13]' 'transports/ucx[cu13]' 'transports/mooncake[cuda13]').
+# (e.g. pip install -e '.[test,cli]' 'transports/nixl[cu13]' 'transports/ucx[cu13]' 'transports/mooncake[cuda13]'; on a host
+# without a package index: tools/gpu/bundle.sh here, then `source tools/gpu/install_bundle.sh NAME` there).
 # For each installed plugin: the shared CUDA suite (must pass, nothing skipped), then its race tests
 # without the stream fences (they must fail); then a GPU-to-GPU bench line per plugin. Exits non-zero
 # if any of that does not hold. Changes nothing.
