@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from aioembed.bench.event_channel import parse_event
+from aioembed.bench.event_channel import last_event, parse_event
 
 CHILD = """
 import os, sys
@@ -58,3 +58,9 @@ def test_a_line_that_is_not_an_event_is_skipped_and_logged(caplog: pytest.LogCap
         assert parse_event(b"[1, 2]", "peer") is None
         assert parse_event(b'{"event": "ready", "pid": 7}', "peer") == {"event": "ready", "pid": 7}
     assert [r.getMessage().startswith("peer wrote a line that is not an event") for r in caplog.records] == [True, True]
+
+
+def test_the_last_event_of_a_finished_child_is_found_among_other_lines() -> None:
+    out = b'native noise\n{"event": "ready"}\n{"result": 2}\n[exit] UCX  WARN  leak\n'
+    assert last_event(out, "child") == {"result": 2}
+    assert last_event(b"only noise\n", "child") is None

@@ -65,6 +65,12 @@ def _buffers(tokens: int) -> dict[str, torch.Tensor]:
     return LAYOUT.empty(tokens)
 
 
+async def _registered(sender: EmbeddingSender, tokens: int) -> tuple[dict[str, torch.Tensor], RegisteredSources]:
+    """Buffers of ``tokens`` rows per field, registered with ``sender``."""
+    buffers = _buffers(tokens)
+    return buffers, await sender.register_sources(*buffers.values())
+
+
 @asynccontextmanager
 async def _paired(writer: MockTransport) -> AsyncIterator[tuple[EmbeddingSender, EmbeddingReceiver]]:
     """A sender on ``writer`` and a connected receiver, both closed at the end (closing twice is a no-op, so a
@@ -78,8 +84,7 @@ async def _paired(writer: MockTransport) -> AsyncIterator[tuple[EmbeddingSender,
 async def test_sends_from_registered_buffers_neither_stage_nor_register() -> None:
     writer = CountingTransport()
     async with _paired(writer) as (sender, receiver):
-        buffers = _buffers(4096)
-        kept = await sender.register_sources(*buffers.values())
+        buffers, kept = await _registered(sender, 4096)
         assert isinstance(kept, RegisteredSources) and sender.source_buffers == 1
         registers = len(writer.registered)
         assert sender._staging is not None
@@ -132,8 +137,7 @@ async def test_aclose_waits_until_no_write_reads_the_buffers() -> None:
     slow = anyio.Event()
     writer = CountingTransport(faults=_faults_after(slow, lambda: WriteFault(delay=0.5)))
     async with _paired(writer) as (sender, receiver):
-        buffers = _buffers(1024)
-        kept = await sender.register_sources(*buffers.values())
+        buffers, kept = await _registered(sender, 1024)
         want = make_request(300, seed=4)
         rows = rows_in(buffers, 0, want)
         slow.set()
@@ -162,8 +166,7 @@ async def test_a_failed_write_that_may_still_land_holds_the_buffers_for_its_life
     fail = anyio.Event()
     writer = CountingTransport(cancel_safe_writes=False, write_lifetime=lifetime, faults=_faults_after(fail, _may_land))
     async with _paired(writer) as (sender, receiver):
-        buffers = _buffers(1024)
-        kept = await sender.register_sources(*buffers.values())
+        buffers, kept = await _registered(sender, 1024)
         rows = rows_in(buffers, 0, make_request(300, seed=5))
         fail.set()
         async with anyio.create_task_group() as tg:
@@ -207,8 +210,7 @@ async def test_aclose_during_the_senders_close_returns_once_the_transport_droppe
     fail = anyio.Event()
     writer = CountingTransport(cancel_safe_writes=False, write_lifetime=3.0, faults=_faults_after(fail, _may_land))
     async with _paired(writer) as (sender, receiver):
-        buffers = _buffers(1024)
-        kept = await sender.register_sources(*buffers.values())
+        buffers, kept = await _registered(sender, 1024)
         rows = rows_in(buffers, 0, make_request(300, seed=5))
         fail.set()
         seen: dict[str, object] = {}
@@ -271,8 +273,7 @@ async def test_the_use_count_comes_back_after_a_refused_an_aborted_and_a_cancell
     slow = anyio.Event()
     writer = CountingTransport(faults=_faults_after(slow, lambda: WriteFault(delay=0.3)))
     async with _paired(writer) as (sender, receiver):
-        buffers = _buffers(1024)
-        kept = await sender.register_sources(*buffers.values())
+        buffers, kept = await _registered(sender, 1024)
         rows = rows_in(buffers, 0, make_request(300, seed=5))
         slow.set()
 

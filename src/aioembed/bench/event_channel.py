@@ -18,11 +18,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-__all__ = ["claim_stdout", "claimed_stdout", "emit", "parse_event"]
+__all__ = ["claim_stdout", "claimed_stdout", "emit", "last_event", "parse_event"]
 
 log = logging.getLogger(__name__)
 
 _channel: TextIO | None = None
+
+
+def _divert_stdout() -> TextIO:
+    """A stream on what stdout is now; descriptor 1 and ``sys.stdout`` go to stderr from here on."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
 
 
 def claim_stdout() -> None:
@@ -30,23 +39,16 @@ def claim_stdout() -> None:
     For a child process, called before it loads a native library (in its ``__main__`` block, so that a test
     calling its ``main()`` in-process keeps its own stdout)."""
     global _channel  # noqa: PLW0603  (stdout is one per process)
-    if _channel is not None:
-        return
-    sys.stdout.flush()
-    _channel = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    if _channel is None:
+        _channel = _divert_stdout()
 
 
 @contextmanager
 def claimed_stdout() -> Iterator[TextIO]:
     """Within the block, stdout is the yielded stream's alone (``aioembed bench --json -`` writes its report
     there) and what else is written to it goes to stderr; stdout is given back afterwards."""
-    sys.stdout.flush()
     saved_fd, saved = os.dup(1), sys.stdout
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = _divert_stdout()
     try:
         yield out
     finally:
@@ -75,3 +77,10 @@ def parse_event(line: bytes, who: str) -> dict[str, Any] | None:
         log.warning("%s wrote a line that is not an event, skipped: %r", who, line[:300])
         return None
     return event
+
+
+def last_event(output: bytes, who: str) -> dict[str, Any] | None:
+    """The last event in a finished child's whole stdout (its result), or ``None``: other lines (a native
+    library writing at exit) are skipped."""
+    events = [e for e in (parse_event(line, who) for line in output.splitlines() if line) if e is not None]
+    return events[-1] if events else None

@@ -41,7 +41,7 @@ import anyio.abc
 import torch
 
 from aioembed.bench.baselines import RawBaseline
-from aioembed.bench.event_channel import parse_event
+from aioembed.bench.event_channel import last_event, parse_event
 from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
     REQUEST_MIXES,
@@ -1153,14 +1153,12 @@ class Measurer:
             cmd = [sys.executable, "-m", "aioembed.bench.memchild", json.dumps(spec)]
             with anyio.fail_after(300):
                 proc = await anyio.run_process(cmd, check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            # its one result line (a native library writing at exit could still follow it)
-            found = [e for e in (parse_event(line, "memory child") for line in proc.stdout.splitlines() if line)
-                     if e is not None]
-            if proc.returncode != 0 or not found:
+            found = last_event(proc.stdout, "memory child")
+            if proc.returncode != 0 or found is None:
                 err = proc.stderr.decode(errors="replace")[-2000:]
                 results[mode] = {"error": f"child exited {proc.returncode}: {err}"}
             else:
-                results[mode] = found[-1]
+                results[mode] = found
             self.tick("")
         return {
             "description": (

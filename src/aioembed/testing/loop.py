@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from aioembed.bench.event_channel import claim_stdout, emit, parse_event
+from aioembed.bench.event_channel import claim_stdout, emit, last_event
 
 __all__ = ["LoopStalls", "check_first_open_leaves_the_loop_running", "loop_stalls", "open_stalls"]
 
@@ -65,10 +65,8 @@ def check_first_open_leaves_the_loop_running(transport: str, options: Mapping[st
     stalls it for all of it)."""
     run = subprocess.run([sys.executable, "-m", "aioembed.testing.loop", transport, json.dumps(dict(options))],
                          capture_output=True, text=True, timeout=120, check=True)
-    found = [e for e in (parse_event(line.encode(), "loop child") for line in run.stdout.splitlines() if line)
-             if e is not None]
-    assert found, f"the child printed no result: {run.stdout[-2000:]} {run.stderr[-2000:]}"
-    got = found[-1]
+    got = last_event(run.stdout.encode(), "loop child")
+    assert got is not None, f"the child printed no result: {run.stdout[-2000:]} {run.stderr[-2000:]}"
     assert got["open"] > 0.1, f"the open loaded nothing slow in this fresh process, so it shows nothing: {got}"
     assert got["longest"] < got["open"] / 3, got
 
