@@ -57,6 +57,7 @@ from aioembed.protocol.messages import (
     encode,
 )
 from aioembed.protocol.ownership import Proof, Writer
+from aioembed.session.abort_answers import AbortAnswers
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.lease import LeaseReturns
 from aioembed.session.liveness import LoopWatch, PeerClock
@@ -121,7 +122,7 @@ class SenderConnection:
         self.rooms: dict[RoomId, ReceiveRoomDriver] = {}
         self._peer_interval = math.inf
         """The sender's heartbeat_interval (from its WELCOME)."""
-        self.aborting: set[RoomId] = set()
+        self.aborting = AbortAnswers()
         """Rooms that ended here with an ABORT the sender has not answered yet: their ids are not reused
         until it does (its ABORT_ACK would reach the new attempt, and the sender still holds the old one)."""
         self.epoch = 0
@@ -314,7 +315,7 @@ class SenderConnection:
             # Cut off the links this sender opened so far (our sessions up to this one).
             self._spawn(self._revoke, writer.sender, self.writer_id, writer.epoch + 1)
         event = SessionLost(kind, reason, writer)
-        self.aborting.clear()  # the sender ends our rooms with the session: no answer to wait for
+        self.aborting.session_ended()
         for room in list(self.rooms.values()):
             room.session_lost(event)
 
@@ -452,6 +453,12 @@ class SenderConnection:
         room_id = msg.room
         assert room_id is not None
         room = self.rooms.get(room_id)
+        if isinstance(msg, AbortAck) and self.aborting.stale_ack(room_id) and room is not None:
+            # No proof for anything: the earlier attempt's blocks were freed (FENCE_RELEASE) before this one
+            # could start, and this one sent no ABORT.
+            log.info("%s: room=%r: an ABORT_ACK for the earlier attempt of the room id (a fence STATUS answered "
+                     "its ABORT first), ignored", self.name, room_id)
+            return
         if room is not None and room.writer is not None and room.writer == self.writer:
             room.deliver(msg)
             return
@@ -465,8 +472,8 @@ class SenderConnection:
         or was still in the room's inbox when it ended): a proof (or doubt) about fenced blocks."""
         if isinstance(msg, Progress):
             return  # the round goes on: a PROGRESS proves nothing about the end of its writes
-        if isinstance(msg, (AbortAck, Reject)) or (isinstance(msg, Status) and msg.fence):
-            self.aborting.discard(room)  # the sender's last word on the room (fenced: the ledger holds the id)
+        if not isinstance(msg, Abort):
+            self.aborting.late(msg, room)
         if isinstance(msg, Abort):
             self.send(AbortAck(room=room))
         if writer is None:

@@ -782,7 +782,7 @@ class EmbeddingSender:
                 return
             r.notify_end()
             self._drop_room(r)
-        self._remember_ended(room, "sender", reason, aborted=True)
+        self._remember_ended(room, "sender", reason, aborted=True, ranks=r.rank_peer if r is not None else ())
 
     def _drop_room(self, r: SendRoomDriver) -> None:
         """Forget ``r``: out of the room table and out of every peer's room set."""
@@ -1010,6 +1010,14 @@ class EmbeddingSender:
 
     def _on_resume(self, peer: PeerSession, msg: Resume) -> None:
         r = self._rooms.get(msg.room)
+        if r is None and (tomb := self._tombstone(msg.room)) is not None and peer.rank in tomb.ranks:
+            # It crossed the room's end on the wire, and the room is gone already: its final STATUS (or
+            # ABORT_ACK) went to this rank and vouches for these blocks too (never written). A REJECT would
+            # reach a receiver that ended the room meanwhile as the answer to its ABORT, and free the room id
+            # before that answer came (the ABORT_ACK then hit the id's next attempt).
+            log.debug("sender: room=%r: RESUME from %s after the room ended (%s), ignored", msg.room, peer,
+                      tomb.reason)
+            return
         if r is None or r.rank_peer.get(peer.rank) is not peer:
             raise ProtocolError(f"RESUME for room {msg.room!r}, which {peer} has not started", room=msg.room)
         if r.machine.failed is not None:
