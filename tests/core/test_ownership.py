@@ -639,6 +639,23 @@ def test_late_answers_free_only_the_round_they_prove() -> None:
     assert free.grant == g0
 
 
+def test_a_late_answer_frees_a_failed_writes_grant_only_after_the_settle() -> None:
+    """The writer answers (ABORT_ACK) once its failed write can no longer be sent, as with FENCE_RELEASE:
+    bytes it sent may still sit in our socket buffers, so the grant waits out the same settle."""
+    ledger = BlockLedger()
+    failed = _announced(ledger, (0,))
+    ledger.fence(failed, FenceReason.WRITE_FAILED)
+    other = ledger.reserve("r", (5,), round=1)
+    ledger.announce(other, W)
+    ledger.fence(other, FenceReason.ABORT_UNACKED)
+    (free,) = ledger.late_answer(W, "r", Proof.ABORT_ACK, now=10.0, settle=0.2)
+    assert free.grant == other  # its write ended normally: freed at once
+    assert ledger.grant(failed).state is GrantState.FENCED and ledger.next_deadline() == 10.2
+    assert ledger.tick(10.1) == []
+    (free,) = ledger.tick(10.2)
+    assert isinstance(free, Free) and free.grant == failed and free.proof is Proof.ABORT_ACK
+
+
 @pytest.mark.parametrize("event", ["landed", "consumed", "ended", "fence"])
 def test_illegal_events_raise_and_change_nothing(event: str) -> None:
     ledger = BlockLedger()

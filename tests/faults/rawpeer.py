@@ -87,6 +87,9 @@ class RawSender:
         self.address = address
         self.identity: bytes | None = None
         self.pong = True
+        self.hold_pings = False
+        """While true, PINGs go to the inbox instead: the test answers them (:meth:`pong_to`), after the frames
+        a real sender would have answered first."""
         self.peer_id = "raw-sender"
         self.epoch = 0
         """The receiver session this raw sender knows (set by :meth:`welcome`), echoed in PONGs."""
@@ -100,7 +103,7 @@ class RawSender:
             msg = decode(frames[1])
         except Exception:
             msg = None
-        if isinstance(msg, Ping):
+        if isinstance(msg, Ping) and not self.hold_pings:
             if self.pong:
                 self.chan.send([frames[0], encode(Pong(nonce=msg.nonce, peer_id=self.peer_id, epoch=self.epoch))])
             return
@@ -122,6 +125,11 @@ class RawSender:
     def send(self, msg: Message) -> None:
         assert self.identity is not None
         self.chan.send([self.identity, encode(msg)])
+
+    def pong_to(self, ping: Message) -> None:
+        """Answer ``ping`` (a PING this raw sender received while holding them) like a live sender."""
+        assert isinstance(ping, Ping)
+        self.send(Pong(nonce=ping.nonce, peer_id=self.peer_id, epoch=self.epoch))
 
     def welcome(self, hello: Message, heartbeat_interval: float) -> Welcome:
         """Answer ``hello`` (a HELLO this raw sender received) with a WELCOME, like a real sender."""

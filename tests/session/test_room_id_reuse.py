@@ -38,7 +38,7 @@ def _slow_writes() -> MockTransport:
 async def _until_acknowledged(receiver: EmbeddingReceiver, *rooms: object) -> None:
     """Until the receiver lets the room ids go (its ABORT answered): the README's condition for reusing them."""
     with anyio.fail_after(5):
-        while any(room in c.aborting for c in receiver._conns.values() for room in rooms):
+        while any(room in c.held_ids for c in receiver._conns.values() for room in rooms):
             await anyio.sleep(0.01)
 
 

@@ -380,11 +380,21 @@ class BlockLedger:
     # -- proofs and doubts about a writer ------------------------------------------------------
 
     def late_answer(self, writer: Writer, room: RoomId, proof: Proof, *, round: int | None = None,
-                    ) -> list[LedgerAction]:
+                    now: float = 0.0, settle: float = 0.0) -> list[LedgerAction]:
         """A writer's answer for a room no longer in flight here: frees what it proves quiet
-        (only the grant of ``round`` when the answer is about one round's data)."""
-        return [a for g in self.fenced_for(writer, room) if round is None or g.round == round
-                for a in self.ended(g.id, proof)]
+        (only the grant of ``round`` when the answer is about one round's data). A grant whose write
+        failed and may land (``WRITE_FAILED``) is freed ``settle`` seconds later, as on FENCE_RELEASE:
+        the writer answers once that write can no longer be sent, and bytes it sent may still be in our
+        socket buffers."""
+        out: list[LedgerAction] = []
+        for g in self.fenced_for(writer, room):
+            if round is not None and g.round != round:
+                continue
+            if settle > 0 and g.state is GrantState.FENCED and g.reason is FenceReason.WRITE_FAILED:
+                self._timed(g, proof, now, settle)
+            else:
+                out.extend(self.ended(g.id, proof))
+        return out
 
     def fence_released(self, writer: Writer, room: RoomId, *, now: float, settle: float) -> list[LedgerAction]:
         """The writer's FENCE_RELEASE: its failed write can no longer be sent. Freed after ``settle``

@@ -169,9 +169,13 @@ class BlockKeeper:
         self.apply(self.ledger.fence_released(writer, room, now=anyio.current_time(), settle=settle))
         self.timer.wake()
 
-    def late_answer(self, writer: Writer, room: RoomId, proof: Proof, *, round: int | None = None) -> bool:
-        """A writer's answer for a room no longer in flight here; True if it released something."""
-        actions = self.ledger.late_answer(writer, room, proof, round=round)
+    def late_answer(self, writer: Writer, room: RoomId, proof: Proof, *, round: int | None = None,
+                    settle: float = 0.0) -> bool:
+        """A writer's answer for a room no longer in flight here; True if it released something. ``settle``:
+        see :meth:`BlockLedger.late_answer`."""
+        actions = self.ledger.late_answer(writer, room, proof, round=round, now=anyio.current_time(),
+                                          settle=settle)
+        self.timer.wake()
         self.apply(actions)
         return bool(actions)
 

@@ -57,10 +57,10 @@ from aioembed.protocol.messages import (
     encode,
 )
 from aioembed.protocol.ownership import Proof, Writer
-from aioembed.session.abort_answers import AbortAnswers
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.lease import LeaseReturns
 from aioembed.session.liveness import LoopWatch, PeerClock
+from aioembed.session.room_id_holds import RoomIdHolds
 from aioembed.transports.boundary import GuardedTransport
 
 if TYPE_CHECKING:
@@ -122,9 +122,10 @@ class SenderConnection:
         self.rooms: dict[RoomId, ReceiveRoomDriver] = {}
         self._peer_interval = math.inf
         """The sender's heartbeat_interval (from its WELCOME)."""
-        self.aborting = AbortAnswers()
-        """Rooms that ended here with an ABORT the sender has not answered yet: their ids are not reused
-        until it does (its ABORT_ACK would reach the new attempt, and the sender still holds the old one)."""
+        self.held_ids = RoomIdHolds()
+        """Ids of rooms that ended here about which the sender may still say something (its answer to our
+        ABORT, to a RESUME that crossed the end): a new attempt of the id waits (see room_id_holds)."""
+        self._ids_released = anyio.Event()
         self.epoch = 0
         self._next_epoch = next_epoch
         """The receiver's epochs, which grow across its connections: a connection to a sender that closed
@@ -151,20 +152,24 @@ class SenderConnection:
         self.clock = PeerClock(0.0)
         self._pings: deque[int] = deque(maxlen=8)
         self._nonce_base = uuid.uuid4().int & ((1 << 62) - 1)
-        sock = make_dealer(ctx, address, config)
-        try:
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            raise
-        self.chan = ControlSocket(sock, self._on_frames, name=self.name, bundles=True)
-        self.monitor = ControlSocket(mon, self._on_monitor, name=f"{self.name}:monitor")
+        self.chan, self.monitor = self._open_sockets(ctx)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Welcome: self._on_welcome, Reject: self._on_reject, Status: self._on_room_frame,
             Progress: self._on_room_frame,
             Abort: self._on_room_frame, AbortAck: self._on_room_frame, FenceRelease: self._on_fence_release,
             Drained: self._on_drained, Pong: self._on_pong, Ping: self._on_ping,
         }
+
+    def _open_sockets(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[ControlSocket, ControlSocket]:
+        """The DEALER to the sender, and the monitor that tells when its TCP connection drops."""
+        sock = make_dealer(ctx, self.address, self.config)
+        try:
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        return (ControlSocket(sock, self._on_frames, name=self.name, bundles=True),
+                ControlSocket(mon, self._on_monitor, name=f"{self.name}:monitor"))
 
     # -- public-ish ----------------------------------------------------------------------------
 
@@ -315,7 +320,8 @@ class SenderConnection:
             # Cut off the links this sender opened so far (our sessions up to this one).
             self._spawn(self._revoke, writer.sender, self.writer_id, writer.epoch + 1)
         event = SessionLost(kind, reason, writer)
-        self.aborting.session_ended()
+        self.held_ids.session_ended()
+        self._release_ids()
         for room in list(self.rooms.values()):
             room.session_lost(event)
 
@@ -427,13 +433,32 @@ class SenderConnection:
             self.keeper.drained(self.sender_id, min(msg.below_epoch, self.epoch), settle=FENCE_SETTLE)
 
     def _on_pong(self, msg: Pong) -> None:
-        if msg.nonce not in self._pings:  # only PINGs of the current session are remembered
+        released = self.held_ids.pong(msg.nonce)
+        if released:
+            self._release_ids()
+        if not released and msg.nonce not in self._pings:  # only PINGs of the current session are remembered
             log.debug("%s: PONG %d answers no PING of ours, ignored", self.name, msg.nonce)
         elif self.sender_id is not None and msg.peer_id != self.sender_id:
             self.session_lost(LossKind.DROPPED, f"sender {self.address} restarted (new id {msg.peer_id[:8]})")
         elif msg.epoch != self.epoch:
             self.session_lost(LossKind.DROPPED, f"sender {self.address} no longer knows session {self.epoch} "
                                                 "(it declared this receiver dead)")
+
+    def end_barrier(self, room: RoomId) -> None:
+        """``room`` ended here with an error: hold its id until the sender answered what we sent about it
+        (a PING after the end; its PONG comes after those answers)."""
+        if not self.ready:
+            return  # the session ended: nothing of it is believed any more
+        self.send(Ping(nonce=self.held_ids.ended(room)))
+
+    async def wait_released(self, room: RoomId) -> None:
+        """Until ``room``'s id is no longer held (a new attempt of it sends its INIT only then)."""
+        while room in self.held_ids:
+            await self._ids_released.wait()
+
+    def _release_ids(self) -> None:
+        self._ids_released.set()
+        self._ids_released = anyio.Event()
 
     def _on_ping(self, msg: Ping) -> None:
         self.send(Pong(nonce=msg.nonce, peer_id=self.receiver_id))
@@ -453,12 +478,7 @@ class SenderConnection:
         room_id = msg.room
         assert room_id is not None
         room = self.rooms.get(room_id)
-        if isinstance(msg, AbortAck) and self.aborting.stale_ack(room_id) and room is not None:
-            # No proof for anything: the earlier attempt's blocks were freed (FENCE_RELEASE) before this one
-            # could start, and this one sent no ABORT.
-            log.info("%s: room=%r: an ABORT_ACK for the earlier attempt of the room id (a fence STATUS answered "
-                     "its ABORT first), ignored", self.name, room_id)
-            return
+        # A new attempt has no writer until its INIT went out, which waits while the id is held.
         if room is not None and room.writer is not None and room.writer == self.writer:
             room.deliver(msg)
             return
@@ -472,8 +492,8 @@ class SenderConnection:
         or was still in the room's inbox when it ended): a proof (or doubt) about fenced blocks."""
         if isinstance(msg, Progress):
             return  # the round goes on: a PROGRESS proves nothing about the end of its writes
-        if not isinstance(msg, Abort):
-            self.aborting.late(msg, room)
+        if not isinstance(msg, Abort) and self.held_ids.late(msg, room):
+            self._release_ids()
         if isinstance(msg, Abort):
             self.send(AbortAck(room=room))
         if writer is None:
@@ -484,8 +504,10 @@ class SenderConnection:
             data = msg.state in (TransferStatus.SUCCESS, TransferStatus.TRANSFERRING)
             self.keeper.late_answer(writer, room, Proof.STATUS, round=msg.round if data else None)
         elif isinstance(msg, AbortAck):
-            self.keeper.late_answer(writer, room, Proof.ABORT_ACK)
+            self.keeper.late_answer(writer, room, Proof.ABORT_ACK, settle=FENCE_SETTLE)
         elif isinstance(msg, Abort):
-            self.keeper.late_answer(writer, room, Proof.SENDER_ABORT)
+            self.keeper.late_answer(writer, room, Proof.SENDER_ABORT, settle=FENCE_SETTLE)
         else:
-            self.keeper.late_answer(writer, room, Proof.REFUSED)
+            # A late REJECT refused some frame of the room (a RESUME that crossed its end, ...), which one it
+            # does not say: it proves nothing about the room's fenced blocks (our ABORT's answer frees them).
+            log.debug("%s: room=%r: a REJECT after the room ended: %s", self.name, room, msg.reason)

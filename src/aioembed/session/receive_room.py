@@ -283,6 +283,8 @@ class ReceiveRoomDriver:
     async def open(self) -> None:
         """Handshake (if needed), first reservation, INIT."""
         cfg, keeper = self.ctx.config, self.ctx.keeper
+        if self.room in self.conn.held_ids:
+            await self.conn.wait_released(self.room)  # the id's earlier attempt failed an instant ago
         while True:
             t0 = time.perf_counter()
             if self.conn.ready and self.conn.writer is not None:
@@ -414,7 +416,7 @@ class ReceiveRoomDriver:
         if alive and not self._sender_ended and self.writer is not None:
             # The sender holds the room (writing, or waiting for input or a RESUME): end it there.
             self.conn.send(Abort(room=self.room, reason=plain_text(error)))
-            self.conn.aborting.sent(self.room)
+            self.conn.held_ids.abort_sent(self.room)
             if grant is not None and state is GrantState.ANNOUNCED:
                 keeper.fence(grant, FenceReason.ABORT_UNACKED)
         elif grant is not None and state is GrantState.ANNOUNCED:
@@ -437,6 +439,8 @@ class ReceiveRoomDriver:
         self._inbox_send.close()
         self._hand_over_pending_frames()
         self._inbox.close()
+        if error is not None and self.writer is not None and self.conn.writer == self.writer:
+            self.conn.end_barrier(self.room)
         if self.stream is not None:
             self.stream.close()  # the consumer sees the end (and then the handle's error, if any)
         m = self.machine

@@ -438,7 +438,7 @@ class EmbeddingReceiver:
         conn = self._connection(address)
         if key in conn.rooms:
             raise InvalidRequest(f"room {key!r} is already being received from sender {address}")
-        if key in conn.aborting:
+        if conn.held_ids.owes_answer(key):
             raise InvalidRequest(f"room {key!r}: sender {address} has not yet acknowledged the abort of its earlier "
                                  "attempt (it may still be ending it); retry once it has, or use another room id")
         if conn.writer is not None and self.keeper.ledger.holds_room(conn.writer, key):

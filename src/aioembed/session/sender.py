@@ -782,7 +782,11 @@ class EmbeddingSender:
                 return
             r.notify_end()
             self._drop_room(r)
-        self._remember_ended(room, "sender", reason, aborted=True, ranks=r.rank_peer if r is not None else ())
+        # Keep the ranks the room had (a RESUME of theirs that crossed its end is ignored, not refused), also
+        # when it had ended already (``abort()`` after a failed ``send()``).
+        old = self._tombstone(room)
+        ranks = set(r.rank_peer if r is not None else ()) | (old.ranks if old is not None else set())
+        self._remember_ended(room, "sender", reason, aborted=True, ranks=ranks)
 
     def _drop_room(self, r: SendRoomDriver) -> None:
         """Forget ``r``: out of the room table and out of every peer's room set."""

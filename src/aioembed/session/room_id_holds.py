@@ -1,0 +1,74 @@
+"""Room ids a receiver ended and may not open again yet, per sender connection (sans-IO).
+
+Frames name a room by its id alone, so a frame about an attempt that ended here must never reach the id's
+next attempt: the sender's REJECT of a RESUME that crossed the room's end would free the new attempt's
+reservation as never written while the sender writes into it; an ABORT_ACK would fail it. Two holds keep
+the id until nothing more can come about the earlier attempt:
+
+- its ABORT is unanswered. The sender answers every ABORT once, with an ABORT_ACK or, while a write of the
+  room may still land, ``STATUS(fence=True)``; a REJECT naming the room never answers it (it refused another
+  frame). A new attempt of such an id is refused (``InvalidRequest``), as the README says.
+- a barrier: the room ended with an error, so frames of ours about it (a RESUME, the ABORT) may still be
+  on their way and be answered. A PING goes out after the end; the sender answers frames in the order they
+  came, so its PONG comes after every answer to them. A new attempt waits for that PONG before its INIT
+  (one round trip, only after a failure).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from aioembed.protocol.messages import AbortAck, Reject, RoomId, Status
+
+__all__ = ["RoomIdHolds"]
+
+_NONCES = (1 << 62) - 1
+
+
+class RoomIdHolds:
+    """The held ids of one sender connection: ``room in holds`` while either hold stands."""
+
+    def __init__(self) -> None:
+        self._owed: set[RoomId] = set()
+        self._barriers: dict[RoomId, int] = {}  # room -> the nonce of the PING after its end
+        self._nonce = uuid.uuid4().int & _NONCES  # unguessable, like the heartbeat PINGs'
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._owed or room in self._barriers
+
+    def __len__(self) -> int:
+        return len(self._owed.union(self._barriers))
+
+    def owes_answer(self, room: RoomId) -> bool:
+        """True while the ABORT of ``room`` is unanswered."""
+        return room in self._owed
+
+    def abort_sent(self, room: RoomId) -> None:
+        """An ABORT of ``room`` went to the sender."""
+        self._owed.add(room)
+
+    def ended(self, room: RoomId) -> int:
+        """``room`` ended with an error: returns the nonce of the PING to send now (after its ABORT)."""
+        self._nonce = (self._nonce + 1) & _NONCES
+        self._barriers[room] = self._nonce
+        return self._nonce
+
+    def late(self, msg: Status | AbortAck | Reject, room: RoomId) -> bool:
+        """A frame of the sender for ``room``, no longer in flight here; True if it answered our ABORT."""
+        if (isinstance(msg, AbortAck) or (isinstance(msg, Status) and msg.fence)) and room in self._owed:
+            self._owed.discard(room)
+            return True
+        return False
+
+    def pong(self, nonce: int) -> list[RoomId]:
+        """The sender answered PING ``nonce``: the ids whose barrier it was (still held if an ABORT is
+        unanswered)."""
+        done = [room for room, n in self._barriers.items() if n == nonce]
+        for room in done:
+            del self._barriers[room]
+        return done
+
+    def session_ended(self) -> None:
+        """The sender ends our rooms with the session, and no frame of that session is believed after it."""
+        self._owed.clear()
+        self._barriers.clear()
