@@ -222,12 +222,10 @@ class BlockLedgerMachine(RuleBasedStateMachine):
             assert g.writer is not None
             self.apply(self.ledger.late_answer(g.writer, g.room, Proof.STATUS))
 
-    @rule(data=st.data(), proof=st.sampled_from([Proof.STATUS, Proof.ABORT_ACK, Proof.SENDER_ABORT, Proof.REFUSED]))
+    @rule(data=st.data(), proof=st.sampled_from([Proof.STATUS, Proof.ABORT_ACK, Proof.SENDER_ABORT]))
     def writer_says_over(self, data: st.DataObject, proof: Proof) -> None:
-        """A final non-fence STATUS / ABORT_ACK / ABORT / REJECT: sent only once no write is in flight."""
+        """A final non-fence STATUS / ABORT_ACK / ABORT: sent only once no write is in flight."""
         grants = [g for g in self.live(GrantState.ANNOUNCED, GrantState.FENCED) if not self._writes_into(g)]
-        if proof is Proof.REFUSED:
-            grants = [g for g in grants if not g.written]
         if grants:
             g = data.draw(st.sampled_from(grants))
             g.written = True  # the room (or this round) is over for the sender

@@ -133,7 +133,6 @@ class Proof(enum.Enum):
     STATUS = "the writer's STATUS"
     ABORT_ACK = "the writer's ABORT_ACK"
     SENDER_ABORT = "the writer's ABORT (sent once its writes ended)"
-    REFUSED = "the writer refused the reservation (never written)"
     FENCE_RELEASE = "the writer's FENCE_RELEASE"
     DRAINED = "the writer's DRAINED after a re-handshake"
     REVOKED = "the transport revoked the writer"
@@ -351,7 +350,7 @@ class BlockLedger:
 
     def ended(self, grant_id: int, proof: Proof) -> list[LedgerAction]:
         """The writer proved its writes into the grant are over (final STATUS, ABORT_ACK, ...)."""
-        if proof not in (Proof.STATUS, Proof.ABORT_ACK, Proof.SENDER_ABORT, Proof.REFUSED):
+        if proof not in (Proof.STATUS, Proof.ABORT_ACK, Proof.SENDER_ABORT):
             raise OwnershipError(f"grant {grant_id}: {proof.name} is not a writer's answer")
         g = self._check(grant_id, "ended")
         return [self._free(g, proof)]

@@ -35,7 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 from aioembed.config import TransferConfig
 from aioembed.control.channel import ControlSocket
 from aioembed.control.sockets import make_dealer
-from aioembed.errors import IncompatiblePeer, ProtocolError, TransferFailed, TransferTimeout
+from aioembed.errors import AioembedError, IncompatiblePeer, ProtocolError, TransferFailed, TransferTimeout
 from aioembed.layout import Layout
 from aioembed.memory.pool import BlockPool
 from aioembed.protocol.messages import (
@@ -449,7 +449,13 @@ class SenderConnection:
         (a PING after the end; its PONG comes after those answers)."""
         if not self.ready:
             return  # the session ended: nothing of it is believed any more
-        self.send(Ping(nonce=self.held_ids.ended(room)))
+        nonce = self.held_ids.ended(room)
+        try:
+            self.send(Ping(nonce=nonce))
+        except AioembedError as exc:  # the sender does not read (outbox full): its session is as good as lost
+            self.held_ids.pong(nonce)
+            log.warning("%s: room=%r: could not send the PING after its end (%s); its id is not held", self.name,
+                        room, exc)
 
     async def wait_released(self, room: RoomId) -> None:
         """Until ``room``'s id is no longer held (a new attempt of it sends its INIT only then)."""
@@ -502,7 +508,8 @@ class SenderConnection:
             self.keeper.late_fence(writer, room)
         elif isinstance(msg, Status):
             data = msg.state in (TransferStatus.SUCCESS, TransferStatus.TRANSFERRING)
-            self.keeper.late_answer(writer, room, Proof.STATUS, round=msg.round if data else None)
+            self.keeper.late_answer(writer, room, Proof.STATUS, round=msg.round if data else None,
+                                    settle=FENCE_SETTLE)
         elif isinstance(msg, AbortAck):
             self.keeper.late_answer(writer, room, Proof.ABORT_ACK, settle=FENCE_SETTLE)
         elif isinstance(msg, Abort):

@@ -284,7 +284,7 @@ class ReceiveRoomDriver:
         """Handshake (if needed), first reservation, INIT."""
         cfg, keeper = self.ctx.config, self.ctx.keeper
         if self.room in self.conn.held_ids:
-            await self.conn.wait_released(self.room)  # the id's earlier attempt failed an instant ago
+            await self._wait_id_released()
         while True:
             t0 = time.perf_counter()
             if self.conn.ready and self.conn.writer is not None:
@@ -316,6 +316,19 @@ class ReceiveRoomDriver:
                                            exact_tokens=exact))
         self.machine.init_sent(blocks=len(blocks), allocated_tokens=tokens, progress_tokens=self.progress_tokens)
         self.handle._set_status(TransferStatus.WAITING_FOR_INPUT)
+
+    async def _wait_id_released(self) -> None:
+        """The id's earlier attempt failed an instant ago: what the sender still says about it comes before
+        the PONG we wait for (a live sender answers at once; a silent one loses the session, which releases
+        the id). Bounded by ``handshake_timeout`` against a peer that answers heartbeats but not this."""
+        timeout = self.ctx.config.handshake_timeout
+        with anyio.move_on_after(timeout):
+            await self.conn.wait_released(self.room)
+            return
+        raise TransferTimeout(f"room {self.room!r}: sender {self.conn.address} did not answer, within "
+                              f"handshake_timeout={timeout} s, the PING sent after this room id's earlier "
+                              "attempt failed (its answers about that attempt come first)", room=self.room,
+                              phase="id_release")
 
     async def next_round(self) -> tuple[Arrived, int] | None:
         """Wait for the sender's next word; returns the round that landed (and its grant), or ``None``
@@ -439,8 +452,6 @@ class ReceiveRoomDriver:
         self._inbox_send.close()
         self._hand_over_pending_frames()
         self._inbox.close()
-        if error is not None and self.writer is not None and self.conn.writer == self.writer:
-            self.conn.end_barrier(self.room)
         if self.stream is not None:
             self.stream.close()  # the consumer sees the end (and then the handle's error, if any)
         m = self.machine
@@ -458,6 +469,8 @@ class ReceiveRoomDriver:
             status = TransferStatus.ABORTED if isinstance(error, TransferAborted) else TransferStatus.FAILED
             self.handle._finish(error=error, status=status)
             log.info("receiver[%d]: room=%r: %s: %s", self.ctx.rank, self.room, status.name, error)
+            if self.writer is not None and self.conn.writer == self.writer:
+                self.conn.end_barrier(self.room)  # after the handle: it cannot leave it unresolved
 
     def _hand_over_pending_frames(self) -> None:
         """Frames still in the inbox when the room ended (e.g. the sender's final STATUS, delivered just as
@@ -501,8 +514,9 @@ class ReceiveRoomDriver:
             raise TransferAborted(f"room {self.room!r}: aborted by sender {self.conn.address}: {event.reason}",
                                   room=self.room)
         if isinstance(event, Reject):
-            self._sender_ended = True
-            self._end_grant(Proof.REFUSED)  # a refused reservation is never written
+            # Not the sender's end of the room: a refused frame leaves its room (and this rank) going there,
+            # and which frame was refused the REJECT does not say. fail() ABORTs the room and fences what we
+            # announced; the ABORT's answer, which comes once nothing of the room can move, frees it.
             if self._lost_reason is not None and self.machine.received == 0:
                 raise PeerDead(f"room {self.room!r}: {self._lost_reason}; opened again, sender "
                                f"{self.conn.address} refused it: {event.reason}", room=self.room)

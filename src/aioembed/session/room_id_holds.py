@@ -31,6 +31,7 @@ class RoomIdHolds:
     def __init__(self) -> None:
         self._owed: set[RoomId] = set()
         self._barriers: dict[RoomId, int] = {}  # room -> the nonce of the PING after its end
+        self._by_nonce: dict[int, RoomId] = {}  # and back: every PONG is looked up (heartbeats' too)
         self._nonce = uuid.uuid4().int & _NONCES  # unguessable, like the heartbeat PINGs'
 
     def __contains__(self, room: object) -> bool:
@@ -50,7 +51,11 @@ class RoomIdHolds:
     def ended(self, room: RoomId) -> int:
         """``room`` ended with an error: returns the nonce of the PING to send now (after its ABORT)."""
         self._nonce = (self._nonce + 1) & _NONCES
+        earlier = self._barriers.get(room)
+        if earlier is not None:
+            del self._by_nonce[earlier]
         self._barriers[room] = self._nonce
+        self._by_nonce[self._nonce] = room
         return self._nonce
 
     def late(self, msg: Status | AbortAck | Reject, room: RoomId) -> bool:
@@ -63,12 +68,14 @@ class RoomIdHolds:
     def pong(self, nonce: int) -> list[RoomId]:
         """The sender answered PING ``nonce``: the ids whose barrier it was (still held if an ABORT is
         unanswered)."""
-        done = [room for room, n in self._barriers.items() if n == nonce]
-        for room in done:
-            del self._barriers[room]
-        return done
+        room = self._by_nonce.pop(nonce, None)
+        if room is None:
+            return []
+        del self._barriers[room]
+        return [room]
 
     def session_ended(self) -> None:
         """The sender ends our rooms with the session, and no frame of that session is believed after it."""
         self._owed.clear()
         self._barriers.clear()
+        self._by_nonce.clear()
