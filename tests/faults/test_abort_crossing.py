@@ -352,3 +352,15 @@ async def test_a_room_aborted_by_both_sides_between_rounds_is_sent_again_at_once
                     received += 1
         assert received > 0
         await wait_pools_free(s, r)
+
+
+async def test_a_room_that_succeeded_holds_nothing() -> None:
+    """Only a failure sends the barrier PING: after a success nothing of ours is left unanswered."""
+    async with running(CFG) as (sender, [receiver]):
+        src = make_request(300, 5)
+        for _ in range(2):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "x", src)
+                got = await receiver.receive("x")
+            assert_same(got.tensors, src)
+            assert all(len(c.held_ids) == 0 for c in receiver._conns.values())
