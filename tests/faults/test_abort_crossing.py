@@ -10,11 +10,13 @@ PING sent after the end came back (the sender answers in order: nothing of the e
 
 from __future__ import annotations
 
-from contextlib import suppress
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
 
 import anyio
 import anyio.lowlevel
 import pytest
+from anyio.abc import TaskGroup
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferError, TransferTimeout
 from aioembed.errors import InvalidRequest
@@ -36,7 +38,7 @@ from aioembed.session.connection import FENCE_SETTLE
 from aioembed.testing import MockTransport, WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
-from .rawpeer import RawSender, raw_receiver, raw_sender
+from .rawpeer import RawReceiver, RawSender, raw_receiver, raw_sender
 
 pytestmark = pytest.mark.anyio
 
@@ -45,20 +47,33 @@ CFG = TransferConfig(default_tokens=128, max_round_tokens=128, pool_tokens=4096,
 """No heartbeat PING while a test holds PINGs to answer them itself (the first goes out at the handshake)."""
 
 
-async def test_a_resume_that_crossed_the_senders_abort_is_ignored_and_the_abort_answered() -> None:
-    async with running(CFG) as (sender, _), raw_receiver(sender.address, LAYOUT, CFG) as raw:
+@asynccontextmanager
+async def _rank_of(sender: EmbeddingSender) -> AsyncIterator[RawReceiver]:
+    """A hand-driven rank, welcomed by ``sender``."""
+    async with raw_receiver(sender.address, LAYOUT, CFG) as raw:
         raw.send(raw.hello(LAYOUT, CFG))
         assert isinstance(await raw.expect(Welcome), Welcome)
-        async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                with suppress(TransferError):
-                    await sender.send("x", make_request(300, 1))
+        yield raw
 
-            raw.send(Init(room="x", blocks=(0,), allocated_tokens=128, expected_ranks=1))
-            tg.start_soon(send)
-            first = await raw.expect(Status)
-            assert isinstance(first, Status) and first.state is TransferStatus.TRANSFERRING and first.round == 0
-            sender.abort("x", "the encoder failed on the image")  # the room waits for this rank's RESUME
+
+async def _round_zero_in(sender: EmbeddingSender, raw: RawReceiver, tg: TaskGroup) -> None:
+    """Room "x" of 300 tokens, 128 reserved, its send() started in ``tg``: until round 0's STATUS came
+    (the send() then waits for this rank's RESUME)."""
+    async def send() -> None:
+        with suppress(TransferError):
+            await sender.send("x", make_request(300, 1))
+
+    raw.send(Init(room="x", blocks=(0,), allocated_tokens=128, expected_ranks=1))
+    tg.start_soon(send)
+    first = await raw.expect(Status)
+    assert isinstance(first, Status) and first.state is TransferStatus.TRANSFERRING and first.round == 0
+
+
+async def test_a_resume_that_crossed_the_senders_abort_is_ignored_and_the_abort_answered() -> None:
+    async with running(CFG) as (sender, _), _rank_of(sender) as raw:
+        async with anyio.create_task_group() as tg:
+            await _round_zero_in(sender, raw, tg)
+            sender.abort("x", "the encoder failed on the image")
             end = await raw.expect(Status)
             assert isinstance(end, Status) and end.state is TransferStatus.ABORTED and "the encoder" in end.error
         assert sender.rooms_in_flight == 0
@@ -120,6 +135,17 @@ async def _barrier(raw: RawSender, receiver: EmbeddingReceiver) -> Ping:
         raw.pong_to(ping)
 
 
+async def _cancelled_after_its_init(raw: RawSender, receiver: EmbeddingReceiver) -> Ping:
+    """Room "x" asked for and cancelled at once (its ABORT seen): the PING sent after its end."""
+    await _welcomed(raw)
+    first = receiver.start("x")
+    assert isinstance(await raw.expect(Init), Init)
+    first.cancel("the client went away")
+    await first.wait()
+    assert isinstance(await raw.expect(Abort), Abort)
+    return await _barrier(raw, receiver)
+
+
 async def _no_init_within(raw: RawSender, seconds: float) -> None:
     with pytest.raises(TimeoutError):
         await raw.expect(Init, timeout=seconds)
@@ -162,13 +188,7 @@ async def test_an_abort_ack_after_a_fence_status_never_reaches_the_next_attempt(
     land). The next attempt of the id starts at once; its INIT waits for the barrier, which comes after
     that ABORT_ACK: the ACK no longer fails it ("ABORT_ACK without an ABORT")."""
     async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
-        await _welcomed(raw)
-        first = receiver.start("x")
-        assert isinstance(await raw.expect(Init), Init)
-        first.cancel("the client went away")
-        await first.wait()
-        assert isinstance(await raw.expect(Abort), Abort)
-        barrier = await _barrier(raw, receiver)
+        barrier = await _cancelled_after_its_init(raw, receiver)
         raw.send(Status(room="x", state=TransferStatus.FAILED, total_tokens=0, sent_tokens=0, round=0,
                         error="a write failed and may still land", fence=True))
         raw.send(FenceRelease(room="x"))
@@ -193,13 +213,7 @@ async def test_an_abort_ack_after_a_fence_release_frees_the_failed_writes_blocks
     """FENCE_RELEASE frees blocks a failed write may reach FENCE_SETTLE later (bytes already in our socket
     buffers land meanwhile); the ABORT_ACK right behind it, sent for the same reason, freed them at once."""
     async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
-        await _welcomed(raw)
-        first = receiver.start("x")
-        assert isinstance(await raw.expect(Init), Init)
-        first.cancel("the client went away")
-        await first.wait()
-        assert isinstance(await raw.expect(Abort), Abort)
-        raw.pong_to(await _barrier(raw, receiver))
+        raw.pong_to(await _cancelled_after_its_init(raw, receiver))
         conn = receiver._connection(raw.address)
         t0 = anyio.current_time()
         raw.send(Status(room="x", state=TransferStatus.FAILED, total_tokens=0, sent_tokens=0, round=0,
@@ -216,17 +230,9 @@ async def test_an_abort_ack_after_a_fence_release_frees_the_failed_writes_blocks
 async def test_abort_after_a_failed_send_keeps_the_ranks_that_asked() -> None:
     """``abort()`` after ``send()`` raised (a common ``except`` clause) rewrote the room's tombstone without
     its ranks: a RESUME of theirs that crossed the end was REJECTed again, not ignored."""
-    async with running(CFG) as (sender, _), raw_receiver(sender.address, LAYOUT, CFG) as raw:
-        raw.send(raw.hello(LAYOUT, CFG))
-        assert isinstance(await raw.expect(Welcome), Welcome)
+    async with running(CFG) as (sender, _), _rank_of(sender) as raw:
         async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                with suppress(TransferError):
-                    await sender.send("x", make_request(300, 1))
-
-            raw.send(Init(room="x", blocks=(0,), allocated_tokens=128, expected_ranks=1))
-            tg.start_soon(send)
-            assert isinstance(await raw.expect(Status), Status)
+            await _round_zero_in(sender, raw, tg)
             sender.abort("x", "the encoder failed on the image")
             end = await raw.expect(Status)
             assert isinstance(end, Status) and end.state is TransferStatus.ABORTED
@@ -279,21 +285,13 @@ async def test_the_real_sender_answers_what_came_before_a_ping_first_except_an_a
     """The barrier's premise, against the real sender: a frame about a room it no longer holds is answered at
     once, so before the PONG of a PING sent after it; an ABORT of a room whose send() still runs is answered
     by that send() once its writes are over, maybe after the PONG: the receiver's ABORT hold covers that one."""
-    async with running(CFG) as (sender, _), raw_receiver(sender.address, LAYOUT, CFG) as raw:
-        raw.send(raw.hello(LAYOUT, CFG))
-        assert isinstance(await raw.expect(Welcome), Welcome)
+    async with running(CFG) as (sender, _), _rank_of(sender) as raw:
         raw.send(Abort(room="gone", reason="the client went away"))
         raw.send(Ping(nonce=1))
         assert isinstance(await raw.expect((AbortAck, Pong)), AbortAck)
         assert isinstance(await raw.expect(Pong), Pong)
         async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                with suppress(TransferError):
-                    await sender.send("x", make_request(300, 1))
-
-            raw.send(Init(room="x", blocks=(0,), allocated_tokens=128, expected_ranks=1))
-            tg.start_soon(send)
-            assert isinstance(await raw.expect(Status), Status)  # round 0 in; send() waits for the RESUME
+            await _round_zero_in(sender, raw, tg)
             raw.send(Abort(room="x", reason="the client went away"))
             raw.send(Ping(nonce=2))
             # Either order (asyncio: the PONG first; trio may run the send() before reading the PING).

@@ -9,9 +9,11 @@ the id until nothing more can come about the earlier attempt:
   room may still land, ``STATUS(fence=True)``; a REJECT naming the room never answers it (it refused another
   frame). A new attempt of such an id is refused (``InvalidRequest``), as the README says.
 - a barrier: the room ended with an error, so frames of ours about it (a RESUME, the ABORT) may still be
-  on their way and be answered. A PING goes out after the end; the sender answers frames in the order they
-  came, so its PONG comes after every answer to them. A new attempt waits for that PONG before its INIT
-  (one round trip, only after a failure).
+  on their way and be answered. A PING goes out after the end. The sender handles frames in the order they
+  came and sends what it answers at once before it reads the next, so its PONG comes after those answers.
+  The one answer it gives later, to an ABORT of a room whose ``send()`` still runs (sent once its writes
+  are over), the first hold covers. A new attempt waits for that PONG before its INIT (one round trip,
+  only after a failure).
 """
 
 from __future__ import annotations
