@@ -35,6 +35,7 @@ from aioembed.protocol.messages import (
     Welcome,
 )
 from aioembed.session.connection import FENCE_SETTLE
+from aioembed.session.handle import ReceiveHandle
 from aioembed.testing import MockTransport, WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
@@ -362,3 +363,50 @@ async def test_a_room_that_succeeded_holds_nothing() -> None:
                 got = await receiver.receive("x")
             assert_same(got.tensors, src)
             assert all(len(c.held_ids) == 0 for c in receiver._conns.values())
+
+
+async def _waiting_for_the_barrier(raw: RawSender, receiver: EmbeddingReceiver) -> ReceiveHandle:
+    """Room "x" failed at the sender; a new attempt of it waits for the (held) barrier's PONG."""
+    await _welcomed(raw)
+    first = receiver.start("x")
+    assert isinstance(await raw.expect(Init), Init)
+    raw.send(Status(room="x", state=TransferStatus.FAILED, total_tokens=0, sent_tokens=0, round=0,
+                    error="the encoder failed"))
+    await first.wait()
+    await _barrier(raw, receiver)  # not answered
+    again = receiver.start("x")
+    await _no_init_within(raw, 0.1)
+    return again
+
+
+async def test_an_attempt_waiting_for_the_barrier_can_be_cancelled_and_sends_nothing() -> None:
+    async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
+        again = await _waiting_for_the_barrier(raw, receiver)
+        again.cancel("the client went away")
+        with anyio.fail_after(1):
+            assert await again.wait() is TransferStatus.ABORTED
+        with pytest.raises(TimeoutError):  # no ABORT, no PING: nothing of it reached the sender
+            await raw.next(timeout=0.3)
+        assert "x" not in receiver._connection(raw.address).rooms
+
+
+async def test_an_attempt_waiting_for_the_barrier_opens_in_the_next_session_when_this_one_is_lost() -> None:
+    async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
+        again = await _waiting_for_the_barrier(raw, receiver)
+        # The sender declares us dead: the session's holds go, the attempt opens in the next session.
+        raw.send(Reject(reason="unknown peer: send HELLO first", room="x", code="unknown_peer"))
+        raw.welcome(await raw.expect(Hello), CFG.heartbeat_interval)
+        init = await raw.expect(Init)
+        assert isinstance(init, Init) and init.room == "x" and not again.done
+        again.cancel("test over")
+        await again.wait()
+
+
+async def test_an_attempt_waiting_for_the_barrier_ends_when_the_receiver_closes() -> None:
+    async with raw_sender() as raw:
+        receiver = EmbeddingReceiver(LAYOUT, CFG, connect=raw.address)
+        async with receiver:
+            waiting = await _waiting_for_the_barrier(raw, receiver)
+            with anyio.fail_after(2):
+                await receiver.aclose()
+        assert waiting.done and waiting.status is TransferStatus.ABORTED
