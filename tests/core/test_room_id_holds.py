@@ -13,14 +13,14 @@ def _status(room: str, *, fence: bool) -> Status:
 
 def test_an_abort_ack_or_a_fence_status_answers_an_abort_a_reject_or_plain_status_does_not() -> None:
     h = RoomIdHolds()
-    h.abort_sent("r")
+    h.abort_sent("r", 0.0)
     assert not h.late(Reject(reason="RESUME for a room it ended", room="r"), "r")
     assert not h.late(_status("r", fence=False), "r")
     assert h.owes_answer("r") and "r" in h and len(h) == 1
     assert h.late(AbortAck(room="r"), "r")
     assert not h.owes_answer("r") and "r" not in h and len(h) == 0
     assert not h.late(AbortAck(room="r"), "r")  # a second answer answers nothing
-    h.abort_sent("f")
+    h.abort_sent("f", 0.0)
     assert h.late(_status("f", fence=True), "f") and "f" not in h
 
 
@@ -36,11 +36,11 @@ def test_a_barrier_holds_the_id_until_its_own_pong() -> None:
 
 def test_an_id_is_held_until_both_its_abort_is_answered_and_its_barrier_came_back() -> None:
     h = RoomIdHolds()
-    h.abort_sent("r")
+    h.abort_sent("r", 0.0)
     nonce = h.ended("r")
     assert h.pong(nonce) == ["r"] and "r" in h  # the ABORT is still unanswered
     assert h.late(AbortAck(room="r"), "r") and "r" not in h
-    h.abort_sent(("p", 1))
+    h.abort_sent(("p", 1), 0.0)
     nonce = h.ended(("p", 1))
     assert h.late(_status("p", fence=True), ("p", 1)) and ("p", 1) in h  # the barrier stands
     assert h.pong(nonce) == [("p", 1)] and len(h) == 0
@@ -56,7 +56,19 @@ def test_a_new_end_of_the_same_id_waits_for_its_new_barrier() -> None:
 
 def test_a_session_end_releases_every_id() -> None:
     h = RoomIdHolds()
-    h.abort_sent("r")
+    h.abort_sent("r", 0.0)
     h.ended(("p", 1))
     h.session_ended()
     assert len(h) == 0 and "r" not in h and ("p", 1) not in h
+
+
+def test_an_abort_unanswered_too_long_is_reported_once() -> None:
+    h = RoomIdHolds()
+    h.abort_sent("r", 10.0)
+    h.abort_sent("q", 12.0)
+    assert h.overdue(14.0, after=5.0) == []
+    assert h.overdue(15.5, after=5.0) == ["r"]
+    assert h.overdue(20.0, after=5.0) == ["q"]  # r told already
+    assert h.late(AbortAck(room="r"), "r")
+    h.abort_sent("r", 30.0)  # the id aborted again later: reported again if that ABORT is not answered
+    assert h.overdue(40.0, after=5.0) == ["r"]

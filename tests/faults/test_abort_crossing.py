@@ -410,3 +410,23 @@ async def test_an_attempt_waiting_for_the_barrier_ends_when_the_receiver_closes(
             with anyio.fail_after(2):
                 await receiver.aclose()
         assert waiting.done and waiting.status is TransferStatus.ABORTED
+
+
+async def test_an_abort_the_sender_leaves_unanswered_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """A live sender answers an ABORT at once; one that answers heartbeats but not the ABORT keeps the id
+    refused for the whole session: said once in a WARNING, not left to be found."""
+    cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=3)
+    async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, cfg, connect=raw.address) as receiver:
+        raw.welcome(await raw.expect(Hello), cfg.heartbeat_interval)  # PINGs answered by themselves
+        handle = receiver.start("x")
+        assert isinstance(await raw.expect(Init), Init)
+        handle.cancel("the client went away")
+        await handle.wait()
+        assert isinstance(await raw.expect(Abort), Abort)
+        with anyio.fail_after(5):
+            while "has not answered our ABORT" not in caplog.text:
+                await anyio.sleep(0.05)
+        await anyio.sleep(0.5)
+        assert caplog.text.count("has not answered our ABORT") == 1
+        with pytest.raises(InvalidRequest, match="not yet acknowledged"):
+            receiver.start("x")

@@ -298,6 +298,10 @@ class SenderConnection:
                 self.clock.forgive(now, interval)
                 self.keeper.stalled(now)
             self.returns.drain()
+            for room in self.held_ids.overdue(now, limit):
+                log.warning("%s: room=%r: the sender has not answered our ABORT in %.1f s though it answers "
+                            "heartbeats; the room id is refused until it does (or the session ends)", self.name,
+                            room, limit)
             if self.clock.silent(now, limit):
                 self.session_lost(LossKind.SILENT, f"sender {self.address} silent for more than {limit:.1f} s")
 

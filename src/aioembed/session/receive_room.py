@@ -429,7 +429,7 @@ class ReceiveRoomDriver:
         if alive and not self._sender_ended and self.writer is not None:
             # The sender holds the room (writing, or waiting for input or a RESUME): end it there.
             self.conn.send(Abort(room=self.room, reason=plain_text(error)))
-            self.conn.held_ids.abort_sent(self.room)
+            self.conn.held_ids.abort_sent(self.room, anyio.current_time())
             if grant is not None and state is GrantState.ANNOUNCED:
                 keeper.fence(grant, FenceReason.ABORT_UNACKED)
         elif grant is not None and state is GrantState.ANNOUNCED:

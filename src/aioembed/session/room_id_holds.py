@@ -31,7 +31,8 @@ class RoomIdHolds:
     """The held ids of one sender connection: ``room in holds`` while either hold stands."""
 
     def __init__(self) -> None:
-        self._owed: set[RoomId] = set()
+        self._owed: dict[RoomId, float] = {}  # room -> when its ABORT went out
+        self._overdue: set[RoomId] = set()  # told about once (overdue)
         self._barriers: dict[RoomId, int] = {}  # room -> the nonce of the PING after its end
         self._by_nonce: dict[int, RoomId] = {}  # and back: every PONG is looked up (heartbeats' too)
         self._nonce = uuid.uuid4().int & _NONCES  # unguessable, like the heartbeat PINGs'
@@ -40,15 +41,22 @@ class RoomIdHolds:
         return room in self._owed or room in self._barriers
 
     def __len__(self) -> int:
-        return len(self._owed.union(self._barriers))
+        return len(self._owed.keys() | self._barriers.keys())
 
     def owes_answer(self, room: RoomId) -> bool:
         """True while the ABORT of ``room`` is unanswered."""
         return room in self._owed
 
-    def abort_sent(self, room: RoomId) -> None:
-        """An ABORT of ``room`` went to the sender."""
-        self._owed.add(room)
+    def abort_sent(self, room: RoomId, now: float) -> None:
+        """An ABORT of ``room`` went to the sender at ``now``."""
+        self._owed[room] = now
+
+    def overdue(self, now: float, after: float) -> list[RoomId]:
+        """Rooms whose ABORT went unanswered for more than ``after`` seconds, each returned once: a live
+        sender answers at once, so their ids, refused until it does, are worth a warning."""
+        late = [room for room, sent in self._owed.items() if now - sent > after and room not in self._overdue]
+        self._overdue.update(late)
+        return late
 
     def ended(self, room: RoomId) -> int:
         """``room`` ended with an error: returns the nonce of the PING to send now (after its ABORT)."""
@@ -63,7 +71,8 @@ class RoomIdHolds:
     def late(self, msg: Status | AbortAck | Reject, room: RoomId) -> bool:
         """A frame of the sender for ``room``, no longer in flight here; True if it answered our ABORT."""
         if (isinstance(msg, AbortAck) or (isinstance(msg, Status) and msg.fence)) and room in self._owed:
-            self._owed.discard(room)
+            del self._owed[room]
+            self._overdue.discard(room)
             return True
         return False
 
@@ -79,5 +88,6 @@ class RoomIdHolds:
     def session_ended(self) -> None:
         """The sender ends our rooms with the session, and no frame of that session is believed after it."""
         self._owed.clear()
+        self._overdue.clear()
         self._barriers.clear()
         self._by_nonce.clear()
