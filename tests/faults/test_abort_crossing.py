@@ -106,13 +106,7 @@ async def test_a_reject_does_not_answer_the_receivers_abort() -> None:
         conn = receiver._connection(raw.address)
         assert receiver.keeper.ledger.holds_room(conn.writer, "x")  # nor does it free the fenced INIT blocks
         raw.send(AbortAck(room="x"))
-        with anyio.fail_after(5):
-            while True:
-                try:
-                    again = receiver.start("x")
-                    break
-                except InvalidRequest:
-                    await anyio.sleep(0.01)
+        again = await _start_when_allowed(receiver, "x")
         init = await raw.expect(Init)
         assert isinstance(init, Init) and init.room == "x"
         again.cancel("test over")
@@ -134,6 +128,17 @@ async def _barrier(raw: RawSender, receiver: EmbeddingReceiver) -> Ping:
         if ping.nonce not in conn._pings:
             return ping
         raw.pong_to(ping)
+
+
+async def _start_when_allowed(receiver: EmbeddingReceiver, room: str, sender: str | None = None) -> ReceiveHandle:
+    """``receiver.start(room)`` once it is allowed: ``InvalidRequest`` until our ABORT of its earlier attempt
+    is answered and its fenced blocks are freed."""
+    with anyio.fail_after(10):
+        while True:
+            try:
+                return receiver.start(room, sender=sender)
+            except InvalidRequest:
+                await anyio.sleep(0.005)
 
 
 async def _cancelled_after_its_init(raw: RawSender, receiver: EmbeddingReceiver) -> Ping:
@@ -193,13 +198,7 @@ async def test_an_abort_ack_after_a_fence_status_never_reaches_the_next_attempt(
         raw.send(Status(room="x", state=TransferStatus.FAILED, total_tokens=0, sent_tokens=0, round=0,
                         error="a write failed and may still land", fence=True))
         raw.send(FenceRelease(room="x"))
-        with anyio.fail_after(5):
-            while True:
-                try:
-                    again = receiver.start("x")  # once the fence is released and settled
-                    break
-                except InvalidRequest:
-                    await anyio.sleep(0.01)
+        again = await _start_when_allowed(receiver, "x")  # once the fence is released and settled
         await _no_init_within(raw, 0.3)
         raw.send(AbortAck(room="x"))
         raw.pong_to(barrier)
@@ -334,13 +333,7 @@ async def test_a_room_aborted_by_both_sides_between_rounds_is_sent_again_at_once
 
                 tg.start_soon(second)
                 await anyio.sleep(0.01)
-                with anyio.fail_after(10):
-                    while True:
-                        try:
-                            again = r.start(room, sender=s.address)
-                            break
-                        except InvalidRequest:  # our ABORT not yet answered
-                            await anyio.sleep(0.005)
+                again = await _start_when_allowed(r, room, sender=s.address)
                 try:
                     got = await again.result()
                 except TransferError as exc:  # e.g. its INIT came before the retried send(): told it was aborted

@@ -502,10 +502,10 @@ class SenderConnection:
         or was still in the room's inbox when it ended): a proof (or doubt) about fenced blocks."""
         if isinstance(msg, Progress):
             return  # the round goes on: a PROGRESS proves nothing about the end of its writes
-        if not isinstance(msg, Abort) and self.held_ids.late(msg, room):
-            self._release_ids()
         if isinstance(msg, Abort):
             self.send(AbortAck(room=room))
+        elif self.held_ids.late(msg, room):
+            self._release_ids()
         if writer is None:
             return
         if isinstance(msg, Status) and msg.fence:

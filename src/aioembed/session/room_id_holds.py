@@ -76,14 +76,13 @@ class RoomIdHolds:
             return True
         return False
 
-    def pong(self, nonce: int) -> list[RoomId]:
-        """The sender answered PING ``nonce``: the ids whose barrier it was (still held if an ABORT is
-        unanswered)."""
-        room = self._by_nonce.pop(nonce, None)
-        if room is None:
-            return []
-        del self._barriers[room]
-        return [room]
+    def pong(self, nonce: int) -> bool:
+        """The sender answered PING ``nonce``: True if it was an id's barrier (the id is still held if its
+        ABORT is unanswered)."""
+        if nonce not in self._by_nonce:
+            return False
+        del self._barriers[self._by_nonce.pop(nonce)]
+        return True
 
     def session_ended(self) -> None:
         """The sender ends our rooms with the session, and no frame of that session is believed after it."""

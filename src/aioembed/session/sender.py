@@ -1016,9 +1016,8 @@ class EmbeddingSender:
         r = self._rooms.get(msg.room)
         if r is None and (tomb := self._tombstone(msg.room)) is not None and peer.rank in tomb.ranks:
             # It crossed the room's end on the wire, and the room is gone already: its final STATUS (or
-            # ABORT_ACK) went to this rank and vouches for these blocks too (never written). A REJECT would
-            # reach a receiver that ended the room meanwhile as the answer to its ABORT, and free the room id
-            # before that answer came (the ABORT_ACK then hit the id's next attempt).
+            # ABORT_ACK) went to this rank and vouches for these blocks too (never written), as while the
+            # room was still held (below). A REJECT would prove nothing there, only log a protocol violation.
             log.debug("sender: room=%r: RESUME from %s after the room ended (%s), ignored", msg.room, peer,
                       tomb.reason)
             return
