@@ -116,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="goals, sizes: register the source tensors once with the sender (register_sources(), "
                              "as an encoder with long-lived output buffers does), so send() neither stages nor "
                              "registers per request; the raw baseline's sources are registered once either way")
+    parser.add_argument("--control-floor", action="store_true",
+                        help="sizes: also time each raw method framed by the two control messages (plain pyzmq, "
+                             "a bare peer process) that any receiver-driven transfer over ZeroMQ needs; the "
+                             "'floor' column (raw / floor) is the highest ratio to raw such a design could reach")
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
@@ -153,6 +157,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         stream_tokens=args.stream_tokens if args.stream_tokens is not None else (20000 if quick else 100000),
         process_model=_process_model(args.process_model, base.transport),
         registered_sources=bool(args.registered_sources),
+        control_floor=bool(args.control_floor),
     )
 
 
@@ -320,6 +325,10 @@ def _run(args: argparse.Namespace, stdout: TextIO) -> int:
     if opts.registered_sources:
         notes.append("sources: the source tensors (goals, sizes) are registered once with the sender "
                      "(register_sources()): send() writes from them without staging or registering per request")
+    if opts.control_floor:
+        notes.append("floor = raw / (the raw transfer framed by a request from a bare peer process and a 'done' "
+                     "back to it, plain pyzmq over TCP loopback, timed in the peer): the highest ratio to raw that "
+                     "a receiver-driven transfer over ZeroMQ could reach at that point on this machine")
     factory, baseline_info, baseline_notes = choose_baseline(resolve_baseline(opts.transport), opts)
     notes.extend(baseline_notes)
     zero_copy = has_zero_copy()
@@ -365,6 +374,7 @@ def _run(args: argparse.Namespace, stdout: TextIO) -> int:
         },
         "process_model": opts.process_model,
         "registered_sources": opts.registered_sources,
+        "control_floor": opts.control_floor,
         "raw_baseline": baseline_info,
         "zero_copy": {"available": zero_copy},
         "workloads": workloads,

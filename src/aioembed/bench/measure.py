@@ -41,6 +41,7 @@ import anyio.abc
 import torch
 
 from aioembed.bench.baselines import RawBaseline
+from aioembed.bench.control_floor import ControlFloor
 from aioembed.bench.event_channel import last_event, parse_event
 from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
@@ -53,6 +54,7 @@ from aioembed.bench.workloads import (
     trace_summary,
 )
 from aioembed.config import TransferConfig
+from aioembed.errors import ConfigError
 from aioembed.layout import Layout
 from aioembed.protocol.room import TransferStatus
 from aioembed.samples import same_rows, standard_layout
@@ -131,6 +133,11 @@ class BenchOptions:
     """The source tensors of the goals and sizes workloads are registered once with the sender
     (``register_sources()``), as an encoder with long-lived output buffers would: ``send()`` neither stages
     nor registers per request."""
+    control_floor: bool = False
+    """The sizes workload also times each raw method framed by the two control messages any receiver-driven
+    transfer over ZeroMQ needs (:mod:`aioembed.bench.control_floor`): ``floor:<method>``, and per point
+    ``floor_ratio`` = raw / floor, the highest ratio to raw such a design could reach there. Needs a raw
+    baseline that crosses processes."""
 
     @property
     def transport(self) -> str:
@@ -208,6 +215,8 @@ def summarize_point(
     a_t = summaries[aioembed]["median"] if aioembed in summaries else None
     z_t = summaries[zero_copy]["median"] if zero_copy in summaries else None
     rounds = series.rounds.get(aioembed, [])
+    floors = [m for m in raw_methods if f"floor:{m}" in summaries]
+    floor_best = min(floors, key=lambda m: summaries[f"floor:{m}"]["median"]) if floors else None
     rec: dict[str, Any] = {
         "workload": workload,
         "label": label,
@@ -222,6 +231,9 @@ def summarize_point(
         "ratio": ratio(raw_t, a_t),
         "zero_copy_ratio": ratio(raw_t, z_t),
     }
+    if floor_best is not None:
+        rec["floor_method"] = floor_best
+        rec["floor_ratio"] = ratio(raw_t, summaries[f"floor:{floor_best}"]["median"])
     if extra:
         rec.update(extra)
     return rec
@@ -596,6 +608,7 @@ class Measurer:
         self.tick = tick
         self.zero_copy = has_zero_copy()
         self._room = 0
+        self._floor: ControlFloor | None = None
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -686,6 +699,24 @@ class Measurer:
         finally:
             await b.aclose()
 
+    @asynccontextmanager
+    async def _control_floor(self, baseline: RawBaseline | None) -> AsyncIterator[None]:
+        """With ``control_floor`` and a baseline that crosses processes: the floor peer, for ``floor:`` variants."""
+        if not self.opts.control_floor:
+            yield
+            return
+        if baseline is None or not baseline.cross_process:
+            raise ConfigError(f"--control-floor needs a raw baseline that crosses processes; transport "
+                              f"{self.opts.transport!r} has {'none' if baseline is None else 'one in this process'}")
+        floor = ControlFloor()
+        try:
+            await floor.start()
+            self._floor = floor
+            yield
+        finally:
+            self._floor = None
+            await floor.aclose()
+
     async def _copy(self, pair: _Pair, data: Mapping[str, torch.Tensor],
                     expected: int | None, via: int = 0) -> tuple[float, int]:
         """One copying transfer; returns (seconds, rounds). The output is dropped after the clock stops."""
@@ -706,6 +737,8 @@ class Measurer:
             vs.append("zero_copy")
         if baseline is not None:
             vs.extend(f"raw:{m}" for m in baseline.methods)
+            if self._floor is not None:
+                vs.extend(f"floor:{m}" for m in baseline.methods)
         return vs
 
     def _raw_methods(self, baseline: RawBaseline | None) -> tuple[str, ...]:
@@ -725,7 +758,8 @@ class Measurer:
         src = self.source(top)
         bpt = self.layout.bytes_per_token
         points = []
-        async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
+        async with (self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline,
+                    self._control_floor(baseline)):
             await self.register_sources(pair, src)
             variants = self._variants(baseline, "aioembed")
             for n in opts.sizes:
@@ -760,6 +794,10 @@ class Measurer:
             t0 = time.perf_counter()
             await baseline.transfer(variant[4:], n)
             return time.perf_counter() - t0, None
+        if variant.startswith("floor:"):
+            assert baseline is not None and self._floor is not None
+            method = variant[6:]
+            return await self._floor.time(lambda: baseline.transfer(method, n)), None
         if variant == "zero_copy" or variant.startswith("zero_copy"):
             return await self._lease(pair, data, expected)
         return await self._copy(pair, data, expected)

@@ -62,6 +62,9 @@ def _points_table(result: Mapping[str, Any]) -> Table:
     t.add_column("rounds", justify="right")
     t.add_column("p50 ms", justify="right")
     t.add_column("transfers/s", justify="right")
+    floor = result.get("control_floor", False)
+    if floor:
+        t.add_column("floor", justify="right")
     for name, w in result["workloads"].items():
         if name == "goals":
             continue  # its own table below
@@ -73,9 +76,12 @@ def _points_table(result: Mapping[str, Any]) -> Table:
             zcell = f"{_fmt_mbps(z, False)} ({_fmt_ratio(p.get('zero_copy_ratio'))})" if z else ("-" if zc else "n/a")
             rawcell = f"{_fmt_mbps(raw, False)}" if raw else "n/a"
             tps = p.get("transfers_per_s")
-            t.add_row(name, p["label"], _fmt_mbps(a), zcell, rawcell, _fmt_ratio(p.get("ratio")),
-                      _fmt_rounds(p.get("rounds", [])), _fmt_ms(p.get("latency_p50_s")),
-                      f"{tps:,.0f}" if _num(tps) is not None else "-")
+            cells = [name, p["label"], _fmt_mbps(a), zcell, rawcell, _fmt_ratio(p.get("ratio")),
+                     _fmt_rounds(p.get("rounds", [])), _fmt_ms(p.get("latency_p50_s")),
+                     f"{tps:,.0f}" if _num(tps) is not None else "-"]
+            if floor:
+                cells.append(_fmt_ratio(p.get("floor_ratio")))
+            t.add_row(*cells)
     return t
 
 

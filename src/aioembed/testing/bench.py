@@ -29,7 +29,8 @@ _RUN = "from aioembed.cli import main; main()"
 
 def run_quick_bench(tmp_path: Path, transport: str, options: Mapping[str, str | int | bool]) -> dict[str, Any]:
     """Run a small ``aioembed bench --quick`` over ``transport`` and return its JSON, checked for
-    the parts every cross-process transport shares (two processes, a raw baseline on every point)."""
+    the parts every cross-process transport shares (two processes, a raw baseline on every point, and the
+    control floor of every raw method on the sizes points)."""
     config = tmp_path / f"{transport}.toml"
     lines = ["[aioembed]", f"transport = {json.dumps(transport)}", "[aioembed.transport_options]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in options.items()]
@@ -38,7 +39,7 @@ def run_quick_bench(tmp_path: Path, transport: str, options: Mapping[str, str | 
     proc = subprocess.run(
         [sys.executable, "-c", _RUN, "bench", "--quick", "--transport", transport, "--config", str(config),
          "--workloads", "sizes,resume,concurrency", "--sizes", "16,8192", "--concurrency", "4", "--mixes", "small",
-         "--repeat", "1", "--json", str(out)],
+         "--repeat", "1", "--control-floor", "--json", str(out)],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,6 +58,10 @@ def run_quick_bench(tmp_path: Path, transport: str, options: Mapping[str, str | 
             assert isinstance(p["ratio"], float), p["label"]
             assert isinstance(p["zero_copy_ratio"], float), p["label"]
     assert [p["tokens"] for p in result["workloads"]["sizes"]["points"]] == [16, 8192]
+    assert result["control_floor"] is True
+    for p in result["workloads"]["sizes"]["points"]:
+        assert {f"floor:{m}" for m in raw["methods"]} <= set(p["samples_s"]), p["label"]
+        assert p["floor_method"] in raw["methods"] and isinstance(p["floor_ratio"], float), p["label"]
     assert any("process model 'two'" in n for n in result["notes"])
     return result
 

@@ -1,0 +1,83 @@
+"""The control floor (``aioembed bench --control-floor``): the raw transfer framed by the two control
+messages any receiver-driven transfer needs, timed in a bare peer process.
+
+Checks what the floor measures (the transfer lies inside the span the peer read), never how fast."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import anyio
+import pytest
+
+from aioembed.bench.control_floor import ControlFloor
+from aioembed.bench.measure import BenchOptions, Measurer
+from aioembed.config import TransferConfig
+from aioembed.errors import ConfigError, TransportError
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_span_holds_the_transfer_between_the_peers_request_and_its_done() -> None:
+    floor = ControlFloor(timeout=30)
+    try:
+        await floor.start()
+        ran: list[tuple[float, float]] = []
+
+        async def transfer() -> None:
+            start = time.monotonic()
+            await anyio.sleep(0.02)
+            ran.append((start, time.monotonic()))
+
+        for _ in range(3):
+            t0, t1 = await floor.span(transfer)
+            start, end = ran[-1]
+            assert t0 <= start and end <= t1  # one clock (CLOCK_MONOTONIC) in both processes
+        seconds = await floor.time(transfer)
+        assert seconds >= ran[-1][1] - ran[-1][0] and len(ran) == 4
+    finally:
+        await floor.aclose()
+    assert floor._peer._proc is None  # the peer was asked to exit and waited for
+
+
+async def test_a_failed_transfer_raises_and_leaves_the_floor_usable() -> None:
+    floor = ControlFloor(timeout=30)
+    try:
+        await floor.start()
+
+        async def failing() -> None:
+            raise RuntimeError("the raw transfer failed")
+
+        with pytest.raises(RuntimeError, match="the raw transfer failed"):
+            await floor.time(failing)
+        assert await floor.time(anyio.lowlevel.checkpoint) > 0
+    finally:
+        await floor.aclose()
+
+
+async def test_a_peer_that_died_is_an_error_naming_the_floor_within_its_timeout() -> None:
+    floor = ControlFloor(timeout=1.0)
+    try:
+        await floor.start()
+        proc = floor._peer._proc
+        assert proc is not None
+        proc.kill()
+        await proc.wait()
+        said = re.escape("the floor peer did not answer within 1.0 s")
+        with anyio.fail_after(10), pytest.raises(TransportError, match=said):
+            await floor.time(anyio.lowlevel.checkpoint)
+    finally:
+        await floor.aclose()
+
+
+async def test_a_floor_needs_a_raw_baseline_in_another_process() -> None:
+    """Loopback's raw baseline copies inside this process: framing it in two process hops would compare
+    nothing real, so the sizes workload refuses the option, naming it."""
+    from aioembed.bench.baselines import LoopbackBaseline
+
+    base = TransferConfig(transport="loopback")
+    m = Measurer(BenchOptions(base_config=base, control_floor=True, sizes=(16,), repeat=1), LoopbackBaseline,
+                 lambda s: None)
+    with pytest.raises(ConfigError, match="--control-floor needs a raw baseline that crosses processes"):
+        await m.run_sizes()
