@@ -70,7 +70,7 @@ class PrometheusMetrics(TransferObserver):
     """Prometheus counters, histograms and gauges for aioembed.
 
     Pass it as ``observer=`` to senders and receivers, and call :meth:`watch_receiver` /
-    :meth:`watch_sender` for the live gauges (free blocks, waiters, fenced blocks, peers).
+    :meth:`watch_sender` for the live gauges (free blocks, waiters, fenced blocks, held room ids, peers).
     """
 
     def __init__(self, registry: Any = None, *, namespace: str = "aioembed") -> None:
@@ -104,6 +104,9 @@ class PrometheusMetrics(TransferObserver):
                                  namespace=namespace, registry=reg)
         self.output_cache = prom.Gauge("output_cache_bytes", "Memory of dropped receive() outputs a receiver "
                                        "keeps for the next ones", ["rank"], namespace=namespace, registry=reg)
+        self.held_ids = prom.Gauge("room_ids_held", "Room ids a receiver ended with an error and may not open "
+                                   "again yet, by why (abort_unanswered: refused; barrier: one round trip)",
+                                   ["rank", "why"], namespace=namespace, registry=reg)
         self.rooms = prom.Gauge("rooms_in_flight", "Rooms in flight", ["side"], namespace=namespace,
                                 registry=reg)
         self.peers = prom.Gauge("peers_alive", "Receivers connected to a sender", namespace=namespace,
@@ -160,6 +163,8 @@ class PrometheusMetrics(TransferObserver):
                   (self.waiters, (rank,), lambda r: r.allocator.stats.waiters),
                   (self.fenced, (rank,), lambda r: r.allocator.stats.fenced),
                   (self.output_cache, (rank,), lambda r: r.outputs.stats.idle_bytes),
+                  (self.held_ids, (rank, "abort_unanswered"), lambda r: r.room_ids_held["abort_unanswered"]),
+                  (self.held_ids, (rank, "barrier"), lambda r: r.room_ids_held["barrier"]),
                   (self.rooms, ("receiver",), lambda r: r.rooms_in_flight)]
         self._watch(ref, series)
 

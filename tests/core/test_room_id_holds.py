@@ -38,11 +38,15 @@ def test_an_id_is_held_until_both_its_abort_is_answered_and_its_barrier_came_bac
     h = RoomIdHolds()
     h.abort_sent("r", 0.0)
     nonce = h.ended("r")
+    assert h.counts() == {"abort_unanswered": 1, "barrier": 0}  # an id counts once, under its refusal
     assert h.pong(nonce) and "r" in h  # the ABORT is still unanswered
+    assert h.counts() == {"abort_unanswered": 1, "barrier": 0}
     assert h.late(AbortAck(room="r"), "r") and "r" not in h
+    assert h.counts() == {"abort_unanswered": 0, "barrier": 0}
     h.abort_sent(("p", 1), 0.0)
     nonce = h.ended(("p", 1))
     assert h.late(_status("p", fence=True), ("p", 1)) and ("p", 1) in h  # the barrier stands
+    assert h.counts() == {"abort_unanswered": 0, "barrier": 1}
     assert h.pong(nonce) and len(h) == 0
 
 

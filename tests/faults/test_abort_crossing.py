@@ -356,6 +356,7 @@ async def test_a_room_that_succeeded_holds_nothing() -> None:
                 got = await receiver.receive("x")
             assert_same(got.tensors, src)
             assert all(len(c.held_ids) == 0 for c in receiver._conns.values())
+            assert receiver.room_ids_held == {"abort_unanswered": 0, "barrier": 0}
 
 
 async def _waiting_for_the_barrier(raw: RawSender, receiver: EmbeddingReceiver) -> ReceiveHandle:
@@ -375,6 +376,7 @@ async def _waiting_for_the_barrier(raw: RawSender, receiver: EmbeddingReceiver) 
 async def test_an_attempt_waiting_for_the_barrier_can_be_cancelled_and_sends_nothing() -> None:
     async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
         again = await _waiting_for_the_barrier(raw, receiver)
+        assert receiver.room_ids_held == {"abort_unanswered": 0, "barrier": 1}
         again.cancel("the client went away")
         with anyio.fail_after(1):
             assert await again.wait() is TransferStatus.ABORTED
@@ -421,5 +423,6 @@ async def test_an_abort_the_sender_leaves_unanswered_is_reported(caplog: pytest.
                 await anyio.sleep(0.05)
         await anyio.sleep(0.5)
         assert caplog.text.count("has not answered our ABORT") == 1
+        assert receiver.room_ids_held == {"abort_unanswered": 1, "barrier": 0}  # also a gauge (metrics)
         with pytest.raises(InvalidRequest, match="not yet acknowledged"):
             receiver.start("x")

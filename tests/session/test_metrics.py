@@ -76,6 +76,8 @@ async def test_prometheus_exporter() -> None:
         assert value("aioembed_allocator_waiters", {"rank": "0"}) == 0
         assert value("aioembed_peers_alive") == 1
         assert "aioembed_fenced_blocks" in text
+        for why in ("abort_unanswered", "barrier"):
+            assert value("aioembed_room_ids_held", {"rank": "0", "why": why}) == 0
 
 
 async def test_watched_gauges_do_not_keep_a_dropped_receiver_alive() -> None:

@@ -553,6 +553,18 @@ class EmbeddingReceiver:
         return {reason.name.lower(): counts[reason] for reason in FenceReason if counts[reason]}
 
     @property
+    def room_ids_held(self) -> dict[str, int]:
+        """Room ids that ended here with an error and may not be opened again yet, over every sender, by why:
+        ``abort_unanswered`` (our ABORT is not answered: ``start()`` of the id raises ``InvalidRequest``) and
+        ``barrier`` (a new attempt waits for the PONG of the PING sent after the end, one round trip). A
+        count that stays up names a sender that does not answer (README, "Block ownership")."""
+        total = {"abort_unanswered": 0, "barrier": 0}
+        for conn in self._conns.values():
+            for why, n in conn.held_ids.counts().items():
+                total[why] += n
+        return total
+
+    @property
     def senders(self) -> list[str]:
         """Addresses of the senders this receiver has a connection to."""
         return list(self._conns)

@@ -43,6 +43,11 @@ class RoomIdHolds:
     def __len__(self) -> int:
         return len(self._owed.keys() | self._barriers.keys())
 
+    def counts(self) -> dict[str, int]:
+        """Held ids by why: ``abort_unanswered`` (a new attempt is refused) and ``barrier`` (only the PONG is
+        awaited: a new attempt waits one round trip)."""
+        return {"abort_unanswered": len(self._owed), "barrier": len(self._barriers.keys() - self._owed.keys())}
+
     def owes_answer(self, room: RoomId) -> bool:
         """True while the ABORT of ``room`` is unanswered."""
         return room in self._owed
