@@ -5,7 +5,8 @@ Checks what the floor measures (the transfer lies inside the span the peer read)
 
 from __future__ import annotations
 
-import re
+import subprocess
+import sys
 import time
 
 import anyio
@@ -56,6 +57,23 @@ async def test_a_failed_transfer_raises_and_leaves_the_floor_usable() -> None:
         await floor.aclose()
 
 
+async def test_a_timeout_of_the_raw_transfer_is_its_own_not_the_floor_peers() -> None:
+    """A raw baseline that times out (UCX's waits for its ack with a deadline) raises its own TimeoutError: not
+    one saying that the floor peer was silent."""
+    floor = ControlFloor(timeout=30)
+    try:
+        await floor.start()
+
+        async def timing_out() -> None:
+            raise TimeoutError("raw baseline: no ack within write_timeout")
+
+        with pytest.raises(TimeoutError, match="no ack within write_timeout"):
+            await floor.time(timing_out)
+        assert await floor.time(anyio.lowlevel.checkpoint) > 0
+    finally:
+        await floor.aclose()
+
+
 async def test_a_peer_that_died_is_an_error_naming_the_floor_within_its_timeout() -> None:
     floor = ControlFloor(timeout=1.0)
     try:
@@ -64,7 +82,7 @@ async def test_a_peer_that_died_is_an_error_naming_the_floor_within_its_timeout(
         assert proc is not None
         proc.kill()
         await proc.wait()
-        said = re.escape("the floor peer did not answer within 1.0 s")
+        said = r"the floor peer did not (take b'prime'|answer) within 1\.0 s"  # gone: its socket with it
         with anyio.fail_after(10), pytest.raises(TransportError, match=said):
             await floor.time(anyio.lowlevel.checkpoint)
     finally:
@@ -81,3 +99,15 @@ async def test_a_floor_needs_a_raw_baseline_in_another_process() -> None:
                  lambda s: None)
     with pytest.raises(ConfigError, match="--control-floor needs a raw baseline that crosses processes"):
         await m.run_sizes()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--workloads", "resume", "--control-floor"], "add sizes to --workloads"),
+    (["--workloads", "sizes", "--sizes", "16", "--control-floor"],
+     "needs a raw baseline that crosses processes; transport 'loopback' has one in this process"),
+])
+def test_the_command_refuses_a_floor_it_cannot_measure_before_it_runs_anything(args: list[str], said: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", "from aioembed.cli import main; main()", "bench", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and said in proc.stderr, proc.stderr[-2000:]
+    assert "sizes:" not in proc.stdout  # refused up front: no workload ran

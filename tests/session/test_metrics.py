@@ -98,6 +98,7 @@ async def test_watched_gauges_do_not_keep_a_dropped_receiver_alive() -> None:
         gc.collect()
         assert pool() is None
         assert registry.get_sample_value("aioembed_free_blocks", {"rank": "0"}) is None
+        assert registry.get_sample_value("aioembed_room_ids_held", {"rank": "0", "why": "barrier"}) is None
         assert registry.get_sample_value("aioembed_rooms_in_flight", {"side": "receiver"}) is None
         assert registry.get_sample_value("aioembed_rooms_in_flight", {"side": "sender"}) == 0
 

@@ -154,10 +154,17 @@ class BaselinePeer:
         self._buf = b""
 
     async def start(self, module: str, spec: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
-        """Start the process; returns its first line (what it announces once ready)."""
+        """Start the process (``python -m module``); returns its first line (what it announces once ready)."""
+        return await self._start(["-m", module], spec, timeout)
+
+    async def start_file(self, path: str, spec: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        """As :meth:`start`, running the file ``path``: a script that imports neither its package nor torch."""
+        return await self._start([path], spec, timeout)
+
+    async def _start(self, what: list[str], spec: Mapping[str, Any], timeout: float) -> dict[str, Any]:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in aclose()
         self._proc = await anyio.open_process(
-            [sys.executable, "-m", module, json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, *what, json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         return await self.line(timeout)
 

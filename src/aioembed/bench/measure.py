@@ -134,10 +134,10 @@ class BenchOptions:
     (``register_sources()``), as an encoder with long-lived output buffers would: ``send()`` neither stages
     nor registers per request."""
     control_floor: bool = False
-    """The sizes workload also times each raw method framed by the two control messages any receiver-driven
-    transfer over ZeroMQ needs (:mod:`aioembed.bench.control_floor`): ``floor:<method>``, and per point
-    ``floor_ratio`` = raw / floor, the highest ratio to raw such a design could reach there. Needs a raw
-    baseline that crosses processes."""
+    """The sizes workload also times each raw method framed by the two control messages of aioembed's protocol
+    (:mod:`aioembed.bench.control_floor`): ``floor:<method>`` samples, and per point, for the raw method that
+    counts, ``floor_ratio`` = raw / floor and ``floor_overhead_s`` = floor - raw (medians). A reference for
+    aioembed's own cost, not a bound on every design. Needs a raw baseline that crosses processes."""
 
     @property
     def transport(self) -> str:
@@ -215,8 +215,6 @@ def summarize_point(
     a_t = summaries[aioembed]["median"] if aioembed in summaries else None
     z_t = summaries[zero_copy]["median"] if zero_copy in summaries else None
     rounds = series.rounds.get(aioembed, [])
-    floors = [m for m in raw_methods if f"floor:{m}" in summaries]
-    floor_best = min(floors, key=lambda m: summaries[f"floor:{m}"]["median"]) if floors else None
     rec: dict[str, Any] = {
         "workload": workload,
         "label": label,
@@ -231,9 +229,11 @@ def summarize_point(
         "ratio": ratio(raw_t, a_t),
         "zero_copy_ratio": ratio(raw_t, z_t),
     }
-    if floor_best is not None:
-        rec["floor_method"] = floor_best
-        rec["floor_ratio"] = ratio(raw_t, summaries[f"floor:{floor_best}"]["median"])
+    if raw_best is not None and f"floor:{raw_best}" in summaries:  # the same method, framed
+        floor_t = summaries[f"floor:{raw_best}"]["median"]
+        rec["floor_method"] = raw_best
+        rec["floor_ratio"] = ratio(raw_t, floor_t)
+        rec["floor_overhead_s"] = floor_t - raw_t if raw_t is not None else None
     if extra:
         rec.update(extra)
     return rec
@@ -707,7 +707,8 @@ class Measurer:
             return
         if baseline is None or not baseline.cross_process:
             raise ConfigError(f"--control-floor needs a raw baseline that crosses processes; transport "
-                              f"{self.opts.transport!r} has {'none' if baseline is None else 'one in this process'}")
+                              f"{self.opts.transport!r} has "
+                              f"{'none usable here' if baseline is None else 'one in this process'}")
         floor = ControlFloor()
         try:
             await floor.start()

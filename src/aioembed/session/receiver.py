@@ -557,9 +557,10 @@ class EmbeddingReceiver:
         """Room ids that ended here with an error and may not be opened again yet, over every sender, by why:
         ``abort_unanswered`` (our ABORT is not answered: ``start()`` of the id raises ``InvalidRequest``) and
         ``barrier`` (a new attempt waits for the PONG of the PING sent after the end, one round trip). A
-        count that stays up names a sender that does not answer (README, "Block ownership")."""
+        count that stays up shows a sender that does not answer (a WARNING names it); the holds go with its
+        session. Safe to read from another thread (a metrics scrape)."""
         total = {"abort_unanswered": 0, "barrier": 0}
-        for conn in self._conns.values():
+        for conn in list(self._conns.values()):  # one C call: the loop may add or drop a connection meanwhile
             for why, n in conn.held_ids.counts().items():
                 total[why] += n
         return total
