@@ -77,6 +77,16 @@ async def raw_receiver(address: str, layout: Layout, config: TransferConfig) -> 
         await transport.aclose()
 
 
+@asynccontextmanager
+async def welcomed_receiver(address: str, layout: Layout, config: TransferConfig) -> AsyncIterator[RawReceiver]:
+    """:func:`raw_receiver`, already through the handshake: its HELLO answered by the sender's WELCOME."""
+    async with raw_receiver(address, layout, config) as raw:
+        raw.send(raw.hello(layout, config))
+        welcome = await raw.expect(Welcome)
+        assert isinstance(welcome, Welcome), welcome
+        yield raw
+
+
 class RawSender:
     """A ROUTER that plays the sender: it answers or stays silent as a test tells it.
 

@@ -10,8 +10,7 @@ PING sent after the end came back (the sender answers in order: nothing of the e
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 
 import anyio
 import anyio.lowlevel
@@ -32,29 +31,19 @@ from aioembed.protocol.messages import (
     Resume,
     Status,
     TransferStatus,
-    Welcome,
 )
 from aioembed.session.connection import FENCE_SETTLE
 from aioembed.session.handle import ReceiveHandle
 from aioembed.testing import MockTransport, WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
-from .rawpeer import RawReceiver, RawSender, raw_receiver, raw_sender
+from .rawpeer import RawReceiver, RawSender, raw_sender, welcomed_receiver
 
 pytestmark = pytest.mark.anyio
 
 CFG = TransferConfig(default_tokens=128, max_round_tokens=128, pool_tokens=4096, input_timeout=5.0,
                      round_timeout=5.0, handshake_timeout=2.0, heartbeat_interval=30.0)
 """No heartbeat PING while a test holds PINGs to answer them itself (the first goes out at the handshake)."""
-
-
-@asynccontextmanager
-async def _rank_of(sender: EmbeddingSender) -> AsyncIterator[RawReceiver]:
-    """A hand-driven rank, welcomed by ``sender``."""
-    async with raw_receiver(sender.address, LAYOUT, CFG) as raw:
-        raw.send(raw.hello(LAYOUT, CFG))
-        assert isinstance(await raw.expect(Welcome), Welcome)
-        yield raw
 
 
 async def _round_zero_in(sender: EmbeddingSender, raw: RawReceiver, tg: TaskGroup) -> None:
@@ -71,7 +60,7 @@ async def _round_zero_in(sender: EmbeddingSender, raw: RawReceiver, tg: TaskGrou
 
 
 async def test_a_resume_that_crossed_the_senders_abort_is_ignored_and_the_abort_answered() -> None:
-    async with running(CFG) as (sender, _), _rank_of(sender) as raw:
+    async with running(CFG) as (sender, _), welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
         async with anyio.create_task_group() as tg:
             await _round_zero_in(sender, raw, tg)
             sender.abort("x", "the encoder failed on the image")
@@ -230,7 +219,7 @@ async def test_an_abort_ack_after_a_fence_release_frees_the_failed_writes_blocks
 async def test_abort_after_a_failed_send_keeps_the_ranks_that_asked() -> None:
     """``abort()`` after ``send()`` raised (a common ``except`` clause) rewrote the room's tombstone without
     its ranks: a RESUME of theirs that crossed the end was REJECTed again, not ignored."""
-    async with running(CFG) as (sender, _), _rank_of(sender) as raw:
+    async with running(CFG) as (sender, _), welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
         async with anyio.create_task_group() as tg:
             await _round_zero_in(sender, raw, tg)
             sender.abort("x", "the encoder failed on the image")
@@ -285,7 +274,7 @@ async def test_the_real_sender_answers_what_came_before_a_ping_first_except_an_a
     """The barrier's premise, against the real sender: a frame about a room it no longer holds is answered at
     once, so before the PONG of a PING sent after it; an ABORT of a room whose send() still runs is answered
     by that send() once its writes are over, maybe after the PONG: the receiver's ABORT hold covers that one."""
-    async with running(CFG) as (sender, _), _rank_of(sender) as raw:
+    async with running(CFG) as (sender, _), welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
         raw.send(Abort(room="gone", reason="the client went away"))
         raw.send(Ping(nonce=1))
         assert isinstance(await raw.expect((AbortAck, Pong)), AbortAck)

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig
+from aioembed import EmbeddingReceiver, TransferConfig
 from aioembed.errors import IncompatiblePeer
 from aioembed.protocol.messages import (
     PROTOCOL_VERSION,
@@ -21,25 +21,16 @@ from aioembed.protocol.messages import (
     Reject,
     Resume,
     Status,
-    Welcome,
     encode,
 )
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
-from .rawpeer import pool_guard, raw_receiver, raw_sender
+from .rawpeer import pool_guard, raw_receiver, raw_sender, welcomed_receiver
 
 pytestmark = pytest.mark.anyio
 
 CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, max_rooms_per_peer=8, input_timeout=1.0,
                      handshake_timeout=2.0)
-
-
-async def _welcomed(sender: EmbeddingSender):  # type: ignore[no-untyped-def]
-    ctx = raw_receiver(sender.address, LAYOUT, CFG)
-    raw = await ctx.__aenter__()
-    raw.send(raw.hello(LAYOUT, CFG))
-    assert isinstance(await raw.expect(Welcome), Welcome)
-    return ctx, raw
 
 
 async def test_garbage_and_unknown_frames_are_rejected_and_valid_rooms_go_on() -> None:
@@ -103,8 +94,7 @@ async def test_incompatible_hello_is_rejected_with_what_differs() -> None:
 )
 async def test_bad_reservations_are_refused_and_leave_nothing(init: Init, needle: str) -> None:
     async with running(CFG) as (sender, _):
-        ctx, raw = await _welcomed(sender)
-        try:
+        async with welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
             before = pool_guard(raw.pool)
             raw.send(init)
             rej = await raw.expect(Reject)
@@ -112,14 +102,11 @@ async def test_bad_reservations_are_refused_and_leave_nothing(init: Init, needle
             assert sender.rooms_in_flight == 0  # a refused INIT creates no room
             for name, t in raw.pool.tensors.items():
                 assert torch.equal(t, before[name])
-        finally:
-            await ctx.__aexit__(None, None, None)
 
 
 async def test_protocol_violations_after_a_valid_init() -> None:
     async with running(CFG) as (sender, _):
-        ctx, raw = await _welcomed(sender)
-        try:
+        async with welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
             raw.send(Resume(room="nope", round=1, sent_tokens=0, blocks=(0,), allocated_tokens=128))
             rej = await raw.expect(Reject)
             assert isinstance(rej, Reject) and "has not started" in rej.reason
@@ -133,15 +120,12 @@ async def test_protocol_violations_after_a_valid_init() -> None:
             assert isinstance(rej, Reject) and "not expected" in rej.reason
             raw.send(Abort(room="dup", reason="test over"))
             assert isinstance(await raw.expect(AbortAck), AbortAck)
-        finally:
-            await ctx.__aexit__(None, None, None)
         assert sender.rooms_in_flight == 0
 
 
 async def test_rooms_per_peer_limit() -> None:
     async with running(CFG) as (sender, _):
-        ctx, raw = await _welcomed(sender)
-        try:
+        async with welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
             for i in range(CFG.max_rooms_per_peer):
                 raw.send(Init(room=i, blocks=(i,), allocated_tokens=128, expected_ranks=1))
             raw.send(Init(room=99, blocks=(20,), allocated_tokens=128, expected_ranks=1))
@@ -153,14 +137,11 @@ async def test_rooms_per_peer_limit() -> None:
             for _ in range(CFG.max_rooms_per_peer):
                 await raw.expect(AbortAck)
             assert sender.rooms_in_flight == 0
-        finally:
-            await ctx.__aexit__(None, None, None)
 
 
 async def test_sender_writes_only_into_the_reserved_blocks() -> None:
     async with running(CFG) as (sender, _):
-        ctx, raw = await _welcomed(sender)
-        try:
+        async with welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
             before = pool_guard(raw.pool)
             src = make_request(300, 3)
             blocks = (7, 2, 30)  # non-contiguous, out of order
@@ -178,5 +159,3 @@ async def test_sender_writes_only_into_the_reserved_blocks() -> None:
             for name, t in raw.pool.tensors.items():
                 rows = [i for i in range(t.shape[0]) if i not in touched]
                 assert torch.equal(t[rows], before[name][rows]), name
-        finally:
-            await ctx.__aexit__(None, None, None)

@@ -41,7 +41,7 @@ class RoomIdHolds:
         return room in self._owed or room in self._barriers
 
     def __len__(self) -> int:
-        return len(self._owed.keys() | self._barriers.keys())
+        return sum(self.counts().values())
 
     def counts(self) -> dict[str, int]:
         """Held ids by why: ``abort_unanswered`` (a new attempt is refused) and ``barrier`` (only the PONG is
