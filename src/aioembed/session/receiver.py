@@ -40,6 +40,7 @@ from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import RoomId, validate_room
 from aioembed.protocol.ownership import FenceReason
 from aioembed.session.assembly import Part, RoomAssembly, check_parts, part_output
+from aioembed.session.async_library import KnownAsyncLibrary
 from aioembed.session.backend import check_backend
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.connection import LossKind, SenderConnection
@@ -485,17 +486,19 @@ class EmbeddingReceiver:
         ``out``: optional preallocated tensors to copy into; ``parts``: assemble the room from parts
         sent by several senders (see :meth:`start`).
         """
-        handle, driver = self._open_room(room, expected_tokens=expected_tokens, out=out, sender=sender, parts=parts)
-        try:
-            if driver is not None:
-                await driver.run(cancelled="receive() was cancelled")  # in this task: no task, no wake-up
-                if handle.done:  # always, once run() returned: no wait (a loop turn, others' tasks first)
-                    return handle._ended_result()
-            return await handle.result()
-        except anyio.get_cancelled_exc_class():
-            handle.cancel("receive() was cancelled")
-            await self._until_ended(handle, driver)
-            raise
+        with KnownAsyncLibrary():
+            handle, driver = self._open_room(room, expected_tokens=expected_tokens, out=out, sender=sender,
+                                             parts=parts)
+            try:
+                if driver is not None:
+                    await driver.run(cancelled="receive() was cancelled")  # in this task: no task, no wake-up
+                    if handle.done:  # always, once run() returned: no wait (a loop turn, others' tasks first)
+                        return handle._ended_result()
+                return await handle.result()
+            except anyio.get_cancelled_exc_class():
+                handle.cancel("receive() was cancelled")
+                await self._until_ended(handle, driver)
+                raise
 
     async def receive_leased(self, room: int | str, *, expected_tokens: int | None = None,
                              sender: str | None = None, parts: Sequence[Part] | None = None) -> Lease:
@@ -507,18 +510,19 @@ class EmbeddingReceiver:
         last frame reaches the caller at its next ``await``, with the lease in hand (release it, e.g. in a
         ``finally`` or with :meth:`lease`).
         """
-        handle, driver = self._open_room(room, expected_tokens=expected_tokens, zero_copy=True, sender=sender,
-                                         parts=parts)
-        try:
-            if driver is not None:
-                await driver.run(cancelled="receive_leased() was cancelled")
-                if handle.done:
-                    return handle._ended_lease()
-            return await handle.lease()
-        except anyio.get_cancelled_exc_class():
-            handle.cancel("receive_leased() was cancelled")
-            await self._until_ended(handle, driver)
-            raise
+        with KnownAsyncLibrary():
+            handle, driver = self._open_room(room, expected_tokens=expected_tokens, zero_copy=True, sender=sender,
+                                             parts=parts)
+            try:
+                if driver is not None:
+                    await driver.run(cancelled="receive_leased() was cancelled")
+                    if handle.done:
+                        return handle._ended_lease()
+                return await handle.lease()
+            except anyio.get_cancelled_exc_class():
+                handle.cancel("receive_leased() was cancelled")
+                await self._until_ended(handle, driver)
+                raise
 
     @staticmethod
     async def _until_ended(handle: ReceiveHandle, driver: ReceiveRoomDriver | None) -> None:

@@ -80,6 +80,7 @@ from aioembed.protocol.ownership import (
     WriteLedger,
     WriterAction,
 )
+from aioembed.session.async_library import KnownAsyncLibrary
 from aioembed.session.backend import check_backend
 from aioembed.session.copy_out import COPY_INLINE_BYTES
 from aioembed.session.deadlines import DeadlineTimer
@@ -362,7 +363,8 @@ class EmbeddingSender:
         after the producing kernels, no ``torch.cuda.synchronize()`` needed. Pass ``stream`` if they were
         produced on another stream.
         """
-        await self._send_key(self._room_key(room, part), tensors, metadata, stream)
+        with KnownAsyncLibrary():
+            await self._send_key(self._room_key(room, part), tensors, metadata, stream)
 
     async def _send_key(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                         metadata: Mapping[str, Any] | None, stream: torch.cuda.Stream | None = None) -> None:

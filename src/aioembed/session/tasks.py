@@ -19,6 +19,8 @@ import anyio
 import anyio.abc
 import sniffio
 
+from aioembed.session.async_library import KnownAsyncLibrary
+
 __all__ = ["BackgroundTasks"]
 
 
@@ -119,7 +121,7 @@ class BackgroundTasks:
                 if if_skipped is not None:
                     if_skipped()
                 return
-            with anyio.CancelScope() as scope:
+            with anyio.CancelScope() as scope, KnownAsyncLibrary():
                 self._scopes.add(scope)
                 try:
                     await fn(*args)
