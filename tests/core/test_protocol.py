@@ -32,7 +32,7 @@ from aioembed.protocol.messages import (
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 ALL_TYPES = (Hello, Welcome, Reject, Init, Resume, Status, Abort, AbortAck, Ping, Pong, m.FenceRelease, m.Drained,
-             m.Progress)
+             m.Progress, m.Total)
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ROUNDTRIP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -95,10 +95,11 @@ pings = st.builds(Ping, nonce=st.integers(0, INT64_MAX))
 pongs = st.builds(Pong, nonce=st.integers(0, INT64_MAX), peer_id=texts(max_size=64), epoch=st.integers(0, INT64_MAX))
 fence_releases = st.builds(m.FenceRelease, room=room_ids)
 drains = st.builds(m.Drained, below_epoch=st.integers(1, INT64_MAX))
+totals = st.builds(m.Total, room=room_ids, total_tokens=st.integers(1, 1 << 40))
 STRATEGIES = {
     Hello: hellos, Welcome: welcomes, Reject: rejects, Init: inits, Resume: resumes, Status: statuses,
     Abort: aborts, AbortAck: abort_acks, Ping: pings, Pong: pongs, m.FenceRelease: fence_releases,
-    m.Drained: drains, m.Progress: progresses,
+    m.Drained: drains, m.Progress: progresses, m.Total: totals,
 }
 messages = st.one_of(*STRATEGIES.values())
 
@@ -148,6 +149,7 @@ SAMPLES: list[Any] = [
     m.Drained(below_epoch=7),
     m.Progress(room=("req", 2), round=1, sent_tokens=8320, total_tokens=20000, metadata={"grid": [1, 2]}),
     Init(room=8, blocks=(1,), allocated_tokens=100, expected_ranks=1, progress_tokens=2048),
+    m.Total(room=("req", 0), total_tokens=20000),
 ]
 SAMPLE_IDS = [f"{type(s).__name__}-{i}" for i, s in enumerate(SAMPLES)]
 
@@ -560,3 +562,9 @@ def test_hello_bad_regions(regions: Any) -> None:
     good["regions"] = regions
     err = expect_protocol_error(pack(good))
     assert "regions" in str(err)
+
+
+@pytest.mark.parametrize("total", [0, -1, 1 << 41, True, "8"])
+def test_total_needs_a_positive_token_count(total: Any) -> None:
+    err = expect_protocol_error(pack({"type": "TOTAL", "v": m.PROTOCOL_VERSION, "room": "r", "total_tokens": total}))
+    assert "total_tokens" in str(err) and err.room == "r"

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from aioembed import BlockPool, Field, Layout
 from aioembed.errors import ProtocolError
 from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
-from aioembed.protocol.messages import Init, Progress, Resume, Status, decode, encode
+from aioembed.protocol.messages import Init, Progress, Resume, Status, Total, decode, encode
 from aioembed.protocol.room import Arrived, RankPhase, ReceiverRoomState, SenderRoomState, TransferStatus, WriteTask
 
 TS = TransferStatus
@@ -206,7 +206,7 @@ def test_receiver_init_reservation_must_fit(blocks: int, tokens: int) -> None:
     assert_illegal(r, lambda: r.init_sent(blocks=blocks, allocated_tokens=tokens), room="r")
 
 
-@pytest.mark.parametrize("make", ["boot", "waiting", "resumed", "success", "failed", "aborted"])
+@pytest.mark.parametrize("make", ["boot", "waiting", "success", "failed", "aborted"])
 def test_receiver_resume_illegal_states(make: str) -> None:
     r = RECEIVER_STATES[make]()
     assert_illegal(r, lambda: r.resume_sent(blocks=1, allocated_tokens=4), room="r", state=r.state.name,
@@ -492,16 +492,145 @@ def test_sender_bad_resume(changes: dict[str, Any], match: str) -> None:
 
 def test_sender_resume_out_of_turn() -> None:
     s, t = s_writing()
-    # RESUME while the round's write is still in flight (before its STATUS)
-    assert_illegal(s, lambda: s.on_resume(0, **RESUME_OK), room="s", match="not expected")
-    assert_illegal(s, lambda: s.on_resume(1, **RESUME_OK), room="s", match="not expected")
+    # while the round's write is in flight, a RESUME must start where that round will end (early)
+    assert_illegal(s, lambda: s.on_resume(0, **{**RESUME_OK, "sent_tokens": 0}), room="s",
+                   match="0 tokens arrived, 8 were sent once round 0 ends")
+    assert_illegal(s, lambda: s.on_resume(1, **RESUME_OK), room="s", match="not expected")  # no INIT of rank 1
     s.write_done(t)
     s.on_resume(0, **RESUME_OK)
     # a second RESUME for the same round
-    assert_illegal(s, lambda: s.on_resume(0, **RESUME_OK), room="s", match="not expected")
+    assert_illegal(s, lambda: s.on_resume(0, **RESUME_OK), room="s", match="round 1, expected round 2")
     s2 = s_room()
     s2.on_init(0, blocks=(1,), allocated_tokens=4, expected_ranks=1)
-    assert_illegal(s2, lambda: s2.on_resume(0, **RESUME_OK), room="s", match="not expected")  # before STATUS
+    assert_illegal(s2, lambda: s2.on_resume(0, **RESUME_OK), room="s", match="not expected")  # no input yet
+    s3 = s_room()
+    s3.on_init(0, blocks=(1, 2), allocated_tokens=8, expected_ranks=1)
+    s3.on_input(8)
+    s3.start_write(0)  # the last round: nothing follows it
+    assert_illegal(s3, lambda: s3.on_resume(0, **RESUME_OK), room="s", match="not expected")
+
+
+# -- early RESUME (the next round announced while this one is written) ---------------------------------
+
+
+def test_sender_total_is_sent_for_round_0_of_a_longer_room_only() -> None:
+    s, t = s_writing()  # 20 tokens, 8 reserved
+    assert s.total_for(t) == Total(room="s", total_tokens=20)
+    s.write_done(t)
+    s.on_resume(0, **RESUME_OK)
+    t1 = s.start_write(0)
+    assert s.total_for(t1) is None  # round 1: the receiver knows the total from round 0's STATUS
+    short = s_room()
+    short.on_init(0, blocks=(1, 2), allocated_tokens=8, expected_ranks=1)
+    short.on_input(8)
+    assert short.total_for(short.start_write(0)) is None  # one round holds it
+    chunked = s_room()
+    chunked.on_init(0, blocks=(1, 2), allocated_tokens=8, expected_ranks=1, progress_tokens=BS)
+    chunked.on_input(20)
+    assert chunked.total_for(chunked.start_write(0)) == Total(room="s", total_tokens=20)  # with PROGRESS too
+
+
+def test_sender_writes_an_early_round_as_soon_as_the_round_before_it_ends() -> None:
+    s, t = s_writing()  # 20 tokens, round 0 = 8 into (1, 2)
+    s.on_resume(0, round=1, sent_tokens=8, blocks=(5, 6), allocated_tokens=8)  # early
+    assert s.ranks[0].phase is RankPhase.WRITING and s.ready_ranks() == []
+    assert_illegal(s, lambda: s.on_resume(0, round=1, sent_tokens=8, blocks=(5, 6), allocated_tokens=8), room="s",
+                   match="not expected")  # one round ahead at most
+    st0 = s.write_done(t)
+    assert (st0.state, st0.round, st0.sent_tokens) == ("TRANSFERRING", 0, 8)
+    assert s.ranks[0].phase is RankPhase.READY and s.ranks[0].ahead is None
+    t1 = s.start_write(0)
+    assert t1 == WriteTask(rank=0, round=1, start=8, count=8, blocks=(5, 6))
+    s.on_resume(0, round=2, sent_tokens=16, blocks=(7,), allocated_tokens=4)  # early again, while round 1 runs
+    st1 = s.write_done(t1)
+    assert (st1.state, st1.round, st1.sent_tokens) == ("TRANSFERRING", 1, 16)
+    t2 = s.start_write(0)
+    assert t2 == WriteTask(rank=0, round=2, start=16, count=4, blocks=(7,))
+    assert s.write_done(t2).state == "SUCCESS"
+    assert s.ranks[0].phase is RankPhase.DONE  # (rank 1 of the room's two has not sent INIT)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"round": 2}, "round 2, expected round 1"),
+        ({"sent_tokens": 0}, "0 tokens arrived, 8 were sent once round 0 ends"),
+        ({"sent_tokens": 16}, "16 tokens arrived"),
+        ({"blocks": (5, 6, 7, 8), "allocated_tokens": 13}, "only 12 remain"),
+        ({"blocks": (5, 5)}, "duplicate"),
+    ],
+)
+def test_sender_bad_early_resume(changes: dict[str, Any], match: str) -> None:
+    s, _ = s_writing()
+    kw = {**RESUME_OK, **changes}
+    assert_illegal(s, lambda: s.on_resume(0, **kw), room="s", state="TRANSFERRING", match=match)
+    s.on_resume(0, **RESUME_OK)
+    assert s.ranks[0].ahead == (1, (5, 6), 8)
+
+
+def test_receiver_total_then_early_resume_then_rounds_in_order() -> None:
+    r = r_waiting()  # round 0: 8 tokens reserved, total unknown
+    r.on_total(Total(room="r", total_tokens=20))
+    assert r.total == 20 and r.state is TS.TRANSFERRING and not r.ahead
+    assert r.resume_sent(blocks=2, allocated_tokens=8) == (1, 8)  # early: round 1 starts at 8
+    assert r.ahead and r.round == 0
+    assert_illegal(r, lambda: r.resume_sent(blocks=1, allocated_tokens=4), room="r", match="second early RESUME")
+    a0 = r.on_status(status())  # round 0: 8 of 20
+    assert a0 is not None and (a0.start, a0.count, a0.complete) == (0, 8, False)
+    assert r.round == 1 and not r.ahead  # round 1 is the one in flight now, awaited
+    assert r.resume_sent(blocks=1, allocated_tokens=4) == (2, 16)  # early again: round 2 starts at 16
+    a1 = r.on_status(status(sent=16, rnd=1))
+    assert a1 is not None and (a1.start, a1.count) == (8, 8) and r.round == 2
+    assert_illegal(r, lambda: r.resume_sent(blocks=1, allocated_tokens=4), room="r",
+                   match="round 2 ends the request")  # nothing follows round 2
+    a2 = r.on_status(status(state="SUCCESS", sent=20, rnd=2))
+    assert a2 is not None and a2.complete and r.state is TS.SUCCESS
+
+
+def test_receiver_early_resume_needs_the_total() -> None:
+    r = r_waiting()
+    assert_illegal(r, lambda: r.resume_sent(blocks=2, allocated_tokens=8), room="r", match="RESUME")  # total unknown
+    p = r_boot()
+    p.init_sent(blocks=2, allocated_tokens=8, progress_tokens=BS)
+    p.on_progress(Progress(room="r", round=0, sent_tokens=BS, total_tokens=20))  # a PROGRESS tells the total too
+    assert p.resume_sent(blocks=2, allocated_tokens=8) == (1, 8)
+    landed = p.on_status(status())
+    assert landed is not None and (landed.start, landed.count, landed.offset) == (BS, 8 - BS, BS)
+    assert p.round == 1 and not p.ahead
+    q = r_resumed()  # round 1 (8..16 of 20) awaited: 4 tokens follow it
+    assert_illegal(q, lambda: q.resume_sent(blocks=2, allocated_tokens=5), room="r", match="4 remaining")
+    assert q.resume_sent(blocks=1, allocated_tokens=4) == (2, 16)
+
+
+@pytest.mark.parametrize(
+    ("make", "total", "match"),
+    [
+        ("waiting", 8, "which round 0's reservation of 8 holds"),
+        ("waiting", 1001, "max_request_tokens"),
+        ("transferring", 20, "once, while round 0"),
+        ("resumed", 20, "once, while round 0"),
+        ("boot", 20, "once, while round 0"),
+        ("success", 20, "TOTAL"),
+    ],
+)
+def test_receiver_bad_total(make: str, total: int, match: str) -> None:
+    r = RECEIVER_STATES[make]()
+    assert_illegal(r, lambda: r.on_total(Total(room="r", total_tokens=total)), room="r", match=match)
+
+
+def test_receiver_total_twice_and_a_changed_total_in_status() -> None:
+    r = r_waiting()
+    r.on_total(Total(room="r", total_tokens=20))
+    assert_illegal(r, lambda: r.on_total(Total(room="r", total_tokens=20)), room="r", match="once")
+    assert_illegal(r, lambda: r.on_status(status(total=21)), room="r", match="total changed from 20 to 21")
+
+
+def test_receiver_failed_status_drops_the_early_round() -> None:
+    r = r_waiting()
+    r.on_total(Total(room="r", total_tokens=20))
+    r.resume_sent(blocks=2, allocated_tokens=8)
+    assert r.on_status(status(state="FAILED", total=20, sent=0)) is None
+    assert r.state is TS.FAILED and not r.ahead
 
 
 def test_sender_resume_after_done() -> None:
@@ -546,6 +675,8 @@ class _Rank:
         self.statuses = 0
         self.announced = False
         self.reservations: list[int] = []
+        self.ahead: list[int] = []
+        """Blocks of the next round, announced early (before the STATUS of the round in flight)."""
 
 
 def write_task(task: WriteTask, src: dict[str, torch.Tensor], dst: BlockPool, bs: int) -> None:
@@ -557,11 +688,15 @@ def write_task(task: WriteTask, src: dict[str, torch.Tensor], dst: BlockPool, bs
         ctypes.memmove(op.dst, op.src, op.length)
 
 
-def reserve(rank: _Rank, bs: int, blocks: int, tokens: int, order: list[int]) -> tuple[int, ...]:
+def reserve(rank: _Rank, bs: int, blocks: int, tokens: int, order: list[int], *, ahead: bool = False
+            ) -> tuple[int, ...]:
     ids = tuple(order[:blocks])
     assert set(ids) <= rank.free
     rank.free -= set(ids)
-    rank.blocks = list(ids)
+    if ahead:
+        rank.ahead = list(ids)
+    else:
+        rank.blocks = list(ids)
     rank.reservations.append(tokens)
     return ids
 
@@ -583,13 +718,44 @@ class DuelMachine(RuleBasedStateMachine):
         if input_first:
             self.sender.on_input(total)
 
-    def _draw_reservation(self, data: st.DataObject, rank: _Rank, limit: int) -> tuple[tuple[int, ...], int]:
+    def _draw_reservation(self, data: st.DataObject, rank: _Rank, limit: int, *, ahead: bool = False
+                          ) -> tuple[tuple[int, ...], int]:
         max_blocks = min(len(rank.free), math.ceil(limit / self.bs))
         blocks = data.draw(st.integers(1, max_blocks), label="blocks")
         lo = (blocks - 1) * self.bs + 1
         tokens = data.draw(st.integers(lo, min(blocks * self.bs, limit)), label="tokens")
         order = data.draw(st.permutations(sorted(rank.free)), label="ids")
-        return reserve(rank, self.bs, blocks, tokens, order), tokens
+        return reserve(rank, self.bs, blocks, tokens, order, ahead=ahead), tokens
+
+    def _maybe_early(self, data: st.DataObject, i: int, rank: _Rank) -> None:
+        """Perhaps announce the rank's next round early: its total is known and a round follows the one in hand."""
+        r = rank.room
+        if r.ahead or r.total is None or not rank.blocks or not rank.free:
+            return
+        start = r.received + r.allocated
+        remaining = self.total - start
+        if remaining <= 0 or not data.draw(st.booleans(), label="early"):
+            return
+        # one starting where the round in hand starts is refused, and changes nothing
+        assert_illegal(self.sender, lambda: self.sender.on_resume(
+            i, round=r.round + 1, sent_tokens=r.received, blocks=(0,), allocated_tokens=1), room=self.room_id)
+        ids, tokens = self._draw_reservation(data, rank, remaining, ahead=True)
+        assert r.resume_sent(blocks=len(ids), allocated_tokens=tokens) == (r.round + 1, start)
+        msg = decode(encode(Resume(room=self.room_id, round=r.round + 1, sent_tokens=start, blocks=ids,
+                                   allocated_tokens=tokens)))
+        assert isinstance(msg, Resume)
+        self.sender.on_resume(i, round=msg.round, sent_tokens=msg.sent_tokens, blocks=msg.blocks,
+                              allocated_tokens=msg.allocated_tokens)
+        assert self.sender.ranks[i].ahead == (msg.round, ids, tokens)
+        event("early RESUME")
+
+    @rule(data=st.data())
+    def early_resume(self, data: st.DataObject) -> None:
+        """A round in hand, not yet written (the sender READY): the next one may be announced already."""
+        ready = [i for i in self.sender.ready_ranks() if self.ranks[i].blocks]
+        if ready:
+            i = data.draw(st.sampled_from(ready), label="rank")
+            self._maybe_early(data, i, self.ranks[i])
 
     @rule(data=st.data())
     def init(self, data: st.DataObject) -> None:
@@ -629,6 +795,14 @@ class DuelMachine(RuleBasedStateMachine):
         task = self.sender.start_write(i)
         assert task.blocks == tuple(rank.blocks)
         assert task.start == rank.room.received
+        total = self.sender.total_for(task)
+        assert (total is not None) == (task.round == 0 and task.start + task.count < self.total)
+        if total is not None:
+            tmsg = decode(encode(total))
+            assert isinstance(tmsg, Total)
+            rank.room.on_total(tmsg)
+            assert_illegal(rank.room, lambda: rank.room.on_total(tmsg), room=self.room_id, match="once")
+        self._maybe_early(data, i, rank)  # while this round is written
         meta = {"room": str(self.room_id), "rank": i}
         at = task.start
         for upto in self.sender.progress_points(task):  # chunks announced within the round, in order
@@ -662,7 +836,7 @@ class DuelMachine(RuleBasedStateMachine):
             rank.out = LAYOUT.empty(self.total)  # allocated once, when the total is known
         rank.pool.copy_out(rank.blocks[arrived.offset // self.bs:], arrived.count, rank.out, out_start=arrived.start)
         rank.free |= set(rank.blocks)
-        rank.blocks = []
+        rank.blocks, rank.ahead = rank.ahead, []  # a round announced early is the one in hand now
         assert arrived.complete == (arrived.start + arrived.count == self.total)
         assert rank.room.metadata == meta  # kept from the first announcement
 
@@ -710,7 +884,8 @@ class DuelMachine(RuleBasedStateMachine):
         for i, rank in enumerate(self.ranks):
             r = rank.room
             assert r.received <= self.total
-            assert len(rank.free) + len(rank.blocks) == self.pool_blocks
+            assert len(rank.free) + len(rank.blocks) + len(rank.ahead) == self.pool_blocks
+            assert bool(rank.ahead) == r.ahead
             if i in self.sender.ranks:
                 p = self.sender.ranks[i]
                 assert p.sent == r.received  # every write is acknowledged in the same step
@@ -718,7 +893,7 @@ class DuelMachine(RuleBasedStateMachine):
                 assert (p.phase is RankPhase.DONE) == (r.state is TS.SUCCESS)
             else:
                 assert r.state is TS.BOOTSTRAPPING
-            assert r.round == len(rank.reservations) - 1 if rank.reservations else r.round == 0
+            assert r.round == len(rank.reservations) - 1 - bool(rank.ahead) if rank.reservations else r.round == 0
         all_done = len(self.inited) == self.world and all(r.room.state is TS.SUCCESS for r in self.ranks)
         assert (self.sender.state is TS.SUCCESS) == all_done
 
@@ -744,7 +919,7 @@ class DuelMachine(RuleBasedStateMachine):
                         rank.out = LAYOUT.empty(self.total)
                     rank.pool.copy_out(rank.blocks, arrived.count, rank.out, out_start=arrived.start)
                     rank.free |= set(rank.blocks)
-                    rank.blocks = []
+                    rank.blocks, rank.ahead = rank.ahead, []
                     rank.statuses += 1
                 else:
                     remaining = self.total - rank.room.received

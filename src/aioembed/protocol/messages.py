@@ -38,6 +38,7 @@ __all__ = [
     "Resume",
     "RoomId",
     "Status",
+    "Total",
     "TransferStatus",
     "Welcome",
     "check_metadata",
@@ -47,9 +48,10 @@ __all__ = [
     "validate_room",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership). 3: a ZeroMQ message
-may bundle several frames, one message each (:mod:`aioembed.control.channel`)."""
+may bundle several frames, one message each (:mod:`aioembed.control.channel`). 4: TOTAL, and a RESUME
+accepted while the round before it is being written (the next round announced early)."""
 MAX_FRAME_BYTES = 16 << 20
 """Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCK_SIZE = 1 << 20
@@ -376,6 +378,18 @@ class Progress(_Base):
 
 
 @dataclass(frozen=True, slots=True)
+class Total(_Base):
+    """Sender -> receiver: the room is ``total_tokens`` long, more than the rank's first reservation holds.
+    Sent once per rank, as round 0's write starts: the receiver may then reserve round 1 and send its RESUME
+    while round 0 is still being written, so that the sender writes round 1 as soon as round 0 ended (instead
+    of a control round trip later)."""
+
+    TYPE: ClassVar[str] = "TOTAL"
+    room: RoomId
+    total_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Abort(_Base):
     """Either way: end the room; the receiver of it answers ``ABORT_ACK`` once no write is in flight."""
 
@@ -488,6 +502,7 @@ Status.SCHEMA = {
     "room": _ROOM, "state": _state, "total_tokens": _TOKENS, "sent_tokens": _TOKENS,
     "round": _ROUND, "metadata": _optional(_metadata), "error": _optional(_str(MAX_TEXT)), "fence": _bool,
 }
+Total.SCHEMA = {"room": _ROOM, "total_tokens": _int(1, MAX_TOKENS)}
 Abort.SCHEMA = {"room": _ROOM, "reason": _str(MAX_TEXT)}
 AbortAck.SCHEMA = {"room": _ROOM}
 FenceRelease.SCHEMA = {"room": _ROOM}
@@ -496,13 +511,13 @@ Ping.SCHEMA = {"nonce": _int(0, _INT64_MAX)}
 Pong.SCHEMA = {"nonce": _int(0, _INT64_MAX), "peer_id": _str(64), "epoch": _int(0, _INT64_MAX)}
 
 Message: TypeAlias = (
-    Hello | Welcome | Reject | Init | Resume | Status | Progress | Abort | AbortAck | FenceRelease | Drained | Ping
-    | Pong
+    Hello | Welcome | Reject | Init | Resume | Status | Progress | Total | Abort | AbortAck | FenceRelease | Drained
+    | Ping | Pong
 )
 
 _TYPES: dict[str, type[_Base]] = {
-    cls.TYPE: cls for cls in (Hello, Welcome, Reject, Init, Resume, Status, Progress, Abort, AbortAck, FenceRelease,
-                              Drained, Ping, Pong)
+    cls.TYPE: cls for cls in (Hello, Welcome, Reject, Init, Resume, Status, Progress, Total, Abort, AbortAck,
+                              FenceRelease, Drained, Ping, Pong)
 }
 
 

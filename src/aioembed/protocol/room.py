@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass
 
 from aioembed.errors import ProtocolError
-from aioembed.protocol.messages import Progress, RoomId, Status, TransferStatus
+from aioembed.protocol.messages import Progress, RoomId, Status, Total, TransferStatus
 
 __all__ = [
     "Arrived",
@@ -81,6 +81,9 @@ class ReceiverRoomState:
         self.metadata: dict[str, object] | None = None
         self.error: str | None = None
         self._awaiting_status = False
+        self._ahead = 0
+        """Tokens of the next round, announced (RESUME) before this round's STATUS came (0: none)."""
+        self._total_heard = False
 
     def _bad(self, what: str, *, room: RoomId | None = None) -> ProtocolError:
         return ProtocolError(f"room {self.room!r}: {what} (state {self.state.name})", room=self.room)
@@ -103,19 +106,58 @@ class ReceiverRoomState:
         self.state = TransferStatus.WAITING_FOR_INPUT
         self._awaiting_status = True
 
-    def resume_sent(self, *, blocks: int, allocated_tokens: int) -> None:
-        """The next round's reservation went out in a RESUME (round number already advanced)."""
-        if self.state is not TransferStatus.TRANSFERRING or self._awaiting_status:
+    @property
+    def ahead(self) -> bool:
+        """The next round is announced already (its RESUME went out before this round's STATUS came)."""
+        return self._ahead > 0
+
+    def resume_sent(self, *, blocks: int, allocated_tokens: int) -> tuple[int, int]:
+        """The next round's reservation goes out in a RESUME: returns its round and the token it starts at.
+
+        After this round's STATUS (the usual case), or *early*, while this round is still being written:
+        only for a room whose total is known (TOTAL, a PROGRESS, an earlier STATUS) to go on past this round, and
+        one round ahead at most. This round then fills its whole reservation, so the next one starts where it
+        ends."""
+        if self.state is not TransferStatus.TRANSFERRING:
             raise self._illegal("RESUME")
-        assert self.total is not None
-        remaining = self.total - self.received
+        if self._awaiting_status:
+            if self._ahead or self.total is None:
+                raise self._illegal("an early RESUME" if not self._ahead else "a second early RESUME")
+            start = self.received + self.allocated
+            remaining = self.total - start
+            if remaining <= 0:
+                raise self._illegal(f"an early RESUME (round {self.round} ends the request)")
+        else:
+            assert self.total is not None
+            start = self.received
+            remaining = self.total - start
         if not _blocks_hold(blocks, self.block_size, allocated_tokens) or allocated_tokens > remaining:
             raise self._bad(
                 f"RESUME reserves {allocated_tokens} tokens in {blocks} blocks "
                 f"for {remaining} remaining tokens", room=self.room)
+        if self._awaiting_status:
+            self._ahead = allocated_tokens
+            return self.round + 1, start
         self.allocated = allocated_tokens
         self.round += 1
         self._awaiting_status = True
+        return self.round, start
+
+    def on_total(self, msg: Total) -> None:
+        """The sender's TOTAL: the room is longer than round 0's reservation. Legal once, during round 0."""
+        if self.state.terminal:
+            raise self._illegal("TOTAL")
+        if self._total_heard or not self._awaiting_status or self.round != 0 or self.landed:
+            raise self._illegal("TOTAL (once, while round 0 is written)")
+        total = msg.total_tokens
+        if total > self.max_tokens:
+            raise self._bad(f"request of {total} tokens, allowed 1..{self.max_tokens} (max_request_tokens)")
+        if total <= self.allocated:
+            raise self._bad(f"TOTAL of {total} tokens, which round 0's reservation of {self.allocated} holds "
+                            "(it is sent only for a longer room)")
+        self._total_heard = True
+        self.total = total
+        self.state = TransferStatus.TRANSFERRING
 
     def _check_frame(self, what: str, round: int, total: int) -> int:
         """Checks shared by STATUS and PROGRESS with data; returns where the round's rows end."""
@@ -174,6 +216,7 @@ class ReceiverRoomState:
             self.state = msg.state
             self.error = msg.error or f"sender reported {msg.state.name}"
             self._awaiting_status = False
+            self._ahead = 0
             return None
         if not self._awaiting_status:
             raise self._illegal(f"STATUS {msg.state} (no reservation outstanding)")
@@ -198,6 +241,10 @@ class ReceiverRoomState:
         self.received = self.landed = msg.sent_tokens
         self._awaiting_status = False
         self.state = TransferStatus.SUCCESS if complete else TransferStatus.TRANSFERRING
+        if self._ahead:  # the next round was announced early: it is the one in flight now
+            self.round += 1
+            self.allocated, self._ahead = self._ahead, 0
+            self._awaiting_status = True
         return Arrived(start=start, count=msg.sent_tokens - start, total=total, complete=complete,
                        metadata=metadata, offset=offset)
 
@@ -251,6 +298,9 @@ class _Rank:
     """The room's metadata went out (with the first announcement)."""
     exact: int = 0
     """The rank's room is a part of exactly this many tokens (0: any length)."""
+    ahead: tuple[int, tuple[int, ...], int] | None = None
+    """(round, blocks, allocated tokens) of the next round, announced early: its RESUME came while the round
+    before it was being written; written as soon as that one ends."""
 
 
 class SenderRoomState:
@@ -385,35 +435,60 @@ class SenderRoomState:
         return Progress(room=self.room, round=task.round, sent_tokens=upto, total_tokens=self.total,
                         metadata=self._metadata_once(p, metadata))
 
+    def total_for(self, task: WriteTask) -> Total | None:
+        """The TOTAL to send as ``task`` starts: for round 0 of a room longer than the rank's first reservation
+        (the rank may then announce round 1 before round 0 ends); else None."""
+        self._writing(task, "TOTAL")
+        assert self.total is not None
+        if task.round != 0 or task.start + task.count >= self.total:
+            return None
+        return Total(room=self.room, total_tokens=self.total)
+
     def write_done(self, task: WriteTask, *, metadata: dict[str, object] | None = None) -> Status:
         """The write of ``task`` is visible at the rank; returns the STATUS to send it (with the room's
-        ``metadata`` if this is the first announcement to the rank)."""
+        ``metadata`` if this is the first announcement to the rank). A round announced early is due next."""
         p = self._writing(task, "write completion")
         assert self.total is not None
         p.sent = p.landed = task.start + task.count
         done = p.sent == self.total
-        p.phase = RankPhase.DONE if done else RankPhase.AWAITING_RESUME
+        if done:
+            p.phase = RankPhase.DONE
+        elif p.ahead is not None:
+            (p.round, p.blocks, p.allocated), p.ahead = p.ahead, None
+            p.phase = RankPhase.READY
+        else:
+            p.phase = RankPhase.AWAITING_RESUME
         return Status(
             room=self.room, state=TransferStatus.SUCCESS if done else TransferStatus.TRANSFERRING,
             total_tokens=self.total,
-            sent_tokens=p.sent, round=p.round, metadata=self._metadata_once(p, metadata),
+            sent_tokens=p.sent, round=task.round, metadata=self._metadata_once(p, metadata),
         )
 
     def on_resume(self, rank: int, *, round: int, sent_tokens: int, blocks: tuple[int, ...],
                   allocated_tokens: int, num_blocks: int | None = None) -> None:
-        """A rank's RESUME arrived with a fresh reservation."""
+        """A rank's RESUME arrived with a fresh reservation: after its round's STATUS, or early, while that
+        round is written or due (one round ahead at most, and only if a round follows: that round then fills
+        its reservation, so the next one starts where it ends)."""
         if self.failed is not None:
             raise self._err(f"RESUME from rank {rank} after the room ended")
         p = self.ranks.get(rank)
-        if p is None or p.phase is not RankPhase.AWAITING_RESUME or self.total is None:
+        early = p is not None and p.phase in (RankPhase.READY, RankPhase.WRITING) and p.ahead is None \
+            and self.total is not None \
+            and p.sent + min(p.allocated, self.total - p.sent) < self.total
+        if p is None or self.total is None or not (early or p.phase is RankPhase.AWAITING_RESUME):
             raise self._err(f"RESUME from rank {rank} was not expected")
+        start = p.sent + p.allocated if early else p.sent
         if round != p.round + 1:
             raise self._err(f"RESUME from rank {rank} for round {round}, expected round {p.round + 1}")
-        if sent_tokens != p.sent:
-            raise self._err(f"RESUME from rank {rank} says {sent_tokens} tokens arrived, {p.sent} were sent")
-        if allocated_tokens > self.total - p.sent:
-            raise self._err(f"RESUME reserves {allocated_tokens} tokens, only {self.total - p.sent} remain")
+        if sent_tokens != start:
+            raise self._err(f"RESUME from rank {rank} says {sent_tokens} tokens arrived, {start} were sent"
+                            + (f" once round {p.round} ends" if early else ""))
+        if allocated_tokens > self.total - start:
+            raise self._err(f"RESUME reserves {allocated_tokens} tokens, only {self.total - start} remain")
         self._check_reservation(blocks, allocated_tokens, num_blocks)
+        if early:
+            p.ahead = (round, blocks, allocated_tokens)
+            return
         p.round, p.blocks, p.allocated, p.phase = round, blocks, allocated_tokens, RankPhase.READY
 
     def writing(self, rank: int) -> bool:

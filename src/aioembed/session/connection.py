@@ -51,6 +51,7 @@ from aioembed.protocol.messages import (
     Reject,
     RoomId,
     Status,
+    Total,
     TransferStatus,
     Welcome,
     decode,
@@ -97,7 +98,9 @@ class SessionLost:
     writer: Writer
 
 
-RoomEvent = Status | Progress | Abort | AbortAck | Reject | SessionLost
+RoomFrame = Status | Progress | Total | Abort | AbortAck | Reject
+"""A frame of the sender about one room."""
+RoomEvent = RoomFrame | SessionLost
 
 
 class SenderConnection:
@@ -155,7 +158,7 @@ class SenderConnection:
         self.chan, self.monitor = self._open_sockets(ctx)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Welcome: self._on_welcome, Reject: self._on_reject, Status: self._on_room_frame,
-            Progress: self._on_room_frame,
+            Progress: self._on_room_frame, Total: self._on_room_frame,
             Abort: self._on_room_frame, AbortAck: self._on_room_frame, FenceRelease: self._on_fence_release,
             Drained: self._on_drained, Pong: self._on_pong, Ping: self._on_ping,
         }
@@ -484,7 +487,7 @@ class SenderConnection:
         self.session_lost(LossKind.DROPPED, f"sender {self.address} does not know this session "
                                             "(it restarted, or declared this receiver dead)")
 
-    def _on_room_frame(self, msg: Status | Progress | Abort | AbortAck | Reject) -> None:
+    def _on_room_frame(self, msg: RoomFrame) -> None:
         room_id = msg.room
         assert room_id is not None
         room = self.rooms.get(room_id)
@@ -494,14 +497,14 @@ class SenderConnection:
             return
         self._late(msg, room_id)
 
-    def _late(self, msg: Status | Progress | Abort | AbortAck | Reject, room: RoomId) -> None:
+    def _late(self, msg: RoomFrame, room: RoomId) -> None:
         self.late(msg, room, self.writer)
 
-    def late(self, msg: Status | Progress | Abort | AbortAck | Reject, room: RoomId, writer: Writer | None) -> None:
+    def late(self, msg: RoomFrame, room: RoomId, writer: Writer | None) -> None:
         """A frame of ``writer`` for a room no longer in flight here (it arrived after the room ended,
         or was still in the room's inbox when it ended): a proof (or doubt) about fenced blocks."""
-        if isinstance(msg, Progress):
-            return  # the round goes on: a PROGRESS proves nothing about the end of its writes
+        if isinstance(msg, Progress | Total):
+            return  # the round goes on: a PROGRESS or TOTAL proves nothing about the end of its writes
         if isinstance(msg, Abort):
             self.send(AbortAck(room=room))
         elif self.held_ids.late(msg, room):

@@ -45,6 +45,7 @@ from aioembed.protocol.messages import (
     Resume,
     RoomId,
     Status,
+    Total,
     TransferStatus,
     plain_text,
 )
@@ -129,6 +130,8 @@ class ReceiveRoomDriver:
         self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
         self._held: RoomEvent | None = None  # taken from the inbox ahead of its turn (see _fold_landed)
         self._next: int | None = None  # grant reserved or announced for the round in flight
+        self._ahead: int | None = None  # grant of the round after it, announced early (before this one's STATUS)
+        self._admitted = False  # a zero-copy room's claim on the pool is made (see _admit_zero_copy)
         self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
         self._split = 0  # zero-copy stream: blocks of the round's grant already handed out in chunks
         self._sender_ended = False
@@ -348,12 +351,14 @@ class ReceiveRoomDriver:
         self._add_phase("wait", t0)
         if isinstance(event, SessionLost):
             return await self._on_session_lost(event)
+        if isinstance(event, Total):
+            self._on_total(event)
+            return None
         return self._on_frame(event)
 
     async def take_round(self, arrived: Arrived, grant: int) -> bool:
         """A round (or a chunk of one) landed: announce the next round early if memory allows,
         copy, keep or hand out these rows."""
-        keeper = self.ctx.keeper
         self.handle._set_status(TransferStatus.TRANSFERRING)
         if arrived.metadata is not None:
             self._metadata = dict(arrived.metadata)
@@ -364,15 +369,11 @@ class ReceiveRoomDriver:
         self.ctx.observer.round_finished(side="receiver", seconds=time.perf_counter() - self._round_started)
         if self.zero_copy and self.stream is None:  # a whole-room lease keeps every round
             self._trim(grant, arrived.count)
-            first = not self._readable
             self._readable.append((grant, arrived.count))
-            if first:
-                self._admit_zero_copy(arrived, grant)
+            if not self._admitted:
+                self._admit_zero_copy(arrived.total, grant)
         if not arrived.complete:
-            tokens = self._round_tokens(arrived.remaining, shrink=False)
-            early = keeper.try_reserve(self.room, tokens, priority=True, round=self.machine.round + 1)
-            if early is not None:
-                self.resume(early, tokens)
+            self._resume_now(arrived)
         if self.stream is not None:
             await self._deliver(arrived, grant)
         elif not self.zero_copy:
@@ -386,23 +387,54 @@ class ReceiveRoomDriver:
                 self.resume(late, tokens)
         return False
 
-    def _admit_zero_copy(self, arrived: Arrived, first_grant: int) -> None:
+    def _resume_now(self, arrived: Arrived) -> None:
+        """A round that is not the last landed: announce the next one now if the pool has its blocks (before this
+        one is copied out), or, if the next one was announced early and is being written, the one after it."""
+        if self._next is not None:
+            self._announce_early()
+            return
+        tokens = self._round_tokens(arrived.remaining, shrink=False)
+        early = self.ctx.keeper.try_reserve(self.room, tokens, priority=True, round=self.machine.round + 1)
+        if early is not None:
+            self.resume(early, tokens)
+
+    def _admit_zero_copy(self, total: int, first_grant: int) -> None:
         """A zero-copy room keeps every round until its lease is released, so once its total is known
         it claims the blocks of the whole request: admitted if they fit beside the claims of other
         zero-copy rooms and leases, else failed now, saying why (two such rooms waiting for each other
         would otherwise hold the pool until ``round_timeout``)."""
         pool, keeper = self.ctx.pool, self.ctx.keeper
-        if arrived.total > pool.num_tokens:
-            raise TransferFailed(f"room {self.room!r}: {arrived.total} tokens cannot be received zero-copy into "
+        if total > pool.num_tokens:
+            raise TransferFailed(f"room {self.room!r}: {total} tokens cannot be received zero-copy into "
                                  f"a pool of {pool.num_tokens} tokens; use receive()", room=self.room)
-        need = -(-arrived.total // pool.block_size)
+        need = -(-total // pool.block_size)
         others = keeper.claimed_blocks
         if need > pool.num_blocks - others:
             raise TransferFailed(
-                f"room {self.room!r}: {arrived.total} tokens ({need} blocks) cannot be received zero-copy now: "
+                f"room {self.room!r}: {total} tokens ({need} blocks) cannot be received zero-copy now: "
                 f"leases and zero-copy rooms in flight hold {others} of the pool's {pool.num_blocks} blocks "
                 "until they are released; release leases sooner, or receive() this room", room=self.room)
         keeper.claim(first_grant, need)
+        self._admitted = True
+
+    def _announce_early(self) -> None:
+        """Announce the round after the one in flight (RESUME) before that one's STATUS, so that the sender writes
+        it as soon as that one ended: when the total is known (TOTAL, or a STATUS) and a round follows, not for a
+        stream (it hands chunks out round by round), and only if the pool has the blocks now (a room short of memory
+        reserves after the STATUS, waiting as before). A zero-copy room is admitted first (its claim covers the whole
+        request)."""
+        m = self.machine
+        if self._ahead is not None or self._next is None or self.stream is not None or m.total is None or m.ahead:
+            return
+        remaining = m.total - (m.received + m.allocated)
+        if remaining <= 0:
+            return
+        if self.zero_copy and not self._admitted:
+            self._admit_zero_copy(m.total, self._next)
+        tokens = self._round_tokens(remaining, shrink=False)
+        grant = self.ctx.keeper.try_reserve(self.room, tokens, priority=True, round=m.round + 1)
+        if grant is not None:
+            self.resume(grant, tokens)
 
     def resume(self, grant: int, tokens: int) -> None:
         """Announce ``grant`` for the next round (RESUME), unless the room's session is gone."""
@@ -411,29 +443,35 @@ class ReceiveRoomDriver:
             keeper.apply(keeper.ledger.release_unannounced(grant))  # the SessionLost is in the inbox
             return
         blocks = keeper.blocks_of(grant)
-        m.resume_sent(blocks=len(blocks), allocated_tokens=tokens)
-        self._announce(grant, self.writer, Resume(room=self.room, round=m.round, sent_tokens=m.received,
-                                                  blocks=blocks, allocated_tokens=tokens))
-        log.debug("receiver[%d]: room=%r: RESUME round %d, %d/%s tokens in, %d reserved", self.ctx.rank,
-                  self.room, m.round, m.received, m.total, tokens)
+        early = self._next is not None  # the round before it is still being written
+        round_, start = m.resume_sent(blocks=len(blocks), allocated_tokens=tokens)
+        self._announce(grant, self.writer, Resume(room=self.room, round=round_, sent_tokens=start,
+                                                  blocks=blocks, allocated_tokens=tokens), ahead=early)
+        log.debug("receiver[%d]: room=%r: RESUME round %d%s, from token %d of %s, %d reserved", self.ctx.rank,
+                  self.room, round_, " (early)" if early else "", start, m.total, tokens)
 
     def fail(self, error: TransferError) -> None:
         """End the room: tell the sender if it may still write, hand every grant to the ledger."""
         keeper, ledger = self.ctx.keeper, self.ctx.keeper.ledger
         self.machine.fail(str(error))
         alive = self.writer is not None and self.conn.ready and self.conn.writer == self.writer
-        grant, self._next = self._next, None
-        state = ledger.grant(grant).state if grant is not None else None
-        if grant is not None and state is GrantState.RESERVED:
-            keeper.apply(ledger.release_unannounced(grant))
+        grants, self._next, self._ahead = (self._next, self._ahead), None, None
+        announced = []
+        for grant in grants:  # the round in flight, and one announced early
+            state = ledger.grant(grant).state if grant is not None else None
+            if grant is not None and state is GrantState.RESERVED:
+                keeper.apply(ledger.release_unannounced(grant))
+            elif grant is not None and state is GrantState.ANNOUNCED:
+                announced.append(grant)
         if alive and not self._sender_ended and self.writer is not None:
             # The sender holds the room (writing, or waiting for input or a RESUME): end it there.
             self.conn.send(Abort(room=self.room, reason=plain_text(error)))
             self.conn.held_ids.abort_sent(self.room, anyio.current_time())
-            if grant is not None and state is GrantState.ANNOUNCED:
+            for grant in announced:
                 keeper.fence(grant, FenceReason.ABORT_UNACKED)
-        elif grant is not None and state is GrantState.ANNOUNCED:
-            keeper.fence(grant, FenceReason.SESSION_DROPPED)
+        else:
+            for grant in announced:
+                keeper.fence(grant, FenceReason.SESSION_DROPPED)
         for g, _ in self._readable:
             keeper.apply(ledger.consumed(g))  # fully written and announced: nothing can reach them
         self._readable = []
@@ -528,27 +566,37 @@ class ReceiveRoomDriver:
             if grant is None:
                 raise ProtocolError(f"room {self.room!r}: PROGRESS with no reservation outstanding", room=self.room)
             landing = self.machine.on_progress(event)
-            if (error := self._part_total_error(landing)) is not None:
+            if (error := self._part_total_error(landing.total)) is not None:
                 raise error  # the round's write goes on: its grant stays announced (fail() fences it, ABORTs)
             return landing, grant
         arrived = self.machine.on_status(event)
         if arrived is None:  # a final FAILED / ABORTED
             self._sender_failed(event, grant)
         assert grant is not None  # on_status accepts data only with a reservation outstanding
-        if (error := self._part_total_error(arrived)) is not None:
-            self._end_grant(Proof.STATUS)  # its write is over (the STATUS says so); the room is not
+        if (error := self._part_total_error(arrived.total)) is not None:
+            # Its write is over (the STATUS says so); the room is not, nor a round announced early (fail() fences it).
+            self._end_grant(Proof.STATUS, ahead=False)
             raise error
-        self._next = None
+        self._next, self._ahead = self._ahead, None  # a round announced early is the one in flight now
+        if self._next is not None:
+            self._round_started = time.perf_counter()
         keeper.apply(ledger.landed(grant))  # only this room moves its announced grant: still ANNOUNCED
         if arrived.complete:
             self._sender_ended = True
         return arrived, grant
 
-    def _part_total_error(self, arrived: Arrived) -> TransferFailed | None:
+    def _on_total(self, event: Total) -> None:
+        """The sender's TOTAL, as round 0 is written: the room is longer than round 0's reservation."""
+        self.machine.on_total(event)
+        if (error := self._part_total_error(event.total_tokens)) is not None:
+            raise error  # round 0's write goes on: its grant stays announced (fail() fences it, ABORTs)
+        self._announce_early()
+
+    def _part_total_error(self, total: int) -> TransferFailed | None:
         """A part received with ``exact_tokens`` must be as long as its range says, from its first frame on."""
-        if not self.exact_tokens or arrived.total == self.expected_tokens:
+        if not self.exact_tokens or total == self.expected_tokens:
             return None
-        return TransferFailed(f"room {self.room!r}: sender {self.conn.address} sends {arrived.total} tokens for "
+        return TransferFailed(f"room {self.room!r}: sender {self.conn.address} sends {total} tokens for "
                               f"this part, the receiver expects {self.expected_tokens} (its Part range)",
                               room=self.room)
 
@@ -557,11 +605,12 @@ class ReceiveRoomDriver:
         then raise the room's error."""
         self._sender_ended = True
         if event.fence:
-            self._next = None
-            if grant is not None:
-                self.ctx.keeper.fence(grant, FenceReason.WRITE_FAILED)
+            ahead, self._next, self._ahead = self._ahead, None, None
+            for g in (grant, ahead):
+                if g is not None:
+                    self.ctx.keeper.fence(g, FenceReason.WRITE_FAILED)
         else:
-            self._end_grant(Proof.STATUS)
+            self._end_grant(Proof.STATUS)  # no write of the room may land (else it says fence): nor into a round ahead
         if self._lost_reason is not None and self.machine.received == 0:
             raise PeerDead(f"room {self.room!r}: {self._lost_reason}; opened again, sender "
                            f"{self.conn.address} reported {self.machine.state.name}: {self.machine.error}",
@@ -599,10 +648,11 @@ class ReceiveRoomDriver:
     async def _on_session_lost(self, event: SessionLost) -> tuple[Arrived, int] | None:
         if event.writer != self.writer:
             return None  # about a session this room was not announced in (it reopened since)
-        grant, self._next = self._next, None
-        if grant is not None:  # the writer may still reach it: fenced, freed by a later proof
-            reason = FenceReason.PEER_SILENT if event.kind is LossKind.SILENT else FenceReason.SESSION_DROPPED
-            self.ctx.keeper.fence(grant, reason)
+        grants, self._next, self._ahead = (self._next, self._ahead), None, None
+        reason = FenceReason.PEER_SILENT if event.kind is LossKind.SILENT else FenceReason.SESSION_DROPPED
+        for grant in grants:
+            if grant is not None:  # the writer may still reach it: fenced, freed by a later proof
+                self.ctx.keeper.fence(grant, reason)
         # Rows announced by PROGRESS count (a stream may have handed them out): such a room cannot start over.
         nothing_in = self.machine.landed == 0 and not self._readable
         if event.kind is LossKind.DROPPED and nothing_in and self._reopens < _REOPENS:
@@ -615,29 +665,40 @@ class ReceiveRoomDriver:
             cfg = self.ctx.config
             self.machine = ReceiverRoomState(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
             self.writer = None
+            self._admitted = False  # a zero-copy claim made at TOTAL ends with that attempt's first grant
             self.handle._set_status(TransferStatus.BOOTSTRAPPING)
             await self.open()
             return None
         self._sender_ended = True
         raise PeerDead(f"room {self.room!r}: {event.reason}", room=self.room)
 
-    def _end_grant(self, proof: Proof) -> None:
+    def _end_grant(self, proof: Proof, *, ahead: bool = True) -> None:
+        """``proof`` ends the writes into the round in flight, and with ``ahead`` into a round announced early."""
         keeper = self.ctx.keeper
-        grant, self._next = self._next, None
-        if grant is not None:
-            keeper.apply(keeper.ledger.ended(grant, proof))
+        grants: tuple[int | None, ...] = (self._next, self._ahead) if ahead else (self._next,)
+        self._next = None
+        if ahead:
+            self._ahead = None
+        for grant in grants:
+            if grant is not None:
+                keeper.apply(keeper.ledger.ended(grant, proof))
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _announce(self, grant: int, writer: Writer, msg: Init | Resume) -> None:
-        if self.conn.closed:  # before announcing: the grant stays reserved, and fail() frees it
+    def _announce(self, grant: int, writer: Writer, msg: Init | Resume, *, ahead: bool = False) -> None:
+        """``ahead``: the round after the one in flight (an early RESUME)."""
+        if ahead:
+            self._ahead = grant
+        else:
+            self._next = grant
+        if self.conn.closed:  # not announced: the grant stays reserved, and fail() frees it
             raise TransferFailed(f"room {self.room!r}: the connection to sender {self.conn.address} was closed",
                                  room=self.room)
         self.ctx.keeper.ledger.announce(grant, writer)
         self.writer = writer
-        self._next = grant
         self.conn.send(msg)
-        self._round_started = time.perf_counter()
+        if not ahead:
+            self._round_started = time.perf_counter()
 
     async def _reserve(self, tokens: int, *, first: bool) -> int | None:
         """A grant for ``tokens``, or ``None`` if the room ended while waiting for memory."""

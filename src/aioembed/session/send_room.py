@@ -205,9 +205,7 @@ class SendRoomDriver:
         """One round to one rank; STATUS once every byte is visible there."""
         ctx, room = self.ctx, self.room
         peer = self.rank_peer[task.rank]
-        if not peer.alive or not ctx.ledger.is_open(peer.key):
-            self.machine.fail(f"{peer} is gone")  # a sender never posts a write to a receiver it dropped
-            self.poke()
+        if not self._may_write(task, peer):
             return
         chunks = self._chunks(task, peer)
         ops = [op for _, chunk_ops in chunks for op in chunk_ops]
@@ -261,6 +259,20 @@ class SendRoomDriver:
         log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
                   task.count, len(ops))
         self.poke()
+
+    def _may_write(self, task: WriteTask, peer: PeerSession) -> bool:
+        """False (the room failed) if ``peer`` is gone: a sender never posts a write to a receiver it dropped.
+        Else, as round 0 of a room longer than it starts, the rank's TOTAL goes out, so that the rank can announce
+        round 1 before round 0 ends (which is then written at once)."""
+        if not peer.alive or not self.ctx.ledger.is_open(peer.key):
+            self.machine.fail(f"{peer} is gone")
+            self.poke()
+            return False
+        total = self.machine.total_for(task)
+        if total is not None and not self.ctx.send(peer, total):
+            # Only a head start lost: the rank reserves the next round after this one's STATUS instead.
+            log.debug("sender: room=%r: the TOTAL for %s could not be queued", self.room, peer)
+        return True
 
     async def _settle(self, wid: int, settled: Callable[[], Awaitable[None]]) -> None:
         """Until the transport saw the last of failed write ``wid`` end; then its blocks are released after

@@ -1,0 +1,178 @@
+"""A room longer than its first reservation: the sender's TOTAL lets the receiver announce the next round (RESUME)
+while the round before it is still being written, so that the sender writes it as soon as that one ended."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferConfig, TransferFailed
+from aioembed.errors import TransportError
+from aioembed.protocol.room import SenderRoomState
+from aioembed.testing import MockTransport
+from aioembed.testing.mock import WriteCall, WriteFault
+
+from .conftest import LAYOUT, assert_same, make_request, wait_pools_free
+
+pytestmark = pytest.mark.anyio
+
+CFG = TransferConfig(default_tokens=1024, pool_tokens=8192, max_round_tokens=1024)
+
+
+@pytest.fixture
+def resumes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str]]]:
+    """(round, the sender's phase of that rank) for each RESUME the sender takes: WRITING (or READY) when it came
+    early, while the round before it was written; AWAITING_RESUME when it came after that round's STATUS."""
+    seen: list[tuple[int, str]] = []
+    real = SenderRoomState.on_resume
+
+    def on_resume(self: SenderRoomState, rank: int, **kw: Any) -> None:
+        seen.append((kw["round"], self.ranks[rank].phase.name))
+        real(self, rank, **kw)
+
+    monkeypatch.setattr(SenderRoomState, "on_resume", on_resume)
+    yield seen
+
+
+def _slow_writes(seconds: float) -> MockTransport:
+    return MockTransport(faults=lambda call: WriteFault(delay=seconds))
+
+
+async def _receive(receiver: EmbeddingReceiver, room: str, mode: str) -> tuple[dict[str, torch.Tensor], int]:
+    if mode == "receive":
+        got = await receiver.receive(room)
+        return got.tensors, got.rounds
+    if mode == "out":
+        out = LAYOUT.empty(3000)
+        got = await receiver.receive(room, out=out)
+        return out, got.rounds
+    lease = await receiver.receive_leased(room)
+    try:
+        return {n: t.clone() for n, t in lease.to_tensors().items()}, lease.rounds
+    finally:
+        lease.release()
+
+
+@pytest.mark.parametrize("mode", ["receive", "out", "receive_leased"])
+async def test_every_later_round_is_announced_while_the_one_before_it_is_written(
+        mode: str, resumes: list[tuple[int, str]]) -> None:
+    async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes(0.02)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        src = make_request(3000, seed=7)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "early", src)
+            rows, rounds = await _receive(receiver, "early", mode)
+        assert rounds == 3
+        assert_same(rows, src)
+        assert resumes == [(1, "WRITING"), (2, "WRITING")]
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_pool_without_room_for_two_rounds_resumes_after_each_status(
+        resumes: list[tuple[int, str]]) -> None:
+    """The early reservation never waits for memory: a pool that holds one round at a time reserves the next one
+    once the round before it was copied out and freed, as without TOTAL."""
+    cfg = CFG.replace(pool_tokens=1024, resume_reserve_tokens=0)
+    async with EmbeddingSender(LAYOUT, cfg, transport=_slow_writes(0.01)) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(), connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        src = make_request(3000, seed=8)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "short", src)
+            got = await receiver.receive("short")
+        assert got.rounds == 3
+        assert_same(got.tensors, src)
+        assert resumes == [(1, "AWAITING_RESUME"), (2, "AWAITING_RESUME")]
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_stream_takes_its_rounds_one_after_another(resumes: list[tuple[int, str]]) -> None:
+    """A stream hands its chunks out round by round: it announces no round early (the TOTAL is only noted)."""
+    async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes(0.01)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        src = make_request(3000, seed=9)
+        out = LAYOUT.empty(3000)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "streamed", src)
+            async with receiver.stream("streamed", chunk_tokens=512) as chunks:
+                async for chunk in chunks:
+                    for name, t in chunk.tensors.items():
+                        out[name][chunk.start:chunk.end].copy_(t)
+        assert_same(out, src)
+        assert [phase for _, phase in resumes] == ["AWAITING_RESUME", "AWAITING_RESUME"]
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_receive_cancelled_with_a_round_announced_early_fences_both_rounds_until_the_abort_is_answered(
+        resumes: list[tuple[int, str]]) -> None:
+    """Round 1's blocks were announced while round 0 was written: the sender may write them as soon as round 0
+    ends. A receive cancelled then fences both rounds' blocks (never freed on the receiver's word alone) until the
+    sender's ABORT_ACK says no write of the room moves any more."""
+    async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes(0.3)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        src = make_request(3000, seed=10)
+        fenced: dict[str, int] = {}
+        async with anyio.create_task_group() as tg:
+            async def send() -> None:
+                with pytest.raises(TransferAborted):
+                    await sender.send("cut", src)
+
+            tg.start_soon(send)
+            with anyio.move_on_after(5) as scope:
+                async with anyio.create_task_group() as inner:
+                    async def receive() -> None:
+                        await receiver.receive_leased("cut")
+
+                    inner.start_soon(receive)
+                    with anyio.fail_after(5):
+                        while not resumes:  # round 1 announced (early): round 0 is still being written
+                            await anyio.sleep(0.005)
+                    inner.cancel_scope.cancel()
+                fenced = receiver.fenced_blocks
+            assert not scope.cancelled_caught
+        assert resumes == [(1, "WRITING")]
+        assert sum(fenced.values()) == 2 * 1024 // CFG.block_size  # round 0's blocks and round 1's
+        await wait_pools_free(sender, receiver)
+
+
+@pytest.mark.parametrize(("error", "fenced"), [
+    (TransportError("engine says no", may_land=False), 0),
+    (RuntimeError("engine says no"), 2 * 1024 // CFG.block_size),
+])
+async def test_a_failed_write_with_a_round_announced_early_ends_both_rounds(
+        error: Exception, fenced: int, resumes: list[tuple[int, str]]) -> None:
+    """Round 0's write fails. If nothing of the room can land (a TransportError saying so), the sender's FAILED
+    STATUS ends both rounds it was given, round 1's never written. If its write may still land (a foreign
+    exception), both stay fenced until the sender's FENCE_RELEASE."""
+    def faults(call: WriteCall) -> WriteFault:
+        return WriteFault(fail_after=0.1, error=error)
+
+    # A write that may still land is given the transport's write lifetime: long enough to see the fence.
+    writer = MockTransport(faults=faults, write_lifetime=1.0)
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        src = make_request(3000, seed=11)
+        failed: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+            async def send() -> None:
+                with pytest.raises(TransferFailed):
+                    await sender.send("failed", src)
+
+            tg.start_soon(send)
+            try:
+                await receiver.receive("failed")
+            except TransferFailed as exc:
+                failed.append(exc)
+                held = sum(receiver.fenced_blocks.values())
+        assert failed and "engine says no" in str(failed[0])
+        assert resumes == [(1, "WRITING")]
+        assert held == fenced
+        await wait_pools_free(sender, receiver)
