@@ -3,7 +3,8 @@ while the round before it is still being written, so that the sender writes it a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -21,6 +22,7 @@ from .conftest import LAYOUT, assert_same, make_request, wait_pools_free
 pytestmark = pytest.mark.anyio
 
 CFG = TransferConfig(default_tokens=1024, pool_tokens=8192, max_round_tokens=1024)
+_Pair = tuple[EmbeddingSender, EmbeddingReceiver]
 
 
 @pytest.fixture
@@ -42,6 +44,15 @@ def _slow_writes(seconds: float) -> MockTransport:
     return MockTransport(faults=lambda call: WriteFault(delay=seconds))
 
 
+@asynccontextmanager
+async def _pair(writer: MockTransport, cfg: TransferConfig = CFG) -> AsyncIterator[_Pair]:
+    """A sender writing through ``writer`` and a connected receiver."""
+    async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(), connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        yield sender, receiver
+
+
 async def _receive(receiver: EmbeddingReceiver, room: str, mode: str) -> tuple[dict[str, torch.Tensor], int]:
     if mode == "receive":
         got = await receiver.receive(room)
@@ -60,9 +71,7 @@ async def _receive(receiver: EmbeddingReceiver, room: str, mode: str) -> tuple[d
 @pytest.mark.parametrize("mode", ["receive", "out", "receive_leased"])
 async def test_every_later_round_is_announced_while_the_one_before_it_is_written(
         mode: str, resumes: list[tuple[int, str]]) -> None:
-    async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes(0.02)) as sender, \
-            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
-        await receiver.wait_connected()
+    async with _pair(_slow_writes(0.02)) as (sender, receiver):
         src = make_request(3000, seed=7)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.send, "early", src)
@@ -78,9 +87,7 @@ async def test_a_pool_without_room_for_two_rounds_resumes_after_each_status(
     """The early reservation never waits for memory: a pool that holds one round at a time reserves the next one
     once the round before it was copied out and freed, as without TOTAL."""
     cfg = CFG.replace(pool_tokens=1024, resume_reserve_tokens=0)
-    async with EmbeddingSender(LAYOUT, cfg, transport=_slow_writes(0.01)) as sender, \
-            EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(), connect=sender.address) as receiver:
-        await receiver.wait_connected()
+    async with _pair(_slow_writes(0.01), cfg) as (sender, receiver):
         src = make_request(3000, seed=8)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.send, "short", src)
@@ -93,9 +100,7 @@ async def test_a_pool_without_room_for_two_rounds_resumes_after_each_status(
 
 async def test_a_stream_takes_its_rounds_one_after_another(resumes: list[tuple[int, str]]) -> None:
     """A stream hands its chunks out round by round: it announces no round early (the TOTAL is only noted)."""
-    async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes(0.01)) as sender, \
-            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
-        await receiver.wait_connected()
+    async with _pair(_slow_writes(0.01)) as (sender, receiver):
         src = make_request(3000, seed=9)
         out = LAYOUT.empty(3000)
         async with anyio.create_task_group() as tg:
@@ -114,9 +119,7 @@ async def test_a_receive_cancelled_with_a_round_announced_early_fences_both_roun
     """Round 1's blocks were announced while round 0 was written: the sender may write them as soon as round 0
     ends. A receive cancelled then fences both rounds' blocks (never freed on the receiver's word alone) until the
     sender's ABORT_ACK says no write of the room moves any more."""
-    async with EmbeddingSender(LAYOUT, CFG, transport=_slow_writes(0.3)) as sender, \
-            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
-        await receiver.wait_connected()
+    async with _pair(_slow_writes(0.3)) as (sender, receiver):
         src = make_request(3000, seed=10)
         fenced: dict[str, int] = {}
         async with anyio.create_task_group() as tg:
@@ -156,9 +159,7 @@ async def test_a_failed_write_with_a_round_announced_early_ends_both_rounds(
 
     # A write that may still land is given the transport's write lifetime: long enough to see the fence.
     writer = MockTransport(faults=faults, write_lifetime=1.0)
-    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
-            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
-        await receiver.wait_connected()
+    async with _pair(writer) as (sender, receiver):
         src = make_request(3000, seed=11)
         failed: list[BaseException] = []
         async with anyio.create_task_group() as tg:

@@ -123,8 +123,9 @@ class ReceiveRoomDriver:
     def __post_init__(self) -> None:
         cfg = self.ctx.config
         self.machine = ReceiverRoomState(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
-        # A room may get one PROGRESS per chunk of a round before its driver looks: room for them.
-        inbox = _INBOX + (math.ceil(cfg.round_tokens / self.progress_tokens) if self.progress_tokens else 0)
+        # A room may get one PROGRESS per chunk of a round before its driver looks, for two rounds (the next one
+        # may be announced early, and written as soon as this one ended): room for them.
+        inbox = _INBOX + (2 * math.ceil(cfg.round_tokens / self.progress_tokens) if self.progress_tokens else 0)
         send, recv = anyio.create_memory_object_stream[RoomEvent](inbox)
         self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
         self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
