@@ -4,6 +4,7 @@ asking it on every call (:mod:`aioembed.session.async_library`), and leaves the 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -130,3 +131,21 @@ def test_a_room_under_asyncio_run_looks_the_library_up_once_per_call(
     _under_asyncio_run(main)
     assert result["after"] is None  # the caller's context as it was
     assert result["lookups"] <= 2 * rooms, f"{result['lookups']} look-ups for {rooms} rooms"
+
+
+def test_known_async_library_left_in_another_context_does_not_raise() -> None:
+    """An async generator closed by the loop's shutdown hooks runs its cleanup in a task of its own: the block
+    is left in another context than the one it was entered in. The reset is then refused, quietly: the context
+    it was set in is the one ending, and the one it is left in is untouched."""
+    seen: list[str | None] = []
+
+    async def main() -> None:
+        known = KnownAsyncLibrary()
+        entered_in = contextvars.copy_context()
+        entered_in.run(known.__enter__)
+        assert entered_in.run(sniffio.current_async_library_cvar.get) == "asyncio"
+        known.__exit__(None, None, None)  # here, not in entered_in
+        seen.append(sniffio.current_async_library_cvar.get())
+
+    _under_asyncio_run(main)
+    assert seen == [None]

@@ -13,7 +13,9 @@ import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferConfig, TransferFailed
 from aioembed.errors import TransportError
+from aioembed.metrics import TransferObserver
 from aioembed.protocol.room import SenderRoomState
+from aioembed.session.block_keeper import BlockKeeper
 from aioembed.testing import MockTransport
 from aioembed.testing.mock import WriteCall, WriteFault
 
@@ -45,10 +47,12 @@ def _slow_writes(seconds: float) -> MockTransport:
 
 
 @asynccontextmanager
-async def _pair(writer: MockTransport, cfg: TransferConfig = CFG) -> AsyncIterator[_Pair]:
+async def _pair(writer: MockTransport, cfg: TransferConfig = CFG, observer: TransferObserver | None = None
+                ) -> AsyncIterator[_Pair]:
     """A sender writing through ``writer`` and a connected receiver."""
     async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender, \
-            EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(), connect=sender.address) as receiver:
+            EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(), connect=sender.address,
+                              observer=observer) as receiver:
         await receiver.wait_connected()
         yield sender, receiver
 
@@ -142,6 +146,9 @@ async def test_a_receive_cancelled_with_a_round_announced_early_fences_both_roun
             assert not scope.cancelled_caught
         assert resumes == [(1, "WRITING")]
         assert sum(fenced.values()) == 2 * 1024 // CFG.block_size  # round 0's blocks and round 1's
+        # The zero-copy claim made at TOTAL (the whole request) ended with the room, though round 0's grant
+        # it is keyed to is fenced: it no longer counts against other zero-copy rooms.
+        assert receiver.keeper.claimed_blocks == 0
         await wait_pools_free(sender, receiver)
 
 
@@ -177,3 +184,50 @@ async def test_a_failed_write_with_a_round_announced_early_ends_both_rounds(
         assert resumes == [(1, "WRITING")]
         assert held == fenced
         await wait_pools_free(sender, receiver)
+
+
+async def test_one_missed_early_reservation_does_not_end_the_head_start(
+        resumes: list[tuple[int, str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 1's early reservation finds the pool short (once): round 1 comes after round 0's STATUS, and round 2
+    is announced early again as soon as round 1's RESUME went out."""
+    real = BlockKeeper.try_reserve
+    missed: list[int] = []
+
+    def try_reserve(self: BlockKeeper, room: Any, tokens: int, **kw: Any) -> int | None:
+        if kw.get("round") == 1 and not kw.get("priority") and not missed:
+            missed.append(tokens)
+            return None  # the pool was short for an instant
+        return real(self, room, tokens, **kw)
+
+    monkeypatch.setattr(BlockKeeper, "try_reserve", try_reserve)
+    async with _pair(_slow_writes(0.02)) as (sender, receiver):
+        src = make_request(3000, seed=12)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "missed", src)
+            got = await receiver.receive("missed")
+        assert_same(got.tensors, src)
+        assert missed and resumes[0] == (1, "AWAITING_RESUME")
+        # round 2's RESUME follows round 1's at once: the sender takes it early, round 1 due (READY) or under way
+        assert len(resumes) == 2 and resumes[1][0] == 2 and resumes[1][1] in ("READY", "WRITING")
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_round_announced_early_is_timed_from_its_announcement() -> None:
+    """The receiver's round time (``round_finished``) of every round: from its announcement to its STATUS."""
+    class Rounds(TransferObserver):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+
+        def round_finished(self, *, side: str, seconds: float) -> None:
+            if side == "receiver":
+                self.seconds.append(seconds)
+
+    rounds = Rounds()
+    async with _pair(_slow_writes(0.03), observer=rounds) as (sender, receiver):
+        src = make_request(3000, seed=13)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "timed", src)
+            await receiver.receive("timed")
+        assert len(rounds.seconds) == 3
+        # Each round's write takes 30 ms; one announced early waits for the write before it too, never less.
+        assert all(s >= 0.025 for s in rounds.seconds), rounds.seconds

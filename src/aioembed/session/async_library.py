@@ -14,6 +14,7 @@ call returns, so nothing changes for the application's own code.
 
 from __future__ import annotations
 
+import contextlib
 from contextvars import Token
 from types import TracebackType
 
@@ -40,4 +41,7 @@ class KnownAsyncLibrary:
                  tb: TracebackType | None) -> None:
         token, self._token = self._token, None
         if token is not None:
-            sniffio.current_async_library_cvar.reset(token)
+            # Exited in another context than entered (an async generator closed by the loop's shutdown hooks runs
+            # its cleanup in a task of its own): reset() refuses, and the context it was set in is the one ending.
+            with contextlib.suppress(ValueError):
+                sniffio.current_async_library_cvar.reset(token)

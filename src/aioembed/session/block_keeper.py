@@ -60,6 +60,10 @@ class BlockKeeper:
         """A zero-copy room (then its lease) will hold ``blocks`` until released; ``grant`` is its first."""
         self._claims[grant] = blocks
 
+    def unclaim(self, grant: int) -> None:
+        """The zero-copy room of first grant ``grant`` ended without a lease: its claim ends now."""
+        self._claims.pop(grant, None)
+
     @property
     def claimed_blocks(self) -> int:
         """Blocks claimed by zero-copy rooms and leases: they come back only when their users let go."""

@@ -1,11 +1,11 @@
 """One room on the receiver, driven through named steps: open, next_round, take_round, resume, fail,
 finish.
 
-The room owns at most one grant in flight (reserved or announced for the next round) and the
-readable grants it holds (zero-copy rounds, or the round being copied out). It never frees or
-fences blocks itself: it reports to the ledger, and the keeper carries out what the ledger says.
-When the room ends with the sender possibly still writing, it sends ``ABORT`` and ends at once,
-with its grant fenced: the sender's late ``ABORT_ACK`` releases it without the room waiting.
+The room owns at most two grants in flight (the round being written, and the one after it once announced
+early: see ``_announce_early``) and the readable grants it holds (zero-copy rounds, or the round being copied
+out). It never frees or fences blocks itself: it reports to the ledger, and the keeper carries out what the
+ledger says. When the room ends with the sender possibly still writing, it sends ``ABORT`` and ends at once,
+with its grants fenced: the sender's late ``ABORT_ACK`` releases them without the room waiting.
 """
 
 from __future__ import annotations
@@ -133,6 +133,8 @@ class ReceiveRoomDriver:
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._ahead: int | None = None  # grant of the round after it, announced early (before this one's STATUS)
         self._admitted = False  # a zero-copy room's claim on the pool is made (see _admit_zero_copy)
+        self._claim: int | None = None  # the grant that claim is keyed to (it ends when that grant is freed)
+        self._round_seconds = 0.0  # how long the round that landed last took, from its announcement
         self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
         self._split = 0  # zero-copy stream: blocks of the round's grant already handed out in chunks
         self._sender_ended = False
@@ -367,7 +369,7 @@ class ReceiveRoomDriver:
             assert self.stream is not None
             await self._deliver(arrived, grant)
             return False
-        self.ctx.observer.round_finished(side="receiver", seconds=time.perf_counter() - self._round_started)
+        self.ctx.observer.round_finished(side="receiver", seconds=self._round_seconds)
         if self.zero_copy and self.stream is None:  # a whole-room lease keeps every round
             self._trim(grant, arrived.count)
             self._readable.append((grant, arrived.count))
@@ -386,6 +388,7 @@ class ReceiveRoomDriver:
             late = await self._reserve(tokens, first=False)
             if late is not None:
                 self.resume(late, tokens)
+                self._announce_early()  # and the round after it, if the pool has room to spare now
         return False
 
     def _resume_now(self, arrived: Arrived) -> None:
@@ -398,6 +401,7 @@ class ReceiveRoomDriver:
         early = self.ctx.keeper.try_reserve(self.room, tokens, priority=True, round=self.machine.round + 1)
         if early is not None:
             self.resume(early, tokens)
+            self._announce_early()  # a miss of an earlier try does not end the head start for good
 
     def _admit_zero_copy(self, total: int, first_grant: int) -> None:
         """A zero-copy room keeps every round until its lease is released, so once its total is known
@@ -416,14 +420,14 @@ class ReceiveRoomDriver:
                 f"leases and zero-copy rooms in flight hold {others} of the pool's {pool.num_blocks} blocks "
                 "until they are released; release leases sooner, or receive() this room", room=self.room)
         keeper.claim(first_grant, need)
-        self._admitted = True
+        self._admitted, self._claim = True, first_grant
 
     def _announce_early(self) -> None:
         """Announce the round after the one in flight (RESUME) before that one's STATUS, so that the sender writes
         it as soon as that one ended: when the total is known (TOTAL, or a STATUS) and a round follows, not for a
         stream (it hands chunks out round by round), and only if the pool has the blocks now (a room short of memory
         reserves after the STATUS, waiting as before). A zero-copy room is admitted first (its claim covers the whole
-        request)."""
+        request). Tried again at each STATUS, so one miss does not end the head start for the rest of the room."""
         m = self.machine
         if self._ahead is not None or self._next is None or self.stream is not None or m.total is None or m.ahead:
             return
@@ -433,7 +437,13 @@ class ReceiveRoomDriver:
         if self.zero_copy and not self._admitted:
             self._admit_zero_copy(m.total, self._next)
         tokens = self._round_tokens(remaining, shrink=False)
-        grant = self.ctx.keeper.try_reserve(self.room, tokens, priority=True, round=m.round + 1)
+        cfg = self.ctx.config
+        # A zero-copy room keeps every round anyway, within its claim: its RESUME after the STATUS would take
+        # priority too. A copied room's is a third round of blocks at its peak (one copied out, one written, this
+        # one): only blocks nobody waits for, with the slice kept for resume rounds left free.
+        keep = 0 if self.zero_copy else cfg.resume_reserve // cfg.block_size
+        grant = self.ctx.keeper.try_reserve(self.room, tokens, priority=self.zero_copy, keep_free=keep,
+                                            round=m.round + 1)
         if grant is not None:
             self.resume(grant, tokens)
 
@@ -476,6 +486,7 @@ class ReceiveRoomDriver:
         for g, _ in self._readable:
             keeper.apply(ledger.consumed(g))  # fully written and announced: nothing can reach them
         self._readable = []
+        self._end_claim()
 
     def abandon(self) -> None:
         """Undo the set-up of a driver that will never run (the other parts of its room could not start):
@@ -579,8 +590,10 @@ class ReceiveRoomDriver:
             self._end_grant(Proof.STATUS, ahead=False)
             raise error
         self._next, self._ahead = self._ahead, None  # a round announced early is the one in flight now
+        now = time.perf_counter()
+        self._round_seconds = now - self._round_started
         if self._next is not None:
-            self._round_started = time.perf_counter()
+            self._round_started = now
         keeper.apply(ledger.landed(grant))  # only this room moves its announced grant: still ANNOUNCED
         if arrived.complete:
             self._sender_ended = True
@@ -666,12 +679,20 @@ class ReceiveRoomDriver:
             cfg = self.ctx.config
             self.machine = ReceiverRoomState(self.room, block_size=cfg.block_size, max_tokens=cfg.max_request_tokens)
             self.writer = None
-            self._admitted = False  # a zero-copy claim made at TOTAL ends with that attempt's first grant
+            self._end_claim()  # the next attempt claims again, keyed to its own first grant
             self.handle._set_status(TransferStatus.BOOTSTRAPPING)
             await self.open()
             return None
         self._sender_ended = True
         raise PeerDead(f"room {self.room!r}: {event.reason}", room=self.room)
+
+    def _end_claim(self) -> None:
+        """A zero-copy room that will hand out no lease lets go of its claim on the pool. Made at TOTAL, the claim
+        is keyed to round 0's grant, which a failed room leaves fenced (not freed) for as long as a write may reach
+        it: the claim would count against other zero-copy rooms all that time."""
+        if self._claim is not None:
+            self.ctx.keeper.unclaim(self._claim)
+        self._admitted, self._claim = False, None
 
     def _end_grant(self, proof: Proof, *, ahead: bool = True) -> None:
         """``proof`` ends the writes into the round in flight, and with ``ahead`` into a round announced early."""

@@ -174,3 +174,21 @@ async def test_a_registration_runs_here_when_idle_and_on_the_worker_while_a_call
         assert transport.regions.covers(region.address, region.length) is False
     finally:
         await transport.aclose()
+
+
+async def test_a_write_nixl_lost_track_of_keeps_calls_on_the_worker_for_its_timeout() -> None:
+    """A ``check_xfer_state`` that raised leaves a transfer that may still move: a registration on the event loop
+    could wait behind it, so calls stay on the worker until that write's timeout has passed."""
+    async with _worker() as worker:
+        def check(handle: Any) -> str:
+            raise RuntimeError("NIXL_ERR_NOT_FOUND")
+
+        def post(job: WriteJob) -> None:
+            job.posted.append(Posted(object(), 64, check=check, release=lambda p, ended: None))
+
+        timeout = 0.3
+        with pytest.raises(RuntimeError, match="NOT_FOUND"):
+            await worker.write(WriteJob(post, timeout, "a write", peer="peer"))
+        assert not worker.call_if_idle(lambda: pytest.fail("ran while a lost transfer may still move"))
+        await anyio.sleep(timeout + 0.05)
+        assert worker.call_if_idle(lambda: None)

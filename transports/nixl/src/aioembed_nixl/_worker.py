@@ -138,7 +138,11 @@ class AgentWorker:
         may run on this very thread, between the loop's taking and its clearing of the queue)."""
         self._inflight: list[WriteJob] = []
         self._taken = 0
-        """Jobs this thread took from the queue and has not finished (set under ``_cond``)."""
+        """Jobs this thread took from the queue and has not finished (set under ``_cond`` when taken; cleared
+        after, which only ever makes :meth:`call_if_idle` decline)."""
+        self._uncertain_until = 0.0
+        """``time.monotonic()`` until which a write NIXL lost track of may still move (a ``check_xfer_state``
+        raised): no call on the event loop before then (it could wait behind that transfer)."""
         self._calls = threading.Lock()
         """Held by whichever thread makes NIXL calls of this endpoint's agent: this one, or the event loop's in
         :meth:`call_if_idle`."""
@@ -185,7 +189,8 @@ class AgentWorker:
         it runs, this thread waits before any NIXL call of its own (NIXL blocks a registration behind a running
         transfer, so one is never made while a transfer may run). What ``fn`` raises propagates."""
         with self._cond:
-            if self._jobs or self._taken or self._inflight or self._stopping:
+            if self._jobs or self._taken or self._inflight or self._stopping \
+                    or time.monotonic() < self._uncertain_until:
                 return False
             if not self._calls.acquire(blocking=False):
                 return False
@@ -348,6 +353,7 @@ class AgentWorker:
                 except Exception as exc:
                     state, error = "ERR", exc
                     job.uncertain = True  # NIXL lost track of it (NOT_FOUND while its bytes land, ...)
+                    self._uncertain_until = max(self._uncertain_until, now + job.timeout)
                 if state == "PROC":
                     continue
                 if state != "DONE" and error is None:
