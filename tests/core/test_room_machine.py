@@ -677,6 +677,8 @@ class _Rank:
         self.reservations: list[int] = []
         self.ahead: list[int] = []
         """Blocks of the next round, announced early (before the STATUS of the round in flight)."""
+        self.late: Resume | None = None
+        """An early RESUME still on its way to the sender (it may arrive after the sender's STATUS crossed it)."""
 
 
 def write_task(task: WriteTask, src: dict[str, torch.Tensor], dst: BlockPool, bs: int) -> None:
@@ -744,10 +746,35 @@ class DuelMachine(RuleBasedStateMachine):
         msg = decode(encode(Resume(room=self.room_id, round=r.round + 1, sent_tokens=start, blocks=ids,
                                    allocated_tokens=tokens)))
         assert isinstance(msg, Resume)
+        if data.draw(st.booleans(), label="late"):
+            rank.late = msg  # on its way: it may reach the sender after the round's STATUS went out (deliver_late)
+            return
         self.sender.on_resume(i, round=msg.round, sent_tokens=msg.sent_tokens, blocks=msg.blocks,
                               allocated_tokens=msg.allocated_tokens)
         assert self.sender.ranks[i].ahead == (msg.round, ids, tokens)
         event("early RESUME")
+
+    def _deliver_late(self, i: int, rank: _Rank) -> None:
+        msg, rank.late = rank.late, None
+        assert msg is not None
+        p = self.sender.ranks[i]
+        crossed = p.phase is RankPhase.AWAITING_RESUME  # the round's STATUS went out before it came
+        self.sender.on_resume(i, round=msg.round, sent_tokens=msg.sent_tokens, blocks=msg.blocks,
+                              allocated_tokens=msg.allocated_tokens)
+        if crossed:  # taken as a RESUME after the STATUS: the same round, from the same token
+            assert p.phase is RankPhase.READY and p.ahead is None and (p.round, p.sent) == (msg.round, msg.sent_tokens)
+            event("early RESUME, crossed by the STATUS")
+        else:
+            assert p.ahead == (msg.round, msg.blocks, msg.allocated_tokens)
+            event("early RESUME, delivered before the STATUS")
+
+    @rule(data=st.data())
+    def deliver_late(self, data: st.DataObject) -> None:
+        """An early RESUME on its way arrives: before the round's STATUS went out, or after (the crossing)."""
+        pending = [i for i, r in enumerate(self.ranks) if r.late is not None]
+        if pending:
+            i = data.draw(st.sampled_from(pending), label="rank")
+            self._deliver_late(i, self.ranks[i])
 
     @rule(data=st.data())
     def early_resume(self, data: st.DataObject) -> None:
@@ -889,7 +916,10 @@ class DuelMachine(RuleBasedStateMachine):
             if i in self.sender.ranks:
                 p = self.sender.ranks[i]
                 assert p.sent == r.received  # every write is acknowledged in the same step
-                assert p.round == r.round
+                if rank.late is not None and p.phase is RankPhase.AWAITING_RESUME:
+                    assert p.round + 1 == r.round  # the receiver moved on to the round whose RESUME is on its way
+                else:
+                    assert p.round == r.round
                 assert (p.phase is RankPhase.DONE) == (r.state is TS.SUCCESS)
             else:
                 assert r.state is TS.BOOTSTRAPPING
@@ -904,6 +934,8 @@ class DuelMachine(RuleBasedStateMachine):
         if self.sender.total is None:
             self.sender.on_input(self.total)
         for i, rank in enumerate(self.ranks):
+            if rank.late is not None:
+                self._deliver_late(i, rank)
             if i not in self.inited:
                 ids = reserve(rank, self.bs, self.pool_blocks, self.pool_blocks * self.bs, sorted(rank.free))
                 rank.room.init_sent(blocks=len(ids), allocated_tokens=self.pool_blocks * self.bs)
