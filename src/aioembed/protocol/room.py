@@ -83,7 +83,6 @@ class ReceiverRoomState:
         self._awaiting_status = False
         self._ahead = 0
         """Tokens of the next round, announced (RESUME) before this round's STATUS came (0: none)."""
-        self._total_heard = False
 
     def _bad(self, what: str, *, room: RoomId | None = None) -> ProtocolError:
         return ProtocolError(f"room {self.room!r}: {what} (state {self.state.name})", room=self.room)
@@ -147,7 +146,8 @@ class ReceiverRoomState:
         """The sender's TOTAL: the room is longer than round 0's reservation. Legal once, during round 0."""
         if self.state.terminal:
             raise self._illegal("TOTAL")
-        if self._total_heard or not self._awaiting_status or self.round != 0 or self.landed:
+        # In round 0, before any rows landed, only a TOTAL can have made the total known.
+        if self.total is not None or not self._awaiting_status or self.round != 0 or self.landed:
             raise self._illegal("TOTAL (once, while round 0 is written)")
         total = msg.total_tokens
         if total > self.max_tokens:
@@ -155,7 +155,6 @@ class ReceiverRoomState:
         if total <= self.allocated:
             raise self._bad(f"TOTAL of {total} tokens, which round 0's reservation of {self.allocated} holds "
                             "(it is sent only for a longer room)")
-        self._total_heard = True
         self.total = total
         self.state = TransferStatus.TRANSFERRING
 
@@ -472,10 +471,11 @@ class SenderRoomState:
         if self.failed is not None:
             raise self._err(f"RESUME from rank {rank} after the room ended")
         p = self.ranks.get(rank)
-        early = p is not None and p.phase in (RankPhase.READY, RankPhase.WRITING) and p.ahead is None \
-            and self.total is not None \
-            and p.sent + min(p.allocated, self.total - p.sent) < self.total
-        if p is None or self.total is None or not (early or p.phase is RankPhase.AWAITING_RESUME):
+        if p is None or self.total is None:
+            raise self._err(f"RESUME from rank {rank} was not expected")
+        early = (p.phase in (RankPhase.READY, RankPhase.WRITING) and p.ahead is None
+                 and p.sent + p.allocated < self.total)
+        if not (early or p.phase is RankPhase.AWAITING_RESUME):
             raise self._err(f"RESUME from rank {rank} was not expected")
         start = p.sent + p.allocated if early else p.sent
         if round != p.round + 1:

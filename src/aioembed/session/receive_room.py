@@ -132,8 +132,7 @@ class ReceiveRoomDriver:
         self._held: RoomEvent | None = None  # taken from the inbox ahead of its turn (see _fold_landed)
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._ahead: int | None = None  # grant of the round after it, announced early (before this one's STATUS)
-        self._admitted = False  # a zero-copy room's claim on the pool is made (see _admit_zero_copy)
-        self._claim: int | None = None  # the grant that claim is keyed to (it ends when that grant is freed)
+        self._claim: int | None = None  # a zero-copy room's claim on the pool: the grant it is keyed to, once made
         self._round_seconds = 0.0  # how long the round that landed last took, from its announcement
         self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
         self._split = 0  # zero-copy stream: blocks of the round's grant already handed out in chunks
@@ -373,7 +372,7 @@ class ReceiveRoomDriver:
         if self.zero_copy and self.stream is None:  # a whole-room lease keeps every round
             self._trim(grant, arrived.count)
             self._readable.append((grant, arrived.count))
-            if not self._admitted:
+            if self._claim is None:
                 self._admit_zero_copy(arrived.total, grant)
         if not arrived.complete:
             self._resume_now(arrived)
@@ -420,7 +419,7 @@ class ReceiveRoomDriver:
                 f"leases and zero-copy rooms in flight hold {others} of the pool's {pool.num_blocks} blocks "
                 "until they are released; release leases sooner, or receive() this room", room=self.room)
         keeper.claim(first_grant, need)
-        self._admitted, self._claim = True, first_grant
+        self._claim = first_grant
 
     def _announce_early(self) -> None:
         """Announce the round after the one in flight (RESUME) before that one's STATUS, so that the sender writes
@@ -434,7 +433,7 @@ class ReceiveRoomDriver:
         remaining = m.total - (m.received + m.allocated)
         if remaining <= 0:
             return
-        if self.zero_copy and not self._admitted:
+        if self.zero_copy and self._claim is None:
             self._admit_zero_copy(m.total, self._next)
         tokens = self._round_tokens(remaining, shrink=False)
         cfg = self.ctx.config
@@ -466,13 +465,12 @@ class ReceiveRoomDriver:
         keeper, ledger = self.ctx.keeper, self.ctx.keeper.ledger
         self.machine.fail(str(error))
         alive = self.writer is not None and self.conn.ready and self.conn.writer == self.writer
-        grants, self._next, self._ahead = (self._next, self._ahead), None, None
         announced = []
-        for grant in grants:  # the round in flight, and one announced early
-            state = ledger.grant(grant).state if grant is not None else None
-            if grant is not None and state is GrantState.RESERVED:
+        for grant in self._take_grants():
+            state = ledger.grant(grant).state
+            if state is GrantState.RESERVED:
                 keeper.apply(ledger.release_unannounced(grant))
-            elif grant is not None and state is GrantState.ANNOUNCED:
+            elif state is GrantState.ANNOUNCED:
                 announced.append(grant)
         if alive and not self._sender_ended and self.writer is not None:
             # The sender holds the room (writing, or waiting for input or a RESUME): end it there.
@@ -583,7 +581,7 @@ class ReceiveRoomDriver:
             return landing, grant
         arrived = self.machine.on_status(event)
         if arrived is None:  # a final FAILED / ABORTED
-            self._sender_failed(event, grant)
+            self._sender_failed(event)
         assert grant is not None  # on_status accepts data only with a reservation outstanding
         if (error := self._part_total_error(arrived.total)) is not None:
             # Its write is over (the STATUS says so); the room is not, nor a round announced early (fail() fences it).
@@ -614,15 +612,13 @@ class ReceiveRoomDriver:
                               f"this part, the receiver expects {self.expected_tokens} (its Part range)",
                               room=self.room)
 
-    def _sender_failed(self, event: Status, grant: int | None) -> NoReturn:
-        """The sender's final FAILED / ABORTED STATUS: settle the grant (fenced if a write may still land),
+    def _sender_failed(self, event: Status) -> NoReturn:
+        """The sender's final FAILED / ABORTED STATUS: settle the grants (fenced if a write may still land),
         then raise the room's error."""
         self._sender_ended = True
         if event.fence:
-            ahead, self._next, self._ahead = self._ahead, None, None
-            for g in (grant, ahead):
-                if g is not None:
-                    self.ctx.keeper.fence(g, FenceReason.WRITE_FAILED)
+            for g in self._take_grants():
+                self.ctx.keeper.fence(g, FenceReason.WRITE_FAILED)
         else:
             self._end_grant(Proof.STATUS)  # no write of the room may land (else it says fence): nor into a round ahead
         if self._lost_reason is not None and self.machine.received == 0:
@@ -662,11 +658,9 @@ class ReceiveRoomDriver:
     async def _on_session_lost(self, event: SessionLost) -> tuple[Arrived, int] | None:
         if event.writer != self.writer:
             return None  # about a session this room was not announced in (it reopened since)
-        grants, self._next, self._ahead = (self._next, self._ahead), None, None
         reason = FenceReason.PEER_SILENT if event.kind is LossKind.SILENT else FenceReason.SESSION_DROPPED
-        for grant in grants:
-            if grant is not None:  # the writer may still reach it: fenced, freed by a later proof
-                self.ctx.keeper.fence(grant, reason)
+        for grant in self._take_grants():  # the writer may still reach them: fenced, freed by a later proof
+            self.ctx.keeper.fence(grant, reason)
         # Rows announced by PROGRESS count (a stream may have handed them out): such a room cannot start over.
         nothing_in = self.machine.landed == 0 and not self._readable
         if event.kind is LossKind.DROPPED and nothing_in and self._reopens < _REOPENS:
@@ -692,18 +686,21 @@ class ReceiveRoomDriver:
         it: the claim would count against other zero-copy rooms all that time."""
         if self._claim is not None:
             self.ctx.keeper.unclaim(self._claim)
-        self._admitted, self._claim = False, None
+        self._claim = None
+
+    def _take_grants(self, *, ahead: bool = True) -> list[int]:
+        """The grant of the round in flight and, with ``ahead``, of one announced early: the room lets go of them."""
+        grants = [g for g in ((self._next, self._ahead) if ahead else (self._next,)) if g is not None]
+        self._next = None
+        if ahead:
+            self._ahead = None
+        return grants
 
     def _end_grant(self, proof: Proof, *, ahead: bool = True) -> None:
         """``proof`` ends the writes into the round in flight, and with ``ahead`` into a round announced early."""
         keeper = self.ctx.keeper
-        grants: tuple[int | None, ...] = (self._next, self._ahead) if ahead else (self._next,)
-        self._next = None
-        if ahead:
-            self._ahead = None
-        for grant in grants:
-            if grant is not None:
-                keeper.apply(keeper.ledger.ended(grant, proof))
+        for grant in self._take_grants(ahead=ahead):
+            keeper.apply(keeper.ledger.ended(grant, proof))
 
     # -- helpers -------------------------------------------------------------------------------
 
