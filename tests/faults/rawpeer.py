@@ -48,22 +48,24 @@ class RawReceiver:
 
     def hello(self, layout: Layout, config: TransferConfig, *, receiver_id: str = "raw-receiver", epoch: int = 1,
               rank: int = 0, world: int = 1) -> Hello:
-        return Hello(receiver_id=receiver_id, epoch=epoch, fingerprint=layout.fingerprint, transport="loopback",
-                     descriptor=self.transport.descriptor(), block_size=config.block_size,
-                     num_blocks=self.pool.num_blocks, rank=rank, world=world,
+        return Hello(receiver_id=receiver_id, epoch=epoch, fingerprint=layout.fingerprint,
+                     transport=self.transport.name, descriptor=self.transport.descriptor(),
+                     block_size=config.block_size, num_blocks=self.pool.num_blocks, rank=rank, world=world,
                      regions=tuple((r.address, r.length) for r in self.pool.regions()))
 
 
 @asynccontextmanager
-async def raw_receiver(address: str, layout: Layout, config: TransferConfig) -> AsyncIterator[RawReceiver]:
-    """A hand-driven receiver connected to ``address``, with a real registered loopback pool."""
+async def raw_receiver(address: str, layout: Layout, config: TransferConfig,
+                       transport: LoopbackTransport | None = None) -> AsyncIterator[RawReceiver]:
+    """A hand-driven receiver connected to ``address``, with a real pool registered with ``transport`` (default:
+    a loopback one; a ``MockTransport`` for a sender that has one)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     send, recv = anyio.create_memory_object_stream[list[bytes]](10_000)
     chan = ControlSocket(sock, send.send_nowait, name="raw-receiver", bundles=True)
-    transport = await LoopbackTransport.open({})
+    transport = transport if transport is not None else await LoopbackTransport.open({})
     pool = BlockPool(layout, num_blocks=config.pool_blocks, block_size=config.block_size)
     await transport.register(pool.regions())
     try:

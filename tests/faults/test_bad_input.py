@@ -10,19 +10,23 @@ import msgpack
 import pytest
 import torch
 
-from aioembed import EmbeddingReceiver, TransferConfig
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferConfig, TransferFailed
 from aioembed.errors import IncompatiblePeer
 from aioembed.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
+    FenceRelease,
     Hello,
     Init,
     Reject,
     Resume,
     Status,
+    Total,
+    Welcome,
     encode,
 )
+from aioembed.testing import MockTransport, WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
 from .rawpeer import pool_guard, raw_receiver, raw_sender, welcomed_receiver
@@ -113,14 +117,65 @@ async def test_protocol_violations_after_a_valid_init() -> None:
             raw.send(Init(room="dup", blocks=(0, 1), allocated_tokens=256, expected_ranks=1))
             raw.send(Init(room="dup", blocks=(2, 3), allocated_tokens=256, expected_ranks=1))
             rej = await raw.expect(Reject)
-            assert isinstance(rej, Reject) and "duplicate INIT" in rej.reason
+            assert isinstance(rej, Reject) and "duplicate INIT" in rej.reason and rej.room == "dup"
+            # The REJECT ended the room at the receiver (it freed the blocks): it is over here too.
+            assert sender.rooms_in_flight == 0
             # a RESUME before any STATUS for the room is refused
-            raw.send(Resume(room="dup", round=1, sent_tokens=0, blocks=(4,), allocated_tokens=128))
+            raw.send(Init(room="early", blocks=(0, 1), allocated_tokens=256, expected_ranks=1))
+            raw.send(Resume(room="early", round=1, sent_tokens=0, blocks=(4,), allocated_tokens=128))
             rej = await raw.expect(Reject)
-            assert isinstance(rej, Reject) and "not expected" in rej.reason
-            raw.send(Abort(room="dup", reason="test over"))
+            assert isinstance(rej, Reject) and "not expected" in rej.reason and rej.room == "early"
+            assert sender.rooms_in_flight == 0
+            raw.send(Abort(room="early", reason="test over"))
             assert isinstance(await raw.expect(AbortAck), AbortAck)
         assert sender.rooms_in_flight == 0
+
+
+async def test_a_refused_frame_ends_its_room_before_send_writes_into_blocks_freed_on_that_answer() -> None:
+    """A REJECT naming a room tells its receiver that no write of the room reaches its blocks (they are freed
+    there): a ``send()`` of the room called afterwards must not write into them."""
+    async with running(CFG) as (sender, _):
+        async with welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
+            before = pool_guard(raw.pool)
+            raw.send(Init(room="q", blocks=(0, 1), allocated_tokens=256, expected_ranks=1))
+            raw.send(Resume(room="q", round=3, sent_tokens=0, blocks=(4,), allocated_tokens=128))
+            rej = await raw.expect(Reject)
+            assert isinstance(rej, Reject) and rej.room == "q"
+            assert sender.rooms_in_flight == 0
+            with pytest.raises(TransferAborted, match="RESUME from rank 0 was not expected"):
+                await sender.send("q", make_request(200, 1))
+            for name, t in raw.pool.tensors.items():
+                assert torch.equal(t, before[name]), name
+
+
+async def test_a_frame_refused_while_a_write_is_in_flight_fences_it_and_ends_the_room() -> None:
+    """The refusal is then a fence (the write may still land), the room fails at the sender (no STATUS of
+    the round follows), and FENCE_RELEASE comes once the write ended."""
+    writer = MockTransport(faults=lambda call: WriteFault(delay=0.5))
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender:
+        async with raw_receiver(sender.address, LAYOUT, CFG, MockTransport()) as raw:
+            raw.send(raw.hello(LAYOUT, CFG))
+            assert isinstance(await raw.expect(Welcome), Welcome)
+            raw.send(Init(room="w", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=1))
+            failures: list[BaseException] = []
+
+            async def send() -> None:
+                with pytest.raises(TransferFailed, match="was refused") as info:
+                    await sender.send("w", make_request(3000, 1))
+                failures.append(info.value)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                total = await raw.expect(Total)  # round 0's write has started
+                assert isinstance(total, Total) and total.total_tokens == 3000
+                assert sender.writes_in_flight == 1
+                raw.send(Resume(room="w", round=5, sent_tokens=0, blocks=(9,), allocated_tokens=128))
+                fence = await raw.next()
+                assert isinstance(fence, Status) and fence.fence and fence.state == "FAILED", fence
+                assert fence.room == "w" and "for round 5" in fence.error and "stay fenced" in fence.error, fence
+                release = await raw.next()  # nothing of the room but the release: no STATUS of round 0
+                assert isinstance(release, FenceRelease) and release.room == "w", release
+            assert failures and sender.rooms_in_flight == 0 and sender.writes_in_flight == 0
 
 
 async def test_rooms_per_peer_limit() -> None:

@@ -874,7 +874,7 @@ class EmbeddingSender:
             reject = Reject(reason=plain_text(f"bad frame: {exc}"), room=exc.room, code="bad_frame")
             known = self._peers.at(identity)
             if known is not None and exc.room is not None:
-                self._answer_ended(known, exc.room, reject)  # a REJECT naming a room frees its blocks there
+                self._refuse_room_frame(known, exc.room, reject)
             else:
                 self._send_identity(identity, reject)
             return
@@ -909,7 +909,21 @@ class EmbeddingSender:
             if exc.room is None:
                 self._send_to(peer, reject)
             else:
-                self._answer_ended(peer, exc.room, reject)
+                self._refuse_room_frame(peer, exc.room, reject)
+
+    def _refuse_room_frame(self, peer: PeerSession, room: RoomId, reject: Reject) -> None:
+        """Refuse a frame of ``peer`` naming ``room``. The receiver takes a REJECT naming a room as the room's
+        end there (it frees the room's blocks, or fences them if the answer is a fence): so a room of which
+        ``peer`` is a rank ends here too, or a later write of it could reach blocks freed on this answer, and
+        its later frames a new attempt of the id. The answer is this rank's last word of the room."""
+        self._answer_ended(peer, room, reject)  # a fence instead while a write of the room may still land there
+        r = self._rooms.get(room)
+        if r is None or r.rank_peer.get(peer.rank) is not peer or peer.rank in r.finished:
+            return
+        r.finished.add(peer.rank)
+        log.warning("sender: room=%r: ended, as %s was told by the refusal of its frame", room, peer)
+        self._room_ended_by_receiver(r, peer, f"a frame from {peer} was refused: {reject.reason}",
+                                     tombstone=f"a frame from {peer} was refused: {reject.reason}")
 
     async def _handshake(self, identity: bytes, hello: Hello) -> None:
         cfg = self.config
