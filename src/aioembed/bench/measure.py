@@ -43,6 +43,7 @@ import torch
 from aioembed.bench.baselines import RawBaseline
 from aioembed.bench.control_floor import ControlFloor
 from aioembed.bench.event_channel import last_event, parse_event
+from aioembed.bench.start_line import reach, start_at
 from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
     REQUEST_MIXES,
@@ -394,7 +395,8 @@ class _RemotePair(_Pair):
     Timed from the first of the two calls (``send()`` here, ``receive()`` in the child) until both
     ``send()`` has returned and the child has the rows, on ``time.monotonic`` (one clock for both
     processes). The command's trip through the pipe to the child is the harness's, not aioembed's,
-    so it is not counted (the raw baseline has no such trip either).
+    so it is not counted (the raw baseline has no such trip either): the command names a start line
+    that both processes wait for before their call (:mod:`aioembed.bench.start_line`).
     """
 
     def __init__(self, senders: list[EmbeddingSender], process: anyio.abc.Process, stderr_path: str) -> None:
@@ -468,13 +470,14 @@ class _RemotePair(_Pair):
         ``send()``'s start and end (``time.monotonic``), and the child's answer."""
         sent = [0.0, 0.0]
         sender = self.senders[via]
+        at = start_at()
 
         async def sending() -> None:
-            sent[0] = time.monotonic()
+            sent[0] = await reach(at)
             await sender.send(room, data)
             sent[1] = time.monotonic()
 
-        return sent, await self._ask(dict(cmd, room=room), sending, via, cid)
+        return sent, await self._ask(dict(cmd, room=room, at=at), sending, via, cid)
 
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                    via: int = 0) -> tuple[float, int]:

@@ -8,8 +8,9 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
 
 * stdout ``{"event": "ready", "pid": ...}`` once connected to every sender;
 * stdin ``{"op": "recv", "id": i, "room": r, "expected": n | null, "mode": m, "sender": a, "check":
-  [seed, top], "out_tokens": k}``: start the room from the sender at ``a`` (default ``connect``) with
-  ``receive()`` (``mode`` copy), ``receive(out=...)`` into reused buffers of ``k`` rows (out) or
+  [seed, top], "out_tokens": k, "at": A}``: at instant ``A`` (``time.monotonic()``, the start line where the
+  parent calls ``send()``; at once if absent or passed), start the room from the sender at ``a`` (default
+  ``connect``) with ``receive()`` (``mode`` copy), ``receive(out=...)`` into reused buffers of ``k`` rows (out) or
   ``receive_leased()`` (lease); the ``out=`` buffers and the reference rows live on the pool's device;
   with ``check``, the rows are compared with the source the parent made (``make_source(layout, top,
   seed)``, regenerated here on the pool's device) once they are in hand (``T`` taken); stdout
@@ -22,8 +23,8 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
   check's id);
 * stdin ``{"op": "check", "id": j, "of": i}``: check and let go of the rows that command ``i`` holds;
   stdout ``{"event": "done", "id": j, "checked": true}`` or ``{"event": "done", "id": j, "error": "..."}``;
-* stdin ``{"op": "stream", "id": i, "room": r, "expected": n | null, "chunk_tokens": c, "sender": a}``:
-  receive the room with ``receiver.stream()``; stdout ``{"event": "done", "id": i, "t_first": T1,
+* stdin ``{"op": "stream", "id": i, "room": r, "expected": n | null, "chunk_tokens": c, "sender": a, "at": A}``:
+  at ``A``, receive the room with ``receiver.stream()``; stdout ``{"event": "done", "id": i, "t_first": T1,
   "t": T, "chunks": k}`` (the first chunk in hand at ``T1``, the last at ``T``);
 * stdin ``{"op": "series", "id": i, "rooms": [...], "concurrency": c, ...}`` (the ``recv`` fields
   otherwise): receive the rooms in order, ``c`` at a time; stdout ``{"event": "done", "id": i,
@@ -49,6 +50,7 @@ import torch
 
 from aioembed.bench.event_channel import claim_stdout
 from aioembed.bench.event_channel import emit as _emit
+from aioembed.bench.start_line import reach
 from aioembed.bench.workloads import check_receive_mode, make_source
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
@@ -89,6 +91,13 @@ class _Checker:
         first = next(iter(rows.values()))
         n = int(first.shape[0]) if isinstance(first, torch.Tensor) else sum(int(p.shape[0]) for p in first)
         return same_rows(rows, {k: v[:n] for k, v in src.items()})
+
+
+async def _start(cmd: dict[str, Any]) -> float:
+    """When the command's receive is called: at its start line ``at`` (where the parent calls ``send()``),
+    else now."""
+    at = cmd.get("at")
+    return await reach(float(at)) if at is not None else time.monotonic()
 
 
 async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
@@ -145,7 +154,7 @@ async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, An
     would take the cores that the sender's last steps need (it reads the request twice, on a small host).
     Then the ``done`` of the command carries no verdict: the check's answer does."""
     cid = cmd["id"]
-    t0 = time.monotonic()  # the receive() call: a transfer starts at the first of it and send()
+    t0 = await _start(cmd)  # the receive() call: a transfer starts at the first of it and send()
     hold = None
     if cmd.get("hold"):
         hold = held[cid] = _Held()
@@ -213,7 +222,7 @@ async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str,
 async def _stream(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
     cid = cmd["id"]
     chunks, t_first = 0, 0.0
-    t0 = time.monotonic()
+    t0 = await _start(cmd)
     try:
         async with receiver.stream(cmd["room"], expected_tokens=cmd.get("expected"), sender=cmd.get("sender"),
                                    chunk_tokens=cmd.get("chunk_tokens")) as parts:
