@@ -550,6 +550,42 @@ def test_sender_writes_an_early_round_as_soon_as_the_round_before_it_ends() -> N
     assert s.ranks[0].phase is RankPhase.DONE  # (rank 1 of the room's two has not sent INIT)
 
 
+def test_sender_writes_an_early_round_alongside_the_round_before_it_and_announces_them_in_order() -> None:
+    s, t = s_writing()  # 20 tokens, round 0 = 8 into (1, 2)
+    assert s.may_follow(t) and s.ahead_ranks() == []
+    assert_illegal(s, lambda: s.start_ahead(0), room="s", match="no write ahead is due for rank 0")
+    s.on_resume(0, round=1, sent_tokens=8, blocks=(5, 6), allocated_tokens=8)  # early
+    assert s.ahead_ranks() == [0]
+    t1 = s.start_ahead(0)
+    assert t1 == WriteTask(rank=0, round=1, start=8, count=8, blocks=(5, 6))
+    assert s.ahead_ranks() == [] and s.ready_ranks() == [] and s.total_for(t1) is None
+    assert_illegal(s, lambda: s.start_ahead(0), room="s", match="no write ahead")  # once
+    assert_illegal(s, lambda: s.write_done(t1), room="s", match="round 1 was not expected")  # STATUS 0 goes first
+    assert_illegal(s, lambda: s.on_resume(0, round=2, sent_tokens=16, blocks=(7,), allocated_tokens=4), room="s",
+                   match="not expected")  # one round ahead at most, written or not
+    st0 = s.write_done(t)
+    assert (st0.state, st0.round, st0.sent_tokens) == ("TRANSFERRING", 0, 8)
+    p = s.ranks[0]
+    assert (p.phase, p.round, p.ahead, p.ahead_started) == (RankPhase.WRITING, 1, None, False)
+    assert s.ready_ranks() == [] and s.writing(0)  # round 1 is being written: no second write of it
+    s.on_resume(0, round=2, sent_tokens=16, blocks=(7,), allocated_tokens=4)  # early, while round 1 runs ahead
+    assert not s.may_follow(WriteTask(rank=0, round=2, start=16, count=4, blocks=(7,)))  # the last round
+    t2 = s.start_ahead(0)
+    assert t2 == WriteTask(rank=0, round=2, start=16, count=4, blocks=(7,))
+    st1 = s.write_done(t1)
+    assert (st1.state, st1.round, st1.sent_tokens) == ("TRANSFERRING", 1, 16)
+    assert s.write_done(t2).state == "SUCCESS"
+    assert s.ranks[0].phase is RankPhase.DONE
+
+
+def test_sender_writes_no_round_ahead_once_the_room_failed() -> None:
+    s, t = s_writing()
+    s.on_resume(0, round=1, sent_tokens=8, blocks=(5, 6), allocated_tokens=8)
+    s.fail("the receiver is gone")
+    assert s.ahead_ranks() == []
+    assert_illegal(s, lambda: s.start_ahead(0), room="s", match="no write ahead")
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
@@ -679,6 +715,8 @@ class _Rank:
         """Blocks of the next round, announced early (before the STATUS of the round in flight)."""
         self.late: Resume | None = None
         """An early RESUME still on its way to the sender (it may arrive after the sender's STATUS crossed it)."""
+        self.flight: tuple[WriteTask, bool] | None = None
+        """A round written ahead, alongside the round before it (and whether its rows landed already)."""
 
 
 def write_task(task: WriteTask, src: dict[str, torch.Tensor], dst: BlockPool, bs: int) -> None:
@@ -830,11 +868,52 @@ class DuelMachine(RuleBasedStateMachine):
             rank.room.on_total(tmsg)
             assert_illegal(rank.room, lambda: rank.room.on_total(tmsg), room=self.room_id, match="once")
         self._maybe_early(data, i, rank)  # while this round is written
+        self._maybe_ahead(data, i, rank, task)
+        self._land(i, rank, task, written=False)
+
+    def _maybe_ahead(self, data: st.DataObject, i: int, rank: _Rank, task: WriteTask) -> None:
+        """Perhaps start writing the round announced early while ``task`` is written; its rows may land first."""
+        if i not in self.sender.ahead_ranks() or not data.draw(st.booleans(), label="ahead"):
+            return
+        p = self.sender.ranks[i]
+        assert p.ahead is not None
+        allocated = p.ahead[2]
+        ahead = self.sender.start_ahead(i)
+        assert ahead.round == task.round + 1 and ahead.start == task.start + task.count
+        assert ahead.blocks == tuple(rank.ahead) and ahead.count == min(allocated, self.total - ahead.start)
+        assert_illegal(self.sender, lambda: self.sender.start_ahead(i), room=self.room_id, match="no write ahead")
+        # its STATUS cannot go before the round before it was announced
+        assert_illegal(self.sender, lambda: self.sender.write_done(ahead), room=self.room_id, match="not expected")
+        landed = data.draw(st.booleans(), label="lands first")
+        if landed:  # into its own blocks: the round before it reads (copies out) only its own
+            write_task(ahead, self.src, rank.pool, self.bs)
+        rank.flight = (ahead, landed)
+        event("round written ahead" + (", landed first" if landed else ""))
+
+    @rule(data=st.data())
+    def finish_ahead(self, data: st.DataObject) -> None:
+        """A round written ahead ends (after the round before it was announced): the next round may be announced
+        early and written ahead meanwhile."""
+        flying = [i for i, r in enumerate(self.ranks) if r.flight is not None]
+        if not flying:
+            return
+        i = data.draw(st.sampled_from(flying), label="rank")
+        rank = self.ranks[i]
+        assert rank.flight is not None
+        (task, landed), rank.flight = rank.flight, None
+        assert self.sender.ranks[i].phase is RankPhase.WRITING and i not in self.sender.ready_ranks()
+        self._maybe_early(data, i, rank)
+        self._maybe_ahead(data, i, rank, task)
+        self._land(i, rank, task, written=landed)
+
+    def _land(self, i: int, rank: _Rank, task: WriteTask, *, written: bool) -> None:
+        """The rest of ``task``'s rows land (all of them unless ``written``), announced as the sender says."""
         meta = {"room": str(self.room_id), "rank": i}
         at = task.start
         for upto in self.sender.progress_points(task):  # chunks announced within the round, in order
-            write_task(WriteTask(task.rank, task.round, at, upto - at, task.blocks[(at - task.start) // self.bs:]),
-                       self.src, rank.pool, self.bs)
+            if not written:
+                write_task(WriteTask(task.rank, task.round, at, upto - at,
+                                     task.blocks[(at - task.start) // self.bs:]), self.src, rank.pool, self.bs)
             pmsg = decode(encode(self.sender.write_progress(task, upto, metadata=meta)))
             assert isinstance(pmsg, Progress)
             part = rank.room.on_progress(pmsg)
@@ -848,8 +927,9 @@ class DuelMachine(RuleBasedStateMachine):
             at = upto
             # the same PROGRESS again, or one past the round's end, is refused
             assert_illegal(rank.room, lambda pmsg=pmsg: rank.room.on_progress(pmsg), room=self.room_id)
-        write_task(WriteTask(task.rank, task.round, at, task.start + task.count - at,
-                             task.blocks[(at - task.start) // self.bs:]), self.src, rank.pool, self.bs)
+        if not written:
+            write_task(WriteTask(task.rank, task.round, at, task.start + task.count - at,
+                                 task.blocks[(at - task.start) // self.bs:]), self.src, rank.pool, self.bs)
         msg = decode(encode(self.sender.write_done(task, metadata=meta)))
         assert isinstance(msg, Status)
         arrived = rank.room.on_status(msg)
@@ -934,6 +1014,9 @@ class DuelMachine(RuleBasedStateMachine):
         if self.sender.total is None:
             self.sender.on_input(self.total)
         for i, rank in enumerate(self.ranks):
+            if rank.flight is not None:
+                (task, landed), rank.flight = rank.flight, None
+                self._land(i, rank, task, written=landed)
             if rank.late is not None:
                 self._deliver_late(i, rank)
             if i not in self.inited:
@@ -975,7 +1058,7 @@ class DuelMachine(RuleBasedStateMachine):
 
 
 DuelMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=200, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestDuel = DuelMachine.TestCase
 

@@ -14,7 +14,7 @@ import torch
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferConfig, TransferFailed
 from aioembed.errors import TransportError
 from aioembed.metrics import TransferObserver
-from aioembed.protocol.room import SenderRoomState
+from aioembed.protocol.room import SenderRoomState, WriteTask
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.testing import MockTransport
 from aioembed.testing.mock import WriteCall, WriteFault
@@ -72,17 +72,41 @@ async def _receive(receiver: EmbeddingReceiver, room: str, mode: str) -> tuple[d
         lease.release()
 
 
+@pytest.fixture
+def aheads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The rounds whose write the sender started ahead, while the round before it was still being written."""
+    started: list[int] = []
+    real = SenderRoomState.start_ahead
+
+    def start_ahead(self: SenderRoomState, rank: int) -> WriteTask:
+        task = real(self, rank)
+        started.append(task.round)
+        return task
+
+    monkeypatch.setattr(SenderRoomState, "start_ahead", start_ahead)
+    yield started
+
+
 @pytest.mark.parametrize("mode", ["receive", "out", "receive_leased"])
-async def test_every_later_round_is_announced_while_the_one_before_it_is_written(
-        mode: str, resumes: list[tuple[int, str]]) -> None:
-    async with _pair(_slow_writes(0.02)) as (sender, receiver):
+async def test_every_later_round_is_announced_and_written_while_the_one_before_it_is_written(
+        mode: str, resumes: list[tuple[int, str]], aheads: list[int]) -> None:
+    """Round 1 is written alongside round 0, round 2 alongside round 1 (made the slowest, so that round 2's RESUME,
+    sent at round 0's STATUS, comes while it is written); the STATUS frames still come in order (the receiver's
+    machine refuses any other)."""
+    slow = {0: 0.03, 1: 0.12}
+    writer = MockTransport(faults=lambda call: WriteFault(delay=slow.get(call.index, 0.03)))
+    async with _pair(writer) as (sender, receiver):
         src = make_request(3000, seed=7)
+        t0 = anyio.current_time()
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.send, "early", src)
             rows, rounds = await _receive(receiver, "early", mode)
+        took = anyio.current_time() - t0
         assert rounds == 3
         assert_same(rows, src)
         assert resumes == [(1, "WRITING"), (2, "WRITING")]
+        assert aheads == [1, 2]
+        assert took < 0.03 + 0.12 + 0.03  # not one write after another
         await wait_pools_free(sender, receiver)
 
 
@@ -186,6 +210,36 @@ async def test_a_failed_write_with_a_round_announced_early_ends_both_rounds(
         await wait_pools_free(sender, receiver)
 
 
+@pytest.mark.parametrize("failing", [0, 1])
+async def test_a_round_failing_while_the_other_one_is_written_ends_the_room_only_once_both_writes_ended(
+        failing: int, aheads: list[int]) -> None:
+    """Round 1 is written ahead, alongside round 0. One of the two writes fails at once (nothing of it lands); the
+    other is still under way for 0.3 s. The receiver hears of the failure (and frees the blocks of both rounds)
+    only once that write ended too: never while a write of the room may still reach its blocks."""
+    def faults(call: WriteCall) -> WriteFault:
+        if call.index == failing:
+            return WriteFault(fail_after=0.02, error=TransportError("engine says no", may_land=False))
+        return WriteFault(delay=0.3)
+
+    async with _pair(MockTransport(faults=faults)) as (sender, receiver):
+        src = make_request(3000, seed=14)
+        t0 = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            async def send() -> None:
+                with pytest.raises(TransferFailed, match="engine says no"):
+                    await sender.send("both", src)
+
+            tg.start_soon(send)
+            with pytest.raises(TransferFailed, match="engine says no"):
+                await receiver.receive("both")
+            told = anyio.current_time() - t0
+        assert aheads == [1]
+        assert told >= 0.28, told  # the write still under way ended first
+        assert sum(receiver.fenced_blocks.values()) == 0  # nothing of the failed write could land
+        await wait_pools_free(sender, receiver)
+        assert sender.writes_in_flight == 0
+
+
 async def test_one_missed_early_reservation_does_not_end_the_head_start(
         resumes: list[tuple[int, str]], monkeypatch: pytest.MonkeyPatch) -> None:
     """Round 1's early reservation finds the pool short (once): round 1 comes after round 0's STATUS, and round 2
@@ -213,7 +267,8 @@ async def test_one_missed_early_reservation_does_not_end_the_head_start(
 
 
 async def test_a_round_announced_early_is_timed_from_its_announcement() -> None:
-    """The receiver's round time (``round_finished``) of every round: from its announcement to its STATUS."""
+    """The receiver's round time (``round_finished``) of every round: from its announcement (a round announced
+    early may be written from then on, alongside the round before it) to its STATUS."""
     class Rounds(TransferObserver):
         def __init__(self) -> None:
             self.seconds: list[float] = []
@@ -229,5 +284,5 @@ async def test_a_round_announced_early_is_timed_from_its_announcement() -> None:
             tg.start_soon(sender.send, "timed", src)
             await receiver.receive("timed")
         assert len(rounds.seconds) == 3
-        # Each round's write takes 30 ms; one announced early waits for the write before it too, never less.
+        # Each round's write takes 30 ms, written ahead or not: never less.
         assert all(s >= 0.025 for s in rounds.seconds), rounds.seconds

@@ -299,7 +299,10 @@ class _Rank:
     """The rank's room is a part of exactly this many tokens (0: any length)."""
     ahead: tuple[int, tuple[int, ...], int] | None = None
     """(round, blocks, allocated tokens) of the next round, announced early: its RESUME came while the round
-    before it was being written; written as soon as that one ends."""
+    before it was being written or due; written while that one is (:meth:`SenderRoomState.start_ahead`) or as
+    soon as it ends."""
+    ahead_started: bool = False
+    """The write of the round ``ahead`` is under way (its STATUS waits for the round before it)."""
 
 
 class SenderRoomState:
@@ -403,6 +406,31 @@ class SenderRoomState:
         p.phase = RankPhase.WRITING
         return WriteTask(rank=rank, round=p.round, start=p.sent, count=count, blocks=p.blocks)
 
+    def may_follow(self, task: WriteTask) -> bool:
+        """True if a round of ``task``'s rank may be written while ``task`` is (see :meth:`ahead_ranks`)."""
+        return self.total is not None and task.rank in self.ranks and task.start + task.count < self.total
+
+    def ahead_ranks(self) -> list[int]:
+        """Ranks whose next round can be written now, while the round before it still is: it was announced
+        early, so its blocks belong to the room. Its announcements (PROGRESS, STATUS) wait for the STATUS of
+        the round before it."""
+        if self.total is None or self.failed is not None:
+            return []
+        return [r for r, p in self.ranks.items()
+                if p.phase is RankPhase.WRITING and p.ahead is not None and not p.ahead_started]
+
+    def start_ahead(self, rank: int) -> WriteTask:
+        """Take the write of ``rank``'s round announced early, while the round before it is written (see
+        :meth:`ahead_ranks`). Its :meth:`write_done` comes after that round's: the STATUS frames go in order."""
+        if rank not in self.ahead_ranks():
+            raise self._err(f"no write ahead is due for rank {rank}")
+        p = self.ranks[rank]
+        assert p.ahead is not None and self.total is not None
+        round, blocks, allocated = p.ahead
+        start = p.sent + p.allocated  # the round before fills its reservation: a round follows it
+        p.ahead_started = True
+        return WriteTask(rank=rank, round=round, start=start, count=min(allocated, self.total - start), blocks=blocks)
+
     def progress_points(self, task: WriteTask) -> list[int]:
         """Where, within ``task``, the rank wants a ``PROGRESS`` (block-aligned token positions, each
         short of the round's end); empty when it asked for none."""
@@ -437,15 +465,18 @@ class SenderRoomState:
     def total_for(self, task: WriteTask) -> Total | None:
         """The TOTAL to send as ``task`` starts: for round 0 of a room longer than the rank's first reservation
         (the rank may then announce round 1 before round 0 ends); else None."""
+        if task.round != 0:
+            return None
         self._writing(task, "TOTAL")
         assert self.total is not None
-        if task.round != 0 or task.start + task.count >= self.total:
+        if task.start + task.count >= self.total:
             return None
         return Total(room=self.room, total_tokens=self.total)
 
     def write_done(self, task: WriteTask, *, metadata: dict[str, object] | None = None) -> Status:
         """The write of ``task`` is visible at the rank; returns the STATUS to send it (with the room's
-        ``metadata`` if this is the first announcement to the rank). A round announced early is due next."""
+        ``metadata`` if this is the first announcement to the rank). A round announced early is due next, or
+        is now the round being written if its write started ahead."""
         p = self._writing(task, "write completion")
         assert self.total is not None
         p.sent = p.landed = task.start + task.count
@@ -454,7 +485,8 @@ class SenderRoomState:
             p.phase = RankPhase.DONE
         elif p.ahead is not None:
             (p.round, p.blocks, p.allocated), p.ahead = p.ahead, None
-            p.phase = RankPhase.READY
+            p.phase = RankPhase.WRITING if p.ahead_started else RankPhase.READY
+            p.ahead_started = False
         else:
             p.phase = RankPhase.AWAITING_RESUME
         return Status(

@@ -142,6 +142,7 @@ class ReceiveRoomDriver:
         self._metadata: dict[str, Any] = {}
         self._phases: dict[str, float] = {}
         self._round_started = 0.0
+        self._ahead_at = 0.0  # when the round announced early was (its write may start then)
         self._reopens = 0
         self._lost_reason: str | None = None  # why the room had to be opened again
         self._room_deadline = math.inf
@@ -591,7 +592,7 @@ class ReceiveRoomDriver:
         now = time.perf_counter()
         self._round_seconds = now - self._round_started
         if self._next is not None:
-            self._round_started = now
+            self._round_started = self._ahead_at
         keeper.apply(ledger.landed(grant))  # only this room moves its announced grant: still ANNOUNCED
         if arrived.complete:
             self._sender_ended = True
@@ -716,7 +717,9 @@ class ReceiveRoomDriver:
         self.ctx.keeper.ledger.announce(grant, writer)
         self.writer = writer
         self.conn.send(msg)
-        if not ahead:
+        if ahead:
+            self._ahead_at = time.perf_counter()
+        else:
             self._round_started = time.perf_counter()
 
     async def _reserve(self, tokens: int, *, first: bool) -> int | None:

@@ -81,6 +81,8 @@ class SendRoomDriver:
         """Receivers (ids) whose ABORT or REJECT ended the room."""
         self._scope: anyio.CancelScope | None = None
         """While :meth:`drive` runs: its scope, with the room's hard deadline."""
+        self._watching: set[anyio.Event] = set()
+        """Writes waiting for the next round's early RESUME (:meth:`_go_ahead`), woken by :meth:`poke`."""
 
     @property
     def room(self) -> RoomId:
@@ -89,6 +91,8 @@ class SendRoomDriver:
     def poke(self) -> None:
         """Wake the driver: the room's state changed."""
         self.wake.set()
+        for event in self._watching:
+            event.set()
 
     def stop(self, reason: str) -> None:
         """End the room now, writes in flight included (the sender is closing and its grace ran out): they are
@@ -201,12 +205,52 @@ class SendRoomDriver:
         return TransferTimeout(f"room {self.room!r}: timed out in phase {phase!r} waiting for {waiting}{why}",
                                room=self.room, phase=phase)
 
-    async def write(self, task: WriteTask) -> None:
-        """One round to one rank; STATUS once every byte is visible there."""
-        ctx, room = self.ctx, self.room
+    async def write(self, task: WriteTask, after: anyio.Event | None = None) -> None:
+        """One round to one rank; STATUS once every byte is visible there (and, for a round written ahead,
+        once the round before it was announced or will never be: ``after``). Meanwhile, if a round follows
+        and its RESUME comes early, that round is written too, from here (at most one round ahead: its
+        own write may then start the next)."""
         peer = self.rank_peer[task.rank]
-        if not self._may_write(task, peer):
+        announced = anyio.Event()
+        if not self.machine.may_follow(task):
+            await self._write_round(task, peer, after, announced)
             return
+        async with anyio.create_task_group() as tg:
+            watch = anyio.CancelScope()
+            tg.start_soon(self._go_ahead, task.rank, announced, watch, tg)
+            try:
+                await self._write_round(task, peer, after, announced)
+            finally:
+                watch.cancel()
+
+    async def _go_ahead(self, rank: int, announced: anyio.Event, scope: anyio.CancelScope,
+                        tg: anyio.abc.TaskGroup) -> None:
+        """Until the round in flight ends (``scope`` is cancelled then): start the rank's next round in ``tg`` as
+        soon as its early RESUME is in hand. The two writes then share the link, so the link is never idle
+        between rounds, and their STATUS frames still go in order."""
+        with scope:
+            while True:
+                if rank in self.machine.ahead_ranks():
+                    tg.start_soon(self.write, self.machine.start_ahead(rank), announced)
+                    return
+                woken = anyio.Event()
+                self._watching.add(woken)
+                try:
+                    await woken.wait()
+                finally:
+                    self._watching.discard(woken)
+
+    async def _write_round(self, task: WriteTask, peer: PeerSession, after: anyio.Event | None,
+                           announced: anyio.Event) -> None:
+        """:meth:`write`'s own round; ``announced`` is set once its STATUS went out or never will."""
+        try:
+            if self._may_write(task, peer):
+                await self._post_round(task, peer, after)
+        finally:
+            announced.set()
+
+    async def _post_round(self, task: WriteTask, peer: PeerSession, after: anyio.Event | None) -> None:
+        ctx, room = self.ctx, self.room
         chunks = self._chunks(task, peer)
         ops = [op for _, chunk_ops in chunks for op in chunk_ops]
         wid = ctx.ledger.started(peer.key, room, self.source)
@@ -218,7 +262,7 @@ class SendRoomDriver:
             if len(chunks) == 1:
                 await peer.link.write(ops)
             else:
-                await self._write_chunks(task, peer, chunks)
+                await self._write_chunks(task, peer, chunks, after)
             outcome = WriteOutcome.LANDED
         except TransportError as exc:
             may_land = exc.may_land if exc.may_land is not None else not cancel_safe
@@ -243,6 +287,8 @@ class SendRoomDriver:
             if settled is not None:
                 ctx.spawn(self._settle, wid, settled)
         ctx.observer.round_finished(side="sender", seconds=time.perf_counter() - t0)
+        if after is not None:
+            await after.wait()  # a round written ahead: the STATUS of the round before it goes first
         if self.machine.failed is not None or not peer.alive:
             self.poke()
             return
@@ -287,12 +333,13 @@ class SendRoomDriver:
             return
         ctx.apply(ctx.ledger.settled(wid, now=anyio.current_time(), margin=ctx.transport.orphan_lifetime))
 
-    async def _write_chunks(self, task: WriteTask, peer: PeerSession,
-                            chunks: list[tuple[int | None, list[WriteOp]]]) -> None:
+    async def _write_chunks(self, task: WriteTask, peer: PeerSession, chunks: list[tuple[int | None, list[WriteOp]]],
+                            after: anyio.Event | None) -> None:
         """Write a round chunk by chunk, up to :data:`CHUNK_WRITES_IN_FLIGHT` at once (so the link never waits
-        for a chunk's completion to be noticed), and announce each chunk, in order, once it landed. One loop
-        posts and announces, so no chunk is posted once a chunk failed or the room ended. Returns once every
-        chunk posted has ended (none is left in flight); raises the first chunk's failure."""
+        for a chunk's completion to be noticed), and announce each chunk, in order, once it landed (for a round
+        written ahead, not before the round before it was announced: ``after``). One loop posts and announces,
+        so no chunk is posted once a chunk failed or the room ended. Returns once every chunk posted has ended
+        (none is left in flight); raises the first chunk's failure."""
         ended = [anyio.Event() for _ in chunks]
         failed: list[Exception | None] = [None] * len(chunks)
 
@@ -307,6 +354,8 @@ class SendRoomDriver:
         async def settled(i: int) -> bool:
             """Chunk ``i`` ended: True if it landed and was announced (the round goes on)."""
             await ended[i].wait()
+            if after is not None:
+                await after.wait()
             upto = chunks[i][0]
             return failed[i] is None and (upto is None or self._announce_progress(task, peer, upto))
 
