@@ -579,7 +579,7 @@ def test_sender_writes_an_early_round_alongside_the_round_before_it_and_announce
 
 
 def test_sender_writes_no_round_ahead_once_the_room_failed() -> None:
-    s, t = s_writing()
+    s, _ = s_writing()
     s.on_resume(0, round=1, sent_tokens=8, blocks=(5, 6), allocated_tokens=8)
     s.fail("the receiver is gone")
     assert s.ahead_ranks() == []

@@ -3,8 +3,9 @@ while the round before it is still being written, so that the sender writes it a
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -16,6 +17,7 @@ from aioembed.errors import TransportError
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.room import SenderRoomState, WriteTask
 from aioembed.session.block_keeper import BlockKeeper
+from aioembed.session.send_room import SendRoomDriver
 from aioembed.testing import MockTransport
 from aioembed.testing.mock import WriteCall, WriteFault
 
@@ -238,6 +240,60 @@ async def test_a_round_failing_while_the_other_one_is_written_ends_the_room_only
         assert sum(receiver.fenced_blocks.values()) == 0  # nothing of the failed write could land
         await wait_pools_free(sender, receiver)
         assert sender.writes_in_flight == 0
+
+
+async def test_many_rooms_of_four_ranks_with_rounds_written_ahead_arrive_whole() -> None:
+    """The deployment shape, in one process: 24 rooms of three rounds to four ranks at once, every write taking a
+    random time (0-10 ms, seeded), so that rounds, ranks and rooms interleave every which way; every rank's rows
+    are compared bit for bit. (A write watcher that outlived its round once started the round after the next
+    one, whose STATUS then came before the round before it and crashed the sender: about one run in ten.)"""
+    rng = random.Random(47)
+    writer = MockTransport(faults=lambda call: WriteFault(delay=rng.choice([0.0, 0.0, 0.001, 0.003, 0.01])))
+    cfg = TransferConfig(default_tokens=1024, max_round_tokens=1024, pool_tokens=16384)
+    async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender, AsyncExitStack() as stack:
+        receivers = [await stack.enter_async_context(EmbeddingReceiver(
+            LAYOUT, cfg, connect=sender.address, rank=rank, world=4, transport=MockTransport())) for rank in range(4)]
+        for receiver in receivers:
+            await receiver.wait_connected()
+        sources = {i: make_request(2500, seed=100 + i) for i in range(24)}
+
+        async def receive(receiver: EmbeddingReceiver, i: int) -> None:
+            got = await receiver.receive(f"room-{i}")
+            assert got.rounds == 3
+            assert_same(got.tensors, sources[i])
+
+        async with anyio.create_task_group() as tg:
+            for i, src in sources.items():
+                tg.start_soon(sender.send, f"room-{i}", src)
+                for receiver in receivers:
+                    tg.start_soon(receive, receiver, i)
+        await wait_pools_free(sender, *receivers)
+
+
+async def test_a_write_watcher_whose_round_was_announced_starts_nothing() -> None:
+    """The guard behind the test above, in isolation: a watcher woken after its round's STATUS went out (its
+    cancellation not yet delivered) leaves the next round's early grant to the round that is now in flight."""
+    async with _pair(_slow_writes(0.0)) as (sender, _):
+        started: list[WriteTask] = []
+        driver = SendRoomDriver("w", sender._room_ctx, anyio.current_time())  # type: ignore[arg-type]
+        m = driver.machine
+        m.on_init(0, blocks=(0,), allocated_tokens=128, expected_ranks=1)
+        m.on_input(400)
+        m.write_done(m.start_write(0))  # round 0 announced
+        m.on_resume(0, round=1, sent_tokens=128, blocks=(1,), allocated_tokens=128)
+        m.start_write(0)  # round 1 in flight
+        m.on_resume(0, round=2, sent_tokens=256, blocks=(2,), allocated_tokens=128)  # round 2 announced early
+        assert m.ahead_ranks() == [0]
+        announced = anyio.Event()
+        announced.set()  # the watcher's round (round 0) is over
+
+        class Group:
+            def start_soon(self, fn: Any, task: WriteTask, *args: Any) -> None:
+                started.append(task)
+
+        with anyio.fail_after(1):
+            await driver._go_ahead(0, announced, anyio.CancelScope(), Group())  # type: ignore[arg-type]
+        assert started == [] and m.ahead_ranks() == [0]
 
 
 async def test_one_missed_early_reservation_does_not_end_the_head_start(

@@ -1,8 +1,9 @@
 """One room on the sender: per-rank reservations, the writes, and the final frames it owes.
 
 Ranks progress independently; a rank is written as soon as it holds a reservation and the input
-is there. The room never tells a receiver that its blocks are quiet while a write into them may
-still land: the :class:`~aioembed.protocol.ownership.WriteLedger` says when it may (an
+is there, and its next round as soon as that round's early RESUME is in hand, alongside the round
+before it (whose STATUS still goes first). The room never tells a receiver that its blocks are
+quiet while a write into them may still land: the :class:`~aioembed.protocol.ownership.WriteLedger` says when it may (an
 ``ABORT_ACK`` or a non-fence final ``STATUS`` only once the room's writes ended; after a write
 that may still land, ``STATUS(fence=True)`` and, later, ``FENCE_RELEASE``).
 """
@@ -225,11 +226,14 @@ class SendRoomDriver:
 
     async def _go_ahead(self, rank: int, announced: anyio.Event, scope: anyio.CancelScope,
                         tg: anyio.abc.TaskGroup) -> None:
-        """Until the round in flight ends (``scope`` is cancelled then): start the rank's next round in ``tg`` as
-        soon as its early RESUME is in hand. The two writes then share the link, so the link is never idle
-        between rounds, and their STATUS frames still go in order."""
+        """Until the round in flight was announced (``announced``; ``scope`` is cancelled then): start the rank's
+        next round in ``tg`` as soon as its early RESUME is in hand. The two writes then share the link, so the
+        link is never idle between rounds, and their STATUS frames still go in order. A task woken just before its
+        scope was cancelled still runs on to its next await, so each look first checks that the round is still
+        unannounced: once it was, the next round is no longer this watcher's to start (its write follows as for
+        any round in hand, or goes ahead of the next one's)."""
         with scope:
-            while True:
+            while not announced.is_set():
                 if rank in self.machine.ahead_ranks():
                     tg.start_soon(self.write, self.machine.start_ahead(rank), announced)
                     return
