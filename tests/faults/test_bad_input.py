@@ -131,9 +131,9 @@ async def test_protocol_violations_after_a_valid_init() -> None:
         assert sender.rooms_in_flight == 0
 
 
-async def test_a_refused_frame_ends_its_room_before_send_writes_into_blocks_freed_on_that_answer() -> None:
-    """A REJECT naming a room tells its receiver that no write of the room reaches its blocks (they are freed
-    there): a ``send()`` of the room called afterwards must not write into them."""
+async def test_a_refused_frame_ends_its_room_before_send_writes_into_its_blocks() -> None:
+    """A REJECT naming a room ends the room at its receiver (which fences the blocks, or, if it is a hand-driven
+    peer like this one, might free them): a ``send()`` of the room called afterwards must not write into them."""
     async with running(CFG) as (sender, _):
         async with welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
             before = pool_guard(raw.pool)

@@ -4,6 +4,7 @@ while the round before it is still being written, so that the sender writes it a
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -268,6 +269,50 @@ async def test_many_rooms_of_four_ranks_with_rounds_written_ahead_arrive_whole()
                 for receiver in receivers:
                     tg.start_soon(receive, receiver, i)
         await wait_pools_free(sender, *receivers)
+
+
+async def test_a_send_cancelled_deep_in_a_room_of_600_rounds_written_ahead_ends_cleanly(aheads: list[int]) -> None:
+    """Rounds of one block, each announced early and written alongside the one before it: the rounds of the chain
+    are siblings in one task group, not nested one per round (cancelling 500 nested scopes overflowed anyio's
+    recursive delivery, and the room's final frame then went out while writes still ran). A send() cancelled
+    past round 550 ends the room as for any cancel: the receiver is told once both writes ended."""
+    cfg = CFG.replace(max_round_tokens=CFG.block_size, default_tokens=CFG.block_size, pool_tokens=4096,
+                      resume_reserve_tokens=0)
+    free_at = 0.0
+
+    def one_at_a_time(call: WriteCall) -> WriteFault:
+        """A link that moves one write at a time, 3 ms each (longer than a control trip here): the round written
+        ahead ends 3 ms after the one before it, so the next RESUME comes while it is in flight, and so on."""
+        nonlocal free_at
+        now = time.monotonic()
+        free_at = max(now, free_at) + 0.003
+        return WriteFault(delay=free_at - now)
+
+    async with _pair(MockTransport(faults=one_at_a_time), cfg) as (sender, receiver):
+        src = make_request(600 * cfg.block_size, seed=15)
+        ahead = 0
+        async with anyio.create_task_group() as tg:
+            async def receive() -> None:
+                with pytest.raises(TransferAborted, match=r"send\(\) was cancelled"):
+                    await receiver.receive("deep")
+
+            tg.start_soon(receive)
+            with anyio.CancelScope() as scope:
+                async def cancel_late() -> None:
+                    nonlocal ahead
+                    with anyio.fail_after(60):
+                        while (r := sender._rooms.get("deep")) is None or (p := r.machine.ranks.get(0)) is None \
+                                or p.round < 550:
+                            await anyio.sleep(0.005)
+                    ahead = p.round
+                    scope.cancel()
+
+                tg.start_soon(cancel_late)
+                await sender.send("deep", src)
+            assert scope.cancelled_caught
+        assert ahead >= 550 and len(aheads) >= 500, (ahead, len(aheads))  # nearly every round went ahead
+        await wait_pools_free(sender, receiver)
+        assert sender.writes_in_flight == 0
 
 
 async def test_a_write_watcher_whose_round_was_announced_starts_nothing() -> None:

@@ -138,7 +138,8 @@ class SendRoomDriver:
             with self._scope:
                 # One rank (the usual case) is written from this task. Only once several ranks are to be
                 # written at the same time is a task group made for them: one costs about as much as a
-                # small room's planning, for nothing when there is one rank.
+                # small room's planning, for nothing when there is one rank. (A room of several rounds has
+                # one per rank's write anyway, for the rounds written ahead: see write().)
                 ended, error = await self._drive_ranks(None)
                 if not ended:
                     async with anyio.create_task_group() as tg:
@@ -167,7 +168,7 @@ class SendRoomDriver:
         while True:
             ready = m.ready_ranks()
             if len(ready) == 1 and m.expected_ranks == 1:
-                await self.write(m.start_write(ready[0]))  # one rank: no task of its own needed
+                await self.write(m.start_write(ready[0]))  # one rank: written from this task
             elif ready:
                 if tg is None:
                     return False, None
@@ -206,23 +207,35 @@ class SendRoomDriver:
         return TransferTimeout(f"room {self.room!r}: timed out in phase {phase!r} waiting for {waiting}{why}",
                                room=self.room, phase=phase)
 
-    async def write(self, task: WriteTask, after: anyio.Event | None = None) -> None:
-        """One round to one rank; STATUS once every byte is visible there (and, for a round written ahead,
-        once the round before it was announced or will never be: ``after``). Meanwhile, if a round follows
-        and its RESUME comes early, that round is written too, from here (at most one round ahead: its
-        own write may then start the next)."""
-        peer = self.rank_peer[task.rank]
-        announced = anyio.Event()
+    async def write(self, task: WriteTask) -> None:
+        """One round to one rank; STATUS once every byte is visible there. If a round follows and its RESUME
+        comes early, that round is written too, alongside (one round ahead at most), and so on: the rank's
+        rounds written ahead are siblings in one task group, so a room of many rounds nests no deeper than one
+        of two (cancelling nested scopes recurses once per level)."""
         if not self.machine.may_follow(task):
-            await self._write_round(task, peer, after, announced)
+            await self._write_round(task, self.rank_peer[task.rank], None, anyio.Event())
             return
         async with anyio.create_task_group() as tg:
-            watch = anyio.CancelScope()
-            tg.start_soon(self._go_ahead, task.rank, announced, watch, tg)
-            try:
-                await self._write_round(task, peer, after, announced)
-            finally:
-                watch.cancel()
+            self._start_round(tg, task, None)
+
+    def _start_round(self, tg: anyio.abc.TaskGroup, task: WriteTask, after: anyio.Event | None) -> None:
+        """Write ``task`` in ``tg`` (its STATUS once ``after``, if given, is set), with a watcher for the round
+        after it while it is in flight."""
+        announced = anyio.Event()
+        peer = self.rank_peer[task.rank]
+        if not self.machine.may_follow(task):
+            tg.start_soon(self._write_round, task, peer, after, announced)
+            return
+        watch = anyio.CancelScope()
+        tg.start_soon(self._go_ahead, task.rank, announced, watch, tg)
+        tg.start_soon(self._write_watched, task, peer, after, announced, watch)
+
+    async def _write_watched(self, task: WriteTask, peer: PeerSession, after: anyio.Event | None,
+                             announced: anyio.Event, watch: anyio.CancelScope) -> None:
+        try:
+            await self._write_round(task, peer, after, announced)
+        finally:
+            watch.cancel()
 
     async def _go_ahead(self, rank: int, announced: anyio.Event, scope: anyio.CancelScope,
                         tg: anyio.abc.TaskGroup) -> None:
@@ -235,7 +248,7 @@ class SendRoomDriver:
         with scope:
             while not announced.is_set():
                 if rank in self.machine.ahead_ranks():
-                    tg.start_soon(self.write, self.machine.start_ahead(rank), announced)
+                    self._start_round(tg, self.machine.start_ahead(rank), announced)
                     return
                 woken = anyio.Event()
                 self._watching.add(woken)
@@ -246,7 +259,8 @@ class SendRoomDriver:
 
     async def _write_round(self, task: WriteTask, peer: PeerSession, after: anyio.Event | None,
                            announced: anyio.Event) -> None:
-        """:meth:`write`'s own round; ``announced`` is set once its STATUS went out or never will."""
+        """One round, its STATUS after ``after`` (the round before it, if written ahead); ``announced`` is set
+        once its STATUS went out or never will."""
         try:
             if self._may_write(task, peer):
                 await self._post_round(task, peer, after)
@@ -293,6 +307,7 @@ class SendRoomDriver:
         ctx.observer.round_finished(side="sender", seconds=time.perf_counter() - t0)
         if after is not None:
             await after.wait()  # a round written ahead: the STATUS of the round before it goes first
+            ended_at = anyio.current_time()  # its STATUS goes out now: the RESUME wait counts from here
         if self.machine.failed is not None or not peer.alive:
             self.poke()
             return
@@ -305,15 +320,18 @@ class SendRoomDriver:
             return
         if status.state is TransferStatus.SUCCESS:
             self.finished.add(task.rank)
-        self.status_sent_at[task.rank] = ended_at  # the RESUME wait counts from the write's end, just before STATUS
+        self.status_sent_at[task.rank] = ended_at  # the RESUME wait counts from the STATUS just sent
         log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
                   task.count, len(ops))
         self.poke()
 
     def _may_write(self, task: WriteTask, peer: PeerSession) -> bool:
-        """False (the room failed) if ``peer`` is gone: a sender never posts a write to a receiver it dropped.
-        Else, as round 0 of a room longer than it starts, the rank's TOTAL goes out, so that the rank can announce
-        round 1 before round 0 ends (which is then written at once)."""
+        """False if the room ended (a write started as a task may find it so: an ABORT or a refused frame came
+        meanwhile), or failed now because ``peer`` is gone: a sender never posts a write to a receiver it
+        dropped. Else, as round 0 of a room longer than it starts, the rank's TOTAL goes out, so that the rank
+        can announce round 1 before round 0 ends (which is then written at once)."""
+        if self.machine.failed is not None:
+            return False
         if not peer.alive or not self.ctx.ledger.is_open(peer.key):
             self.machine.fail(f"{peer} is gone")
             self.poke()
