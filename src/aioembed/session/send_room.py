@@ -22,7 +22,15 @@ import anyio.abc
 import torch
 
 from aioembed.config import TransferConfig
-from aioembed.errors import PeerDead, TransferAborted, TransferError, TransferFailed, TransferTimeout, TransportError
+from aioembed.errors import (
+    PeerDead,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
 from aioembed.layout import Layout
 from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
 from aioembed.metrics import TransferObserver
@@ -264,6 +272,13 @@ class SendRoomDriver:
         try:
             if self._may_write(task, peer):
                 await self._post_round(task, peer, after)
+        except ProtocolError as exc:
+            # The room's own machine refused a step of its driver: a bug of ours. The round's write is over (the
+            # ledger has its outcome), so the room fails as for any failure, not the caller's task group.
+            log.exception("sender: room=%r: round %d to %s: an internal step was refused", self.room, task.round,
+                          peer)
+            self.machine.fail(f"internal error in round {task.round} to {peer}: {exc}")
+            self.poke()
         finally:
             announced.set()
 
