@@ -142,7 +142,7 @@ class ReceiveRoomDriver:
         self._metadata: dict[str, Any] = {}
         self._phases: dict[str, float] = {}
         self._round_started = 0.0
-        self._ahead_at = 0.0  # when the round announced early was (its write may start then)
+        self._ahead_at = 0.0  # when the round after the one in flight was announced (its write may start then)
         self._reopens = 0
         self._lost_reason: str | None = None  # why the room had to be opened again
         self._room_deadline = math.inf

@@ -3,9 +3,10 @@
 Ranks progress independently; a rank is written as soon as it holds a reservation and the input
 is there, and its next round as soon as that round's early RESUME is in hand, alongside the round
 before it (whose STATUS still goes first). The room never tells a receiver that its blocks are
-quiet while a write into them may still land: the :class:`~aioembed.protocol.ownership.WriteLedger` says when it may (an
-``ABORT_ACK`` or a non-fence final ``STATUS`` only once the room's writes ended; after a write
-that may still land, ``STATUS(fence=True)`` and, later, ``FENCE_RELEASE``).
+quiet while a write into them may still land: the
+:class:`~aioembed.protocol.ownership.WriteLedger` says when it may (an ``ABORT_ACK`` or a
+non-fence final ``STATUS`` only once the room's writes ended; after a write that may still land,
+``STATUS(fence=True)`` and, later, ``FENCE_RELEASE``).
 """
 
 from __future__ import annotations
