@@ -271,11 +271,32 @@ async def test_many_rooms_of_four_ranks_with_rounds_written_ahead_arrive_whole()
         await wait_pools_free(sender, *receivers)
 
 
-async def test_a_send_cancelled_deep_in_a_room_of_600_rounds_written_ahead_ends_cleanly(aheads: list[int]) -> None:
+async def test_a_send_cancelled_deep_in_a_room_of_600_rounds_written_ahead_ends_cleanly(
+        aheads: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """Rounds of one block, each announced early and written alongside the one before it: the rounds of the chain
     are siblings in one task group, not nested one per round (cancelling 500 nested scopes overflowed anyio's
     recursive delivery, and the room's final frame then went out while writes still ran). A send() cancelled
-    past round 550 ends the room as for any cancel: the receiver is told once both writes ended."""
+    past round 550 ends the room as for any cancel: the receiver is told once no write of the room is in flight."""
+    live = [0, 0]  # write() calls running now, most at once
+    real_write = SendRoomDriver.write
+
+    async def write(self: SendRoomDriver, task: WriteTask) -> None:
+        live[0] += 1
+        live[1] = max(live)
+        try:
+            await real_write(self, task)
+        finally:
+            live[0] -= 1
+
+    writing_at_end: list[bool] = []
+    real_notify = SendRoomDriver.notify_end
+
+    def notify_end(self: SendRoomDriver) -> None:
+        writing_at_end.extend(self.ctx.ledger.in_flight(p.key, self.room) for p in self.rank_peer.values())
+        real_notify(self)
+
+    monkeypatch.setattr(SendRoomDriver, "write", write)
+    monkeypatch.setattr(SendRoomDriver, "notify_end", notify_end)
     cfg = CFG.replace(max_round_tokens=CFG.block_size, default_tokens=CFG.block_size, pool_tokens=4096,
                       resume_reserve_tokens=0)
     free_at = 0.0
@@ -290,7 +311,6 @@ async def test_a_send_cancelled_deep_in_a_room_of_600_rounds_written_ahead_ends_
 
     async with _pair(MockTransport(faults=one_at_a_time), cfg) as (sender, receiver):
         src = make_request(600 * cfg.block_size, seed=15)
-        ahead = 0
         async with anyio.create_task_group() as tg:
             async def receive() -> None:
                 with pytest.raises(TransferAborted, match=r"send\(\) was cancelled"):
@@ -299,18 +319,18 @@ async def test_a_send_cancelled_deep_in_a_room_of_600_rounds_written_ahead_ends_
             tg.start_soon(receive)
             with anyio.CancelScope() as scope:
                 async def cancel_late() -> None:
-                    nonlocal ahead
                     with anyio.fail_after(60):
                         while (r := sender._rooms.get("deep")) is None or (p := r.machine.ranks.get(0)) is None \
                                 or p.round < 550:
                             await anyio.sleep(0.005)
-                    ahead = p.round
                     scope.cancel()
 
                 tg.start_soon(cancel_late)
                 await sender.send("deep", src)
             assert scope.cancelled_caught
-        assert ahead >= 550 and len(aheads) >= 275, (ahead, len(aheads))  # most rounds went ahead (all, if quiet)
+        assert len(aheads) >= 50, len(aheads)  # many rounds went ahead (all of them, on a quiet machine)
+        assert live[1] == 1  # one write() call for the whole chain: its rounds are not nested
+        assert writing_at_end == [False]  # the receiver was told once no write of the room was in flight
         await wait_pools_free(sender, receiver)
         assert sender.writes_in_flight == 0
 
@@ -341,10 +361,10 @@ async def test_an_internal_error_in_a_round_written_ahead_fails_the_room_and_esc
 
 
 async def test_a_write_watcher_whose_round_was_announced_starts_nothing() -> None:
-    """The guard behind the test above, in isolation: a watcher woken after its round's STATUS went out (its
+    """The guard behind the 24-room test, in isolation: a watcher woken after its round's STATUS went out (its
     cancellation not yet delivered) leaves the next round's early grant to the round that is now in flight."""
     async with _pair(_slow_writes(0.0)) as (sender, _):
-        started: list[WriteTask] = []
+        started: list[str] = []
         driver = SendRoomDriver("w", sender._room_ctx, anyio.current_time())  # type: ignore[arg-type]
         m = driver.machine
         m.on_init(0, blocks=(0,), allocated_tokens=128, expected_ranks=1)
@@ -358,8 +378,8 @@ async def test_a_write_watcher_whose_round_was_announced_starts_nothing() -> Non
         announced.set()  # the watcher's round (round 0) is over
 
         class Group:
-            def start_soon(self, fn: Any, task: WriteTask, *args: Any) -> None:
-                started.append(task)
+            def start_soon(self, fn: Any, *args: Any) -> None:
+                started.append(fn.__name__)
 
         with anyio.fail_after(1):
             await driver._go_ahead(0, announced, anyio.CancelScope(), Group())  # type: ignore[arg-type]

@@ -20,18 +20,11 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import torch
 
 from aioembed.config import TransferConfig
-from aioembed.errors import (
-    PeerDead,
-    ProtocolError,
-    TransferAborted,
-    TransferError,
-    TransferFailed,
-    TransferTimeout,
-    TransportError,
-)
+from aioembed.errors import PeerDead, TransferAborted, TransferError, TransferFailed, TransferTimeout, TransportError
 from aioembed.layout import Layout
 from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
 from aioembed.metrics import TransferObserver
@@ -271,14 +264,15 @@ class SendRoomDriver:
         """One round, its STATUS after ``after`` (the round before it, if written ahead); ``announced`` is set
         once its STATUS went out or never will."""
         try:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # started just as the room was cancelled: post nothing
             if self._may_write(task, peer):
                 await self._post_round(task, peer, after)
-        except ProtocolError as exc:
-            # The room's own machine refused a step of its driver: a bug of ours. The round's write is over (the
-            # ledger has its outcome), so the room fails as for any failure, not the caller's task group.
-            log.exception("sender: room=%r: round %d to %s: an internal step was refused", self.room, task.round,
-                          peer)
-            self.machine.fail(f"internal error in round {task.round} to {peer}: {exc}")
+        except Exception as exc:
+            # A bug of ours (the room's own machine refusing a step of its driver, say). Raised before the write
+            # was posted or once the ledger had its outcome (_post_round catches what the write raises), so the
+            # room fails as for any failure, not the task group of the rank's rounds.
+            log.exception("sender: room=%r: round %d to %s failed inside aioembed", self.room, task.round, peer)
+            self.machine.fail(f"internal error in round {task.round} to {peer}: {type(exc).__name__}: {exc}")
             self.poke()
         finally:
             announced.set()

@@ -913,10 +913,11 @@ class EmbeddingSender:
 
     def _refuse_room_frame(self, peer: PeerSession, room: RoomId, reject: Reject) -> None:
         """Refuse a frame of ``peer`` naming ``room``. The receiver takes the answer as the room's end there (it
-        fences the room's blocks and ABORTs): so a room of which ``peer`` is a rank ends here too, at once, or a
-        later write of it would go into those blocks for nothing (or into freed ones, with a receiver that frees
-        on a REJECT), and its later frames could reach a new attempt of the id. The answer is this rank's last
-        word of the room but the answer to its ABORT."""
+        fences the room's blocks, then ABORTs after a REJECT or waits for FENCE_RELEASE after a fence): so a room
+        of which ``peer`` is a rank ends here too, at once, or a later write of it would go into those blocks for
+        nothing (or into freed ones, with a receiver that frees on a REJECT), and its later frames could reach a
+        new attempt of the id. The answer is this rank's last word of the room but the answer to its ABORT or
+        the FENCE_RELEASE."""
         self._answer_ended(peer, room, reject)  # a fence instead while a write of the room may still land there
         r = self._rooms.get(room)
         if r is None or r.rank_peer.get(peer.rank) is not peer or peer.rank in r.finished:
