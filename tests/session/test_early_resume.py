@@ -216,12 +216,12 @@ async def test_a_failed_write_with_a_round_announced_early_ends_both_rounds(
 @pytest.mark.parametrize("failing", [0, 1])
 async def test_a_round_failing_while_the_other_one_is_written_ends_the_room_only_once_both_writes_ended(
         failing: int, aheads: list[int]) -> None:
-    """Round 1 is written ahead, alongside round 0. One of the two writes fails at once (nothing of it lands); the
+    """Round 1 is written ahead, alongside round 0. One of the two writes fails after 0.1 s (nothing of it lands); the
     other is still under way for 0.3 s. The receiver hears of the failure (and frees the blocks of both rounds)
     only once that write ended too: never while a write of the room may still reach its blocks."""
     def faults(call: WriteCall) -> WriteFault:
         if call.index == failing:
-            return WriteFault(fail_after=0.02, error=TransportError("engine says no", may_land=False))
+            return WriteFault(fail_after=0.1, error=TransportError("engine says no", may_land=False))
         return WriteFault(delay=0.3)
 
     async with _pair(MockTransport(faults=faults)) as (sender, receiver):
