@@ -382,7 +382,7 @@ async def test_a_write_watcher_whose_round_was_announced_starts_nothing() -> Non
                 started.append(fn.__name__)
 
         with anyio.fail_after(1):
-            await driver._go_ahead(0, announced, anyio.CancelScope(), Group())  # type: ignore[arg-type]
+            await driver._go_ahead(0, announced, Group())  # type: ignore[arg-type]
         assert started == [] and m.ahead_ranks() == [0]
 
 

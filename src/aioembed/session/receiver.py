@@ -19,10 +19,10 @@ import itertools
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Literal, Self, overload
+from typing import Literal, Self, TypeVar, overload
 
 import anyio
 import anyio.abc
@@ -57,6 +57,8 @@ from aioembed.transports.registry import open_transport
 __all__ = ["CLOSE_GRACE", "EmbeddingReceiver", "Part"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 CLOSE_GRACE = 2.0
 """Seconds ``aclose()`` gives rooms to end and their ABORT frames to leave before closing hard."""
@@ -489,16 +491,7 @@ class EmbeddingReceiver:
         with KnownAsyncLibrary():
             handle, driver = self._open_room(room, expected_tokens=expected_tokens, out=out, sender=sender,
                                              parts=parts)
-            try:
-                if driver is not None:
-                    await driver.run(cancelled="receive() was cancelled")  # in this task: no task, no wake-up
-                    if handle.done:  # always, once run() returned: no wait (a loop turn, others' tasks first)
-                        return handle._ended_result()
-                return await handle.result()
-            except anyio.get_cancelled_exc_class():
-                handle.cancel("receive() was cancelled")
-                await self._until_ended(handle, driver)
-                raise
+            return await self._in_this_task(handle, driver, "receive()", handle._ended_result, handle.result)
 
     async def receive_leased(self, room: int | str, *, expected_tokens: int | None = None,
                              sender: str | None = None, parts: Sequence[Part] | None = None) -> Lease:
@@ -513,16 +506,23 @@ class EmbeddingReceiver:
         with KnownAsyncLibrary():
             handle, driver = self._open_room(room, expected_tokens=expected_tokens, zero_copy=True, sender=sender,
                                              parts=parts)
-            try:
-                if driver is not None:
-                    await driver.run(cancelled="receive_leased() was cancelled")
-                    if handle.done:
-                        return handle._ended_lease()
-                return await handle.lease()
-            except anyio.get_cancelled_exc_class():
-                handle.cancel("receive_leased() was cancelled")
-                await self._until_ended(handle, driver)
-                raise
+            return await self._in_this_task(handle, driver, "receive_leased()", handle._ended_lease, handle.lease)
+
+    async def _in_this_task(self, handle: ReceiveHandle, driver: ReceiveRoomDriver | None, call: str,
+                            ended: Callable[[], _T], wait: Callable[[], Awaitable[_T]]) -> _T:
+        """Drive the room in the caller's task (no task, no wake-up), then return what ``ended`` makes of it: at
+        once, for a room that ended (no wait: a loop turn would run others' tasks first). A room in parts runs in
+        tasks of its own: ``wait`` for it. Cancelling ``call`` aborts the room."""
+        try:
+            if driver is not None:
+                await driver.run(cancelled=f"{call} was cancelled")
+                if handle.done:  # always, once run() returned
+                    return ended()
+            return await wait()
+        except anyio.get_cancelled_exc_class():
+            handle.cancel(f"{call} was cancelled")
+            await self._until_ended(handle, driver)
+            raise
 
     @staticmethod
     async def _until_ended(handle: ReceiveHandle, driver: ReceiveRoomDriver | None) -> None:

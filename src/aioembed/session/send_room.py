@@ -94,6 +94,9 @@ class SendRoomDriver:
     def poke(self) -> None:
         """Wake the driver: the room's state changed."""
         self.wake.set()
+        self._wake_watchers()
+
+    def _wake_watchers(self) -> None:
         for event in self._watching:
             event.set()
 
@@ -224,45 +227,30 @@ class SendRoomDriver:
         """Write ``task`` in ``tg`` (its STATUS once ``after``, if given, is set), with a watcher for the round
         after it while it is in flight."""
         announced = anyio.Event()
-        peer = self.rank_peer[task.rank]
-        if not self.machine.may_follow(task):
-            tg.start_soon(self._write_round, task, peer, after, announced)
-            return
-        watch = anyio.CancelScope()
-        tg.start_soon(self._go_ahead, task.rank, announced, watch, tg)
-        tg.start_soon(self._write_watched, task, peer, after, announced, watch)
+        if self.machine.may_follow(task):
+            tg.start_soon(self._go_ahead, task.rank, announced, tg)
+        tg.start_soon(self._write_round, task, self.rank_peer[task.rank], after, announced)
 
-    async def _write_watched(self, task: WriteTask, peer: PeerSession, after: anyio.Event | None,
-                             announced: anyio.Event, watch: anyio.CancelScope) -> None:
-        try:
-            await self._write_round(task, peer, after, announced)
-        finally:
-            watch.cancel()
-
-    async def _go_ahead(self, rank: int, announced: anyio.Event, scope: anyio.CancelScope,
-                        tg: anyio.abc.TaskGroup) -> None:
-        """Until the round in flight was announced (``announced``; ``scope`` is cancelled then): start the rank's
-        next round in ``tg`` as soon as its early RESUME is in hand. The two writes then share the link, so the
-        link is never idle between rounds, and their STATUS frames still go in order. A task woken just before its
-        scope was cancelled still runs on to its next await, so each look first checks that the round is still
-        unannounced: once it was, the next round is no longer this watcher's to start (its write follows as for
-        any round in hand, or goes ahead of the next one's)."""
-        with scope:
-            while not announced.is_set():
-                if rank in self.machine.ahead_ranks():
-                    self._start_round(tg, self.machine.start_ahead(rank), announced)
-                    return
-                woken = anyio.Event()
-                self._watching.add(woken)
-                try:
-                    await woken.wait()
-                finally:
-                    self._watching.discard(woken)
+    async def _go_ahead(self, rank: int, announced: anyio.Event, tg: anyio.abc.TaskGroup) -> None:
+        """Until the round in flight was announced (``announced``): start the rank's next round in ``tg`` as soon as
+        its early RESUME is in hand. The two writes then share the link, and their STATUS frames still go in order.
+        Once the round was announced, the next round is no longer this watcher's to start (its write follows as
+        for any round in hand, or goes ahead of the next one's): woken then, it ends."""
+        while not announced.is_set():
+            if rank in self.machine.ahead_ranks():
+                self._start_round(tg, self.machine.start_ahead(rank), announced)
+                return
+            woken = anyio.Event()
+            self._watching.add(woken)
+            try:
+                await woken.wait()
+            finally:
+                self._watching.discard(woken)
 
     async def _write_round(self, task: WriteTask, peer: PeerSession, after: anyio.Event | None,
                            announced: anyio.Event) -> None:
         """One round, its STATUS after ``after`` (the round before it, if written ahead); ``announced`` is set
-        once its STATUS went out or never will."""
+        once its STATUS went out or never will (and its watcher woken, to end)."""
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()  # started just as the room was cancelled: post nothing
             if self._may_write(task, peer):
@@ -276,6 +264,7 @@ class SendRoomDriver:
             self.poke()
         finally:
             announced.set()
+            self._wake_watchers()
 
     async def _post_round(self, task: WriteTask, peer: PeerSession, after: anyio.Event | None) -> None:
         ctx, room = self.ctx, self.room
