@@ -13,3 +13,10 @@ class TestLoopbackConformanceThreaded(TransportConformance):
     transport_name = "loopback"
     transport_options = {"inline_bytes": 0, "threads": 2}
     large_bytes = 8 << 20
+
+
+class TestLoopbackConformanceUnregisteredSources(TransportConformance):
+    """Writes read CPU sources that were never registered (as Mooncake and UCX over TCP do)."""
+
+    transport_name = "loopback"
+    transport_options = {"unregistered_sources": True}

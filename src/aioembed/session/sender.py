@@ -121,9 +121,10 @@ class _Ended(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class _Source:
-    """What one ``send()`` writes from: the caller's tensors (registered for it), rows staged in the
-    sender's staging area (registered once), or the caller's tensors inside buffers it registered
-    (``register_sources()``)."""
+    """What one ``send()`` writes from: the caller's tensors (registered for it, or, ``regions`` empty, read
+    unregistered where the transport can: :meth:`Transport.reads_unregistered`), rows staged in the sender's
+    staging area (registered once), or the caller's tensors inside buffers it registered
+    (``register_sources()``). Held, its tensors referenced, until no write reads them."""
 
     regions: list[MemoryRegion]
     tensors: list[torch.Tensor]
@@ -224,7 +225,7 @@ class EmbeddingSender:
             sock, self.address, self._auth = make_router(self._ctx, self.bind, cfg)
             self._chan = ControlSocket(sock, self._on_frames, name=f"sender@{self.address}", routed=True,
                                        bundles=True)
-            if cfg.staging_tokens:
+            if cfg.staging_tokens and not self._transport.reads_unregistered("cpu"):
                 await self._open_staging()
             self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
                                          transport=self._transport, observer=self.observer, send=self._send_to,
@@ -370,7 +371,7 @@ class EmbeddingSender:
                         metadata: Mapping[str, Any] | None, stream: torch.cuda.Stream | None = None) -> None:
         """``send()`` of the room (or room part) with wire id ``room``."""
         try:
-            num_tokens, meta, sources, staged, kept = await self._input_of(room, tensors, metadata, stream)
+            num_tokens, meta, sources, staged, kept, own = await self._input_of(room, tensors, metadata, stream)
         except (InvalidRequest, LayoutError) as exc:
             # A receiver that already asked for the room learns why at once, not at its input_timeout.
             if self._room_is_waiting(room):
@@ -389,7 +390,6 @@ class EmbeddingSender:
             r = SendRoomDriver(room, self._room_ctx, now)
             self._rooms[room] = r
         source = self._ledger.new_source()
-        own = staged is None and kept is None  # the caller's tensors, registered for this send()
         regions = [MemoryRegion.of_tensor(t) for t in sources] if own else []
         self._sources[source] = _Source(regions, sources, staged, kept)
         r.take_input(sources, source, meta, now)
@@ -415,22 +415,26 @@ class EmbeddingSender:
 
     async def _input_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None,
                         stream: torch.cuda.Stream | None) -> tuple[int, dict[str, Any], list[torch.Tensor],
-                                                                   StagedRows | None, RegisteredSources | None]:
+                                                                   StagedRows | None, RegisteredSources | None, bool]:
         """The request checked, and the tensors its writes read: (tokens, metadata, sources, staged rows, the
-        registered source buffers they lie in, acquired for this send)."""
+        registered source buffers they lie in, acquired for this send, whether this send() registers them)."""
         num_tokens, meta = self._check_request(room, tensors, metadata)
         kept = self._source_buffers.covering(tensors[name] for name in self.layout)
         if kept is not None:
             try:
-                return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, kept
+                return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, kept, False
             except BaseException:
                 kept.release()
                 raise
+        assert self._transport is not None
+        if all(self._transport.reads_unregistered(str(tensors[name].device)) for name in self.layout):
+            # Read where they lie: a copy or a registration would only cost time (Mooncake, UCX over TCP).
+            return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, None, False
         if self._staging is not None:
             staged = self._staging.stage(tensors, num_tokens)
             if staged is not None:
-                return num_tokens, meta, list(staged.tensors.values()), staged, None
-        return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, None
+                return num_tokens, meta, list(staged.tensors.values()), staged, None, False
+        return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, None, True
 
     async def _ready_sources(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                              stream: torch.cuda.Stream | None) -> list[torch.Tensor]:
@@ -634,7 +638,7 @@ class EmbeddingSender:
         if entry.kept is not None:
             entry.kept.release()
             return None
-        return entry
+        return entry if entry.regions else None  # read unregistered: dropping the tensors is all there is
 
     async def _release_source(self, source: int) -> None:
         """No write reads ``source`` any more: free its staged rows, or unregister the caller's tensors (a task
@@ -1176,8 +1180,9 @@ class EmbeddingSender:
 
     @property
     def sources_held(self) -> int:
-        """``send()`` sources whose memory is still registered or staged (its ``send()`` runs, or a write
-        may still read it, or the transport's ``unregister()`` of it has not returned), and registered source
+        """``send()`` sources whose memory is still registered, staged or (read unregistered) referenced (its
+        ``send()`` runs, or a write may still read it, or the transport's ``unregister()`` of it has not
+        returned), and registered source
         buffers being unregistered; 0 once idle. The staging area and source buffers not closed
         (:attr:`source_buffers`) stay registered while the sender runs and are not counted."""
         return len(self._sources) + len(self._unregistering)

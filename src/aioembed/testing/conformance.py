@@ -216,14 +216,30 @@ class TransportConformance:
         await link.aclose()
 
     @pytest.mark.anyio
-    async def test_write_from_unregistered_source_is_refused(
-        self, endpoints: tuple[Transport, Transport]
-    ) -> None:
+    async def test_write_from_unregistered_source(self, endpoints: tuple[Transport, Transport]) -> None:
+        """Refused, unless the endpoint says it reads unregistered CPU sources: then it lands bit for bit."""
+        a, _ = endpoints
         _, dst, link = await self._setup(endpoints, 64, 4096)
         stray = _random_bytes(4096, 99)
-        with pytest.raises(TransportError):
+        if a.reads_unregistered("cpu"):
             await link.write([WriteOp(stray.data_ptr(), dst.data_ptr(), 4096)])
-        assert int(dst.sum()) == 0
+            assert torch.equal(dst, stray)
+        else:
+            with pytest.raises(TransportError):
+                await link.write([WriteOp(stray.data_ptr(), dst.data_ptr(), 4096)])
+            assert int(dst.sum()) == 0
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_unregistered_destination_is_refused_whatever_the_sources(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        """Reading unregistered sources never extends to destinations: a peer writes only into what was announced."""
+        src, dst, link = await self._setup(endpoints, 4096, 64)
+        stray = torch.zeros(4096, dtype=torch.uint8)
+        with pytest.raises(TransportError):
+            await link.write([WriteOp(src.data_ptr(), stray.data_ptr(), 4096)])
+        assert int(stray.sum()) == 0 and int(dst.sum()) == 0
         await link.aclose()
 
     @pytest.mark.anyio

@@ -86,8 +86,8 @@ class MockTransport(LoopbackTransport):
     def __init__(self, *, cancel_safe_writes: bool = True, revocable: bool = False, write_lifetime: float = 0.0,
                  orphan_lifetime: float | None = None, faults: FaultPolicy | None = None,
                  raise_on: Mapping[str, BaseException] | None = None, inline_bytes: int = 256 * 1024,
-                 threads: int = 4) -> None:
-        super().__init__(inline_bytes=inline_bytes, threads=threads)
+                 threads: int = 4, unregistered_sources: bool = False) -> None:
+        super().__init__(inline_bytes=inline_bytes, threads=threads, unregistered_sources=unregistered_sources)
         self.capabilities = TransportCapabilities(
             cuda=False, asyncio_only=False, cross_process=False, cancel_safe_writes=cancel_safe_writes,
             revocable=revocable, write_lifetime=write_lifetime,
@@ -101,7 +101,8 @@ class MockTransport(LoopbackTransport):
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> Self:
-        known = {"cancel_safe_writes", "revocable", "write_lifetime", "orphan_lifetime", "inline_bytes", "threads"}
+        known = {"cancel_safe_writes", "revocable", "write_lifetime", "orphan_lifetime", "inline_bytes", "threads",
+                 "unregistered_sources"}
         unknown = set(options) - known
         if unknown:
             raise ConfigError(f"unknown mock transport option(s) {sorted(unknown)}; known: {sorted(known)}")

@@ -42,7 +42,9 @@ async def send_and_check(sender: EmbeddingSender, receiver: EmbeddingReceiver, r
 async def check_registered_sources(sender: EmbeddingSender, receiver: EmbeddingReceiver, layout: Layout, *,
                                    tokens: int = 20000, device: str = "cpu") -> None:
     """Run the check on a connected pair whose transport exposes ``regions`` (what it holds registered).
-    ``tokens`` rows per buffer, on ``device``; the sender needs a staging area (``staging_tokens``)."""
+    ``tokens`` rows per buffer, on ``device``. Where the transport reads unregistered memory on ``device``
+    (:meth:`~aioembed.transports.base.Transport.reads_unregistered`) the sends outside the buffers register
+    nothing either; elsewhere they register their own tensors (or are staged), undone when they end."""
     regions = sender._transport.regions  # type: ignore[union-attr]
     staging_only = len(regions)
     buffers = layout.empty(tokens, device=device)

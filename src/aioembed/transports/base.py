@@ -266,6 +266,13 @@ class Transport(ABC):
         A descriptor that is not one of this transport's raises ``TransportError``.
         """
 
+    def reads_unregistered(self, device: str) -> bool:
+        """Whether this endpoint's writes may read *source* memory on ``device`` (``"cpu"``, ``"cuda:0"``) that
+        was never registered: its engine reads it as any memory of the process (Mooncake and UCX over TCP read
+        CPU sources so). The sender then writes straight from the caller's tensors on that device: no staging
+        copy, no registration per ``send()``. Destinations are always registered. False by default."""
+        return False
+
     @property
     def write_lifetime(self) -> float:
         """See :attr:`TransportCapabilities.write_lifetime` (this endpoint's value)."""

@@ -93,6 +93,12 @@ class GuardedTransport(Transport):
     async def open(cls, options: Mapping[str, Any]) -> GuardedTransport:
         raise TransportError("open a plugin through open_guarded(), not GuardedTransport.open()")
 
+    def reads_unregistered(self, device: str) -> bool:
+        try:
+            return bool(self.inner.reads_unregistered(device))
+        except Exception as exc:
+            _reraise(self.name, f"reads_unregistered({device!r})", exc)
+
     @property
     def write_lifetime(self) -> float:
         try:

@@ -41,7 +41,7 @@ __all__ = ["LoopbackLink", "LoopbackTransport"]
 
 _ENDPOINTS: weakref.WeakValueDictionary[str, LoopbackTransport] = weakref.WeakValueDictionary()
 
-_OPTIONS = {"inline_bytes", "threads"}
+_OPTIONS = {"inline_bytes", "threads", "unregistered_sources"}
 
 
 def _copy_all(ops: Sequence[WriteOp]) -> None:
@@ -54,7 +54,9 @@ class LoopbackTransport(Transport):
     """Endpoint of the loopback transport.
 
     Options: ``inline_bytes`` (writes smaller than this copy on the event loop thread;
-    larger ones in a worker thread, default 256 KiB) and ``threads`` (worker threads, default 4).
+    larger ones in a worker thread, default 256 KiB), ``threads`` (worker threads, default 4) and
+    ``unregistered_sources`` (default false: writes read CPU sources that were never registered, as
+    Mooncake and UCX over TCP do; see :meth:`Transport.reads_unregistered`, for tests of that path).
     """
 
     name: ClassVar[str] = "loopback"
@@ -62,8 +64,9 @@ class LoopbackTransport(Transport):
         cuda=False, asyncio_only=False, cross_process=False, revocable=True, write_lifetime=0.0,
     )
 
-    def __init__(self, *, inline_bytes: int = 256 * 1024, threads: int = 4) -> None:
+    def __init__(self, *, inline_bytes: int = 256 * 1024, threads: int = 4, unregistered_sources: bool = False) -> None:
         self.id = uuid.uuid4().hex
+        self.unregistered_sources = unregistered_sources
         self.regions = RegionSet()
         self.closed = False
         self._closing = CloseOnce()
@@ -128,8 +131,14 @@ class LoopbackTransport(Transport):
             raise ConfigError(f"transport_options.inline_bytes must be an int >= 0, got {inline!r}")
         if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 256:
             raise ConfigError(f"transport_options.threads must be an int in [1, 256], got {threads!r}")
+        unregistered = options.get("unregistered_sources", False)
+        if not isinstance(unregistered, bool):
+            raise ConfigError(f"transport_options.unregistered_sources must be true or false, got {unregistered!r}")
         await anyio.lowlevel.checkpoint()
-        return cls(inline_bytes=inline, threads=threads)
+        return cls(inline_bytes=inline, threads=threads, unregistered_sources=unregistered)
+
+    def reads_unregistered(self, device: str) -> bool:
+        return self.unregistered_sources and device == "cpu"
 
     def _check_open(self) -> None:
         if self.closed:
@@ -232,7 +241,8 @@ class LoopbackLink(Link):
         for op in ops:
             if op.length <= 0:
                 raise TransportError(f"write op with non-positive length: {op}")
-            self._local.regions.check(op.src, op.length, "write source")
+            if not self._local.unregistered_sources:
+                self._local.regions.check(op.src, op.length, "write source")
             self._announced.check(op.dst, op.length, f"write destination at {self.peer}")
             self._peer.regions.check(op.dst, op.length, f"write destination at {self.peer}")
             total += op.length

@@ -63,8 +63,10 @@ async def test_one_process_three_rounds_bit_for_bit() -> None:
         assert_same(got.tensors, src)
         st = receiver.allocator.stats
         assert st.free == st.total
-        assert sender.sources_held == 0  # per-send registrations undone
-        assert len(sender._transport.regions) == len(LAYOUT)  # type: ignore[union-attr]  # the staging area only
+        assert sender.sources_held == 0
+        # CPU sources are read unregistered (reads_unregistered): no staging area, no registration per send().
+        assert sender._transport.reads_unregistered("cpu")  # type: ignore[union-attr]
+        assert len(sender._transport.regions) == 0  # type: ignore[union-attr]
 
 
 async def test_one_process_four_ranks_concurrent_rooms() -> None:

@@ -63,8 +63,10 @@ async def test_three_rounds_in_one_process() -> None:
         assert_same(got.tensors, src)
         st = receiver.allocator.stats
         assert st.free == st.total and receiver.rooms_in_flight == 0
-        assert sender.sources_held == 0  # per-send registrations undone
-        assert len(sender._transport.regions) == len(LAYOUT)  # type: ignore[union-attr]  # the staging area only
+        assert sender.sources_held == 0
+        # CPU sources are read unregistered (reads_unregistered): no staging area, no registration per send().
+        assert sender._transport.reads_unregistered("cpu")  # type: ignore[union-attr]
+        assert len(sender._transport.regions) == 0  # type: ignore[union-attr]
 
 
 async def test_concurrent_rooms_and_ranks_in_one_process() -> None:

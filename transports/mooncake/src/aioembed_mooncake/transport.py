@@ -262,6 +262,8 @@ class MooncakeTransport(Transport):
         self._reg = EngineRegistrations()
         self._reg_lock = anyio.Lock()
         self._register_inline = config.protocol == "tcp" and config.metadata_server == "P2PHANDSHAKE"
+        self._tcp_sources = config.protocol == "tcp"
+        """Writes may read unregistered CPU sources (:meth:`reads_unregistered`)."""
         """Registration calls on the loop's thread (see :meth:`_register_call`)."""
         self._limiter = anyio.CapacityLimiter(config.threads)
         self._poller = TransferPoller(engine.transfer_check_status)
@@ -369,6 +371,14 @@ class MooncakeTransport(Transport):
         await anyio.to_thread.run_sync(destroy_engine, box, self.rpc_port)
 
     # -- registration --------------------------------------------------------------------
+
+    def reads_unregistered(self, device: str) -> bool:
+        """Over TCP the engine reads a write's source as plain process memory (its TCP client writes the bytes
+        from the source address; only the receiving side checks that the destination lies in a registered
+        buffer), so the sender writes from unregistered CPU tensors: no staging copy, no registration per
+        ``send()``. Checked against mooncake-transfer-engine 0.3.13.post1 (``tests/test_mooncake.py``). Over
+        RDMA a source must be registered (pinned, with a key)."""
+        return self._tcp_sources and device == "cpu"
 
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
         engine = self._check_open()
@@ -561,7 +571,8 @@ class MooncakeTransport(Transport):
         for op in ops:
             if op.length <= 0:
                 raise TransportError(f"write op with non-positive length: {op}")
-            regions.check(op.src, op.length, "write source")
+            if not self._tcp_sources:  # over TCP any CPU source will do (reads_unregistered)
+                regions.check(op.src, op.length, "write source")
             link._announced.check(op.dst, op.length, f"write destination at {link.peer}")
         pieces: list[tuple[int, int, int]] = []
         for op in ops:

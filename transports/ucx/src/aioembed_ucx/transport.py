@@ -259,6 +259,12 @@ class UcxTransport(Transport):
         if self.closed:
             raise TransportError(f"ucx endpoint {self.id[:8]} is closed")
 
+    def reads_unregistered(self, device: str) -> bool:
+        """ucxx sends from any host memory (UCX registers what a protocol needs itself, in its cache): this
+        plugin's registration only records each region's device. So a CPU source needs none, and the sender
+        writes from the caller's tensors as they are; a CUDA source is registered, for its device."""
+        return device == "cpu"
+
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
         self._check_open()
         for r in regions:
@@ -706,10 +712,9 @@ class UcxLink(Link):
         for op in ops:
             if op.length <= 0:
                 raise TransportError(f"write op with non-positive length: {op}")
-            sdev = local._memory.device_of(op.src, op.length)
-            if sdev is None:
-                raise TransportError(f"write source [{op.src:#x}, +{op.length}) is outside every region "
-                                     f"registered at this ucx endpoint")
+            # A span outside every registered region is host memory (reads_unregistered: the session passes only
+            # CPU tensors unregistered).
+            sdev = local._memory.device_of(op.src, op.length) or "cpu"
             ddev = self._peer.memory.device_of(op.dst, op.length)
             if ddev is None:
                 raise TransportError(f"write destination [{op.dst:#x}, +{op.length}) is outside the regions "
