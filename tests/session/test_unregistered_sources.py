@@ -4,16 +4,27 @@ per ``send()``; the tensors are still held until no write reads them, a write th
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from collections.abc import Sequence
 
 import anyio
 import pytest
 import torch
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferFailed, TransportError
+from aioembed import (
+    EmbeddingReceiver,
+    EmbeddingSender,
+    Field,
+    Layout,
+    TransferConfig,
+    TransferError,
+    TransferFailed,
+    TransportError,
+)
 from aioembed.testing import MockTransport, WriteCall, WriteFault
-from aioembed.testing.source_buffers import send_and_check
+from aioembed.testing.source_buffers import rows_in, send_and_check
 from aioembed.transports.base import MemoryRegion
 
 from .conftest import LAYOUT, make_request, wait_pools_free
@@ -32,7 +43,6 @@ class CountingTransport(MockTransport):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.registered: list[list[MemoryRegion]] = []
         self.unregistered: list[list[MemoryRegion]] = []
-        self.sources: list[int] = []
 
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
         self.registered.append(list(regions))
@@ -99,27 +109,134 @@ async def test_a_write_that_may_still_land_holds_the_unregistered_source() -> No
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         await receiver.wait_connected()
         src = make_request(64, seed=5)
-        failures: list[TransferFailed] = []
+        failures: list[str] = []  # messages only: an exception's traceback would hold the rows in its frames
 
-        async def send() -> None:
+        async def send(rows: dict[str, torch.Tensor]) -> None:
             try:
-                await sender.send("r", src)
+                await sender.send("r", rows)
             except TransferFailed as exc:
-                failures.append(exc)
+                failures.append(str(exc))
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
+            tg.start_soon(send, src)
             with pytest.raises(TransferFailed, match="may still be written"):
                 await receiver.receive("r")
         assert failures
         t_failed = time.monotonic()
-        held = sender.sources_held
-        kept = [t for s in sender._sources.values() for t in s.tensors]
-        assert held == 1 and _pointers(src) <= {t.data_ptr() for t in kept}
+        refs = [weakref.ref(t) for t in src.values()]
+        del src
+        gc.collect()  # the caller let go of its rows: only the sender holds them now
+        assert sender.sources_held == 1 and all(r() is not None for r in refs)
         assert writer.registered == []
         # Another room goes on meanwhile, from its own unregistered tensors.
         want = make_request(300, seed=6)
         await send_and_check(sender, receiver, "next", want, want)
         await wait_pools_free(sender, receiver, timeout=lifetime + 3.0)
         assert sender.sources_held == 0 and time.monotonic() - t_failed >= lifetime * 0.9
+        gc.collect()
+        assert all(r() is None for r in refs), "the rows are still referenced after the write lifetime"
         assert writer.registered == [] and writer.unregistered == []
+
+
+@pytest.mark.parametrize("cancel_safe", [False, True])
+async def test_a_send_cancelled_mid_write_holds_its_rows_as_long_as_the_write_may_read_them(cancel_safe: bool) -> None:
+    lifetime = 1.0
+    writer = CountingTransport(cancel_safe_writes=cancel_safe, write_lifetime=lifetime,
+                               faults=lambda call: WriteFault(delay=1.0) if call.index == 0 else None)
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        src = make_request(64, seed=2)
+        refs = [weakref.ref(t) for t in src.values()]
+
+        async def receive() -> None:
+            with pytest.raises(TransferError):
+                await receiver.receive("r")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            with anyio.move_on_after(0.3):
+                await sender.send("r", src)  # cancelled while its write is under way
+        del src
+        gc.collect()
+        if cancel_safe:  # a cancelled write never reads on: the rows are let go at once
+            assert sender.sources_held == 0 and all(r() is None for r in refs)
+        else:  # it may still read them: held until the write lifetime passed
+            assert sender.sources_held == 1 and all(r() is not None for r in refs)
+        await wait_pools_free(sender, receiver, timeout=lifetime + 3.0)
+        gc.collect()
+        assert sender.sources_held == 0 and all(r() is None for r in refs)
+
+
+async def test_non_contiguous_and_aliased_fields_arrive_bit_for_bit() -> None:
+    """A non-contiguous field is written from its contiguous copy (held with the source), and fields that share
+    memory are read where they lie."""
+    layout = Layout(a=Field((16,), torch.float32), b=Field((16,), torch.float32))
+    writer = CountingTransport()
+    async with EmbeddingSender(layout, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(layout, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        for n in (64, 3000):
+            t = torch.randn(16, n).t()  # non-contiguous
+            want = {"a": t.contiguous(), "b": t.contiguous()}
+            await send_and_check(sender, receiver, f"t{n}", {"a": t, "b": t}, want)
+            w = torch.randn(n + 1, 16)  # two overlapping views of one storage
+            await send_and_check(sender, receiver, f"w{n}", {"a": w[:n], "b": w[1:]},
+                                 {"a": w[:n].clone(), "b": w[1:].clone()})
+        assert sender.sources_held == 0 and writer.registered == []
+
+
+async def test_registered_buffers_are_still_used_where_sources_need_no_registration() -> None:
+    """``register_sources()`` on such a transport: a send() from inside the buffers is written from them (the
+    buffers' own path), one from elsewhere from the caller's tensors; neither registers anything per send()."""
+    calls: list[WriteCall] = []
+    writer = CountingTransport(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        buffers = LAYOUT.empty(1024)
+        async with await sender.register_sources(*buffers.values()) as kept:
+            assert len(writer.registered) == 1
+            want = make_request(100, seed=3)
+            rows = rows_in(buffers, 10, want)
+            await send_and_check(sender, receiver, "kept", rows, want)
+            assert all(_inside(op.src, op.length, buffers) for call in calls for op in call.ops)
+            other = make_request(100, seed=4)
+            await send_and_check(sender, receiver, "other", other, other)
+            assert len(writer.registered) == 1 and kept.in_use == 0
+        assert len(writer.unregistered) == 1 and sender.sources_held == 0
+
+
+async def test_a_plan_reading_past_the_callers_rows_fails_the_room_before_any_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transport reading unregistered sources does not check them: the sender refuses a bad plan itself."""
+    from aioembed.memory.plan import RowRun
+    from aioembed.session import send_room
+
+    plan = send_room.plan_row_runs
+
+    def past_the_end(**kwargs: object) -> list[RowRun]:
+        return [RowRun(r.src_row + 1, r.dst_row, r.count) for r in plan(**kwargs)]  # type: ignore[arg-type]
+
+    monkeypatch.setattr(send_room, "plan_row_runs", past_the_end)
+    calls: list[WriteCall] = []
+    writer = CountingTransport(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        failures: list[TransferFailed] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("r", make_request(64, seed=1))
+            except TransferFailed as exc:
+                failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with pytest.raises(TransferFailed):
+                await receiver.receive("r")
+        assert failures and "outside the request's 64 rows" in str(failures[0])
+        assert calls == [] and sender.sources_held == 0
+        await wait_pools_free(sender, receiver)

@@ -115,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registered-sources", action="store_true",
                         help="goals, sizes: register the source tensors once with the sender (register_sources(), "
                              "as an encoder with long-lived output buffers does), so send() neither stages nor "
-                             "registers per request; the raw baseline's sources are registered once either way")
+                             "registers per request (where the transport reads unregistered CPU sources, e.g. "
+                             "Mooncake over TCP, send() does neither anyway); the raw baseline's sources are "
+                             "registered once either way")
     parser.add_argument("--control-floor", action="store_true",
                         help="sizes: also time each raw method framed by the two control messages of aioembed's "
                              "protocol (a request, then done: plain pyzmq to and from a bare peer process); the "

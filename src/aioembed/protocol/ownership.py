@@ -556,7 +556,7 @@ class SendDrained:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseSource:
-    """No write reads the source of send attempt ``source`` any more: unregister it."""
+    """No write reads the source of send attempt ``source`` any more: let it go (unregister, unstage or drop it)."""
 
     source: int
 
@@ -627,7 +627,8 @@ class WriteLedger:
     # -- sources -----------------------------------------------------------------------------
 
     def new_source(self) -> int:
-        """A ``send()`` registered its tensors: returns the id its writes refer to."""
+        """A ``send()`` has its source (tensors registered, staged, or read where they lie): returns the id its
+        writes refer to."""
         sid = next(self._source_ids)
         self._sources[sid] = True
         return sid

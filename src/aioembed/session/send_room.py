@@ -24,7 +24,15 @@ import anyio.lowlevel
 import torch
 
 from aioembed.config import TransferConfig
-from aioembed.errors import PeerDead, TransferAborted, TransferError, TransferFailed, TransferTimeout, TransportError
+from aioembed.errors import (
+    AioembedError,
+    PeerDead,
+    TransferAborted,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
 from aioembed.layout import Layout
 from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
 from aioembed.metrics import TransferObserver
@@ -405,10 +413,17 @@ class SendRoomDriver:
         spans = [FieldSpan(src_base=t.data_ptr(), dst_base=reg[0], row_bytes=f.row_bytes)
                  for t, reg, f in zip(self.sources, peer.regions, ctx.layout.values(), strict=True)]
         bounds = [task.start, *self.machine.progress_points(task), task.start + task.count]
+        rows = min(t.shape[0] for t in self.sources)
         out: list[tuple[int | None, list[WriteOp]]] = []
         for i, (a, b) in enumerate(itertools.pairwise(bounds)):
             runs = plan_row_runs(num_tokens=b - a, block_size=bs, dst_blocks=task.blocks[(a - task.start) // bs:],
                                  src_start=a)
+            for r in runs:
+                # The transport may not check sources (reads_unregistered): a bad plan must not read past the
+                # caller's rows, whatever it would send.
+                if r.src_row < 0 or r.src_row + r.count > rows:
+                    raise AioembedError(f"room {self.room!r}: round {task.round} planned source rows "
+                                        f"[{r.src_row}, {r.src_row + r.count}) outside the request's {rows} rows")
             out.append((b if i < len(bounds) - 2 else None, plan_writes(runs, spans)))
         return out
 

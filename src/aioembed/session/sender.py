@@ -588,7 +588,8 @@ class EmbeddingSender:
                              num_tokens: int, t_start: float, error: BaseException | None) -> None:
         """The room's ``send()`` is over (also when it was cancelled: this only awaits shielded, and only for
         the unregister of the caller's own tensors, at most ``UNREGISTER_GRACE``; staged rows are freed at
-        once). ``registration``: ``None`` for staged rows (registered with the staging area)."""
+        once). ``registration``: ``None`` unless this send() registers the caller's tensors (staged rows, registered
+        source buffers and sources read unregistered have none)."""
         room = r.room
         rounds = max((p.round + 1 for p in r.machine.ranks.values()), default=0)
         ok = r.machine.state is TransferStatus.SUCCESS

@@ -234,11 +234,15 @@ class TransportConformance:
     async def test_unregistered_destination_is_refused_whatever_the_sources(
         self, endpoints: tuple[Transport, Transport]
     ) -> None:
-        """Reading unregistered sources never extends to destinations: a peer writes only into what was announced."""
+        """Reading unregistered sources never extends to destinations: a peer writes only into what was announced,
+        from a registered source or (where the endpoint reads them) an unregistered one."""
+        a, _ = endpoints
         src, dst, link = await self._setup(endpoints, 4096, 64)
         stray = torch.zeros(4096, dtype=torch.uint8)
-        with pytest.raises(TransportError):
-            await link.write([WriteOp(src.data_ptr(), stray.data_ptr(), 4096)])
+        sources = [src] + ([_random_bytes(4096, 98)] if a.reads_unregistered("cpu") else [])
+        for source in sources:
+            with pytest.raises(TransportError):
+                await link.write([WriteOp(source.data_ptr(), stray.data_ptr(), 4096)])
         assert int(stray.sum()) == 0 and int(dst.sum()) == 0
         await link.aclose()
 

@@ -12,7 +12,11 @@ Contract every implementation keeps (checked by :mod:`aioembed.testing`):
 * ``Link.write(ops)`` returns only once every byte is visible in the destination's memory;
   a failure raises :class:`~aioembed.errors.TransportError` and never reports success.
 * A write whose destination is outside the peer's announced regions, or whose source is
-  outside this side's registered regions, raises ``TransportError`` before moving anything.
+  outside this side's registered regions, raises ``TransportError`` before moving anything;
+  except, for the source, on an endpoint that reads unregistered memory of that device
+  (``reads_unregistered``): such an endpoint does not check sources, and a caller passes it
+  unregistered memory only on a device it answered true for (anything else is undefined: a
+  device address read as host memory may crash the process). The sessions do.
 * After ``aclose()`` (of the link or the transport) writes raise ``TransportError``.
 * ``aclose()`` of a transport is idempotent and returns only once the endpoint is closed, also when
   another ``aclose()`` is under way.
@@ -268,9 +272,11 @@ class Transport(ABC):
 
     def reads_unregistered(self, device: str) -> bool:
         """Whether this endpoint's writes may read *source* memory on ``device`` (``"cpu"``, ``"cuda:0"``) that
-        was never registered: its engine reads it as any memory of the process (Mooncake and UCX over TCP read
-        CPU sources so). The sender then writes straight from the caller's tensors on that device: no staging
-        copy, no registration per ``send()``. Destinations are always registered. False by default."""
+        was never registered: its engine reads it as any memory of the process (Mooncake over TCP, and UCX where
+        it has no RDMA transport to use, read CPU sources so). The sender then writes straight from the caller's
+        tensors on that device: no staging copy, no registration per ``send()``. Destinations are always
+        registered. The answer must not change while the endpoint lives (a sender decides at start whether it
+        needs a staging area), and the method must not raise. False by default."""
         return False
 
     @property

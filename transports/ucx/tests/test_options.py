@@ -133,3 +133,27 @@ def test_which_tls_settings_can_move_cuda_memory() -> None:
         problem = UcxOptions.parse({"tls": tls}).cuda_problem({})
         assert problem is not None and "transport_options.tls" in problem
     assert UcxOptions.parse({}).cuda_problem({"UCX_TLS": "tcp"}) is not None  # the environment counts
+
+
+def test_which_tls_settings_may_use_rdma() -> None:
+    """Where UCX may pick an RDMA transport, a CPU source is not read unregistered (a pin per request)."""
+    for tls in ("tcp", "tcp,sm", "sm,self,cma", "tcp,cuda_copy"):
+        for devices in (False, True):
+            assert not UcxOptions.parse({"tls": tls}).may_use_rdma({}, devices)
+    for tls in ("rc,tcp", "ib", "ud_verbs,tcp", "dc_mlx5"):
+        assert UcxOptions.parse({"tls": tls}).may_use_rdma({}, False)  # named: whatever this host has
+    for tls in (None, "all", "^cuda_ipc"):
+        opts = UcxOptions.parse({} if tls is None else {"tls": tls})
+        assert opts.may_use_rdma({}, True) and not opts.may_use_rdma({}, False)  # UCX chooses: the host decides
+    assert UcxOptions.parse({}).may_use_rdma({"UCX_TLS": "rc,tcp"}, False)  # the environment counts
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_tcp_endpoint_reads_unregistered_cpu_sources_only(anyio_backend: str) -> None:
+    """(Every endpoint of a process shares one UCX context, so only the tests' ``tls = "tcp"`` opens here; the
+    decision for other settings is the unit test above.)"""
+    t = await UcxTransport.open(dict(UCX_OPTIONS))
+    try:
+        assert t.reads_unregistered("cpu") and not t.reads_unregistered("cuda:0")
+    finally:
+        await t.aclose()

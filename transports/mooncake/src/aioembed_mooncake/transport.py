@@ -262,9 +262,9 @@ class MooncakeTransport(Transport):
         self._reg = EngineRegistrations()
         self._reg_lock = anyio.Lock()
         self._register_inline = config.protocol == "tcp" and config.metadata_server == "P2PHANDSHAKE"
+        """Registration calls on the loop's thread (see :meth:`_register_call`)."""
         self._tcp_sources = config.protocol == "tcp"
         """Writes may read unregistered CPU sources (:meth:`reads_unregistered`)."""
-        """Registration calls on the loop's thread (see :meth:`_register_call`)."""
         self._limiter = anyio.CapacityLimiter(config.threads)
         self._poller = TransferPoller(engine.transfer_check_status)
         self._scratch_address = ctypes.addressof(_SCRATCH)
@@ -376,7 +376,8 @@ class MooncakeTransport(Transport):
         """Over TCP the engine reads a write's source as plain process memory (its TCP client writes the bytes
         from the source address; only the receiving side checks that the destination lies in a registered
         buffer), so the sender writes from unregistered CPU tensors: no staging copy, no registration per
-        ``send()``. Checked against mooncake-transfer-engine 0.3.13.post1 (``tests/test_mooncake.py``). Over
+        ``send()``. Checked against mooncake-transfer-engine 0.3.13.post1 (the conformance suite's
+        ``test_write_from_unregistered_source``, and a raw engine probe: see the README). Over
         RDMA a source must be registered (pinned, with a key)."""
         return self._tcp_sources and device == "cpu"
 

@@ -24,6 +24,11 @@ _KNOWN_TLS = frozenset({
     "cuda", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "rocm_gdr",
     "ze_copy", "ze_ipc", "ze_gdr", "ugni", "ugni_rdma", "ugni_udt", "ugni_smsg",
 })
+_RDMA_TLS = frozenset({
+    "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5",
+    "dc", "dc_x", "dc_mlx5", "srd", "rdmacm", "ugni", "ugni_rdma", "ugni_udt", "ugni_smsg",
+})
+"""The UCX transports that move data over RDMA (registration pins memory there)."""
 _UCX_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 _KNOWN = ("tls", "host", "port", "progress_mode", "write_timeout", "connect_timeout", "inline_bytes",
@@ -172,6 +177,18 @@ class UcxOptions:
             return None
         return (f"{setting}={tls!r} has no CUDA transport: add cuda_copy (and cuda_ipc for GPUs of one "
                 f"host), e.g. {tls + ',cuda_copy,cuda_ipc'!r}")
+
+    def may_use_rdma(self, environ: Mapping[str, str], rdma_devices: bool) -> bool:
+        """Whether UCX may pick an RDMA transport with these options: one is named in the TLS setting, or
+        UCX chooses (no setting, ``all``, or an exclusion list) on a host with RDMA devices
+        (``rdma_devices``). There a send from memory UCX has not registered costs it a registration (a pin)."""
+        tls = self.tls if self.tls is not None else environ.get("UCX_TLS")
+        if not tls:
+            return rdma_devices
+        names = {n.strip().lower() for n in tls.removeprefix("^").split(",")}
+        if tls.startswith("^") or "all" in names:
+            return rdma_devices
+        return bool(names & _RDMA_TLS)
 
     def context_key(self) -> tuple[str | None, str | None, tuple[tuple[str, str], ...]]:
         """The settings that are per process in UCX (one context per process)."""

@@ -206,6 +206,8 @@ class UcxTransport(Transport):
         self.closed = False
         self._closing = CloseOnce()
         self._memory = _Memory()
+        self._unregistered_cpu = not options.may_use_rdma(os.environ, _rdma_devices())
+        """Writes read unregistered CPU sources (:meth:`reads_unregistered`); fixed for the endpoint's life."""
         self._ucxx = ucxx
         self._errors: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError,)
         self._listener: Listener | None = None
@@ -261,9 +263,12 @@ class UcxTransport(Transport):
 
     def reads_unregistered(self, device: str) -> bool:
         """ucxx sends from any host memory (UCX registers what a protocol needs itself, in its cache): this
-        plugin's registration only records each region's device. So a CPU source needs none, and the sender
-        writes from the caller's tensors as they are; a CUDA source is registered, for its device."""
-        return device == "cpu"
+        plugin's registration only records each region's device. So where UCX has no RDMA transport to use
+        (``tls`` names none, or the host has no RDMA device), a CPU source needs nothing, and the sender writes
+        from the caller's tensors as they are. Over RDMA a send from memory UCX has not seen costs a pin, which
+        the sender's staging area (registered, so hot in UCX's cache) avoids for small requests: false there,
+        as for CUDA sources (registered, for their device)."""
+        return self._unregistered_cpu and device == "cpu"
 
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
         self._check_open()
@@ -638,6 +643,14 @@ async def _create_endpoint(ucxx: Any, host: str, port: int) -> Any:
     return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer_tag, "msg_recv": msg_tag})
 
 
+def _rdma_devices() -> bool:
+    """Whether this host has RDMA devices (what UCX's ``ib``/``rc`` transports would use)."""
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
 def _abort(ep: Any) -> None:
     if ep is None:
         return
@@ -712,9 +725,12 @@ class UcxLink(Link):
         for op in ops:
             if op.length <= 0:
                 raise TransportError(f"write op with non-positive length: {op}")
-            # A span outside every registered region is host memory (reads_unregistered: the session passes only
-            # CPU tensors unregistered).
-            sdev = local._memory.device_of(op.src, op.length) or "cpu"
+            sdev = local._memory.device_of(op.src, op.length)
+            if sdev is None:
+                if not local._unregistered_cpu:
+                    raise TransportError(f"write source [{op.src:#x}, +{op.length}) is outside every region "
+                                         f"registered at this ucx endpoint")
+                sdev = "cpu"  # read unregistered (reads_unregistered: the sessions pass only CPU memory so)
             ddev = self._peer.memory.device_of(op.dst, op.length)
             if ddev is None:
                 raise TransportError(f"write destination [{op.dst:#x}, +{op.length}) is outside the regions "
