@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
+from aioembed.testing import MockTransport
+from aioembed.transports.base import MemoryRegion
 
 LAYOUT = Layout(
     embeddings=Field((64,), torch.bfloat16),
@@ -91,3 +93,20 @@ async def running(
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+class CountingTransport(MockTransport):
+    """A mock transport that records its register() and unregister() calls."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.registered: list[list[MemoryRegion]] = []
+        self.unregistered: list[list[MemoryRegion]] = []
+
+    async def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self.registered.append(list(regions))
+        await super().register(regions)
+
+    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self.unregistered.append(list(regions))
+        await super().unregister(regions)

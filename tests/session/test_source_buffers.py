@@ -27,29 +27,12 @@ from aioembed.testing import MockTransport, WriteCall, WriteFault
 from aioembed.testing.source_buffers import rows_in, send_and_check
 from aioembed.transports.base import MemoryRegion
 
-from .conftest import LAYOUT, make_request
+from .conftest import LAYOUT, CountingTransport, make_request
 
 pytestmark = pytest.mark.anyio
 
 CFG = TransferConfig(default_tokens=1024, pool_tokens=8192, staging_tokens=512, staging_max_tokens=256,
                      handshake_timeout=2.0, input_timeout=5.0, room_timeout=10.0)
-
-
-class CountingTransport(MockTransport):
-    """Counts the sender's register() and unregister() calls."""
-
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.registered: list[list[MemoryRegion]] = []
-        self.unregistered: list[list[MemoryRegion]] = []
-
-    async def register(self, regions: Sequence[MemoryRegion]) -> None:
-        self.registered.append(list(regions))
-        await super().register(regions)
-
-    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
-        self.unregistered.append(list(regions))
-        await super().unregister(regions)
 
 
 def _faults_after(on: anyio.Event, fault: Callable[[], WriteFault]) -> Callable[[WriteCall], WriteFault | None]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from collections.abc import Sequence
 
 import anyio
 import pytest
@@ -25,9 +24,8 @@ from aioembed import (
 )
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 from aioembed.testing.source_buffers import rows_in, send_and_check
-from aioembed.transports.base import MemoryRegion
 
-from .conftest import LAYOUT, make_request, wait_pools_free
+from .conftest import LAYOUT, CountingTransport, make_request, wait_pools_free
 
 pytestmark = pytest.mark.anyio
 
@@ -35,26 +33,10 @@ CFG = TransferConfig(default_tokens=1024, pool_tokens=8192, staging_tokens=512, 
                      handshake_timeout=2.0, input_timeout=5.0, round_timeout=2.0, room_timeout=10.0)
 
 
-class CountingTransport(MockTransport):
-    """Counts register() and unregister() calls; reads unregistered CPU sources unless told otherwise."""
-
-    def __init__(self, **kwargs: object) -> None:
-        kwargs.setdefault("unregistered_sources", True)
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.registered: list[list[MemoryRegion]] = []
-        self.unregistered: list[list[MemoryRegion]] = []
-
-    async def register(self, regions: Sequence[MemoryRegion]) -> None:
-        self.registered.append(list(regions))
-        await super().register(regions)
-
-    async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
-        self.unregistered.append(list(regions))
-        await super().unregister(regions)
-
-
-def _pointers(tensors: dict[str, torch.Tensor]) -> set[int]:
-    return {t.data_ptr() for t in tensors.values()}
+def _counting(**kwargs: object) -> CountingTransport:
+    """A counting mock that reads unregistered CPU sources unless told otherwise."""
+    kwargs.setdefault("unregistered_sources", True)
+    return CountingTransport(**kwargs)
 
 
 def _inside(address: int, length: int, tensors: dict[str, torch.Tensor]) -> bool:
@@ -65,7 +47,7 @@ def _inside(address: int, length: int, tensors: dict[str, torch.Tensor]) -> bool
 
 async def test_sends_read_the_callers_tensors_unregistered() -> None:
     calls: list[WriteCall] = []
-    writer = CountingTransport(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
+    writer = _counting(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         await receiver.wait_connected()
@@ -84,7 +66,7 @@ async def test_sends_read_the_callers_tensors_unregistered() -> None:
 
 
 async def test_a_registering_transport_still_stages_and_registers() -> None:
-    writer = CountingTransport(unregistered_sources=False)
+    writer = _counting(unregistered_sources=False)
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         await receiver.wait_connected()
@@ -103,7 +85,7 @@ async def test_a_write_that_may_still_land_holds_the_unregistered_source() -> No
     late = WriteFault(error=TransportError("write timed out; the destination may still be written"),
                       fail_after=0.05, land_after=0.4)
     lifetime = 1.0
-    writer = CountingTransport(cancel_safe_writes=False, write_lifetime=lifetime,
+    writer = _counting(cancel_safe_writes=False, write_lifetime=lifetime,
                                faults=lambda call: late if call.index == 0 else None)
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
@@ -141,7 +123,7 @@ async def test_a_write_that_may_still_land_holds_the_unregistered_source() -> No
 @pytest.mark.parametrize("cancel_safe", [False, True])
 async def test_a_send_cancelled_mid_write_holds_its_rows_as_long_as_the_write_may_read_them(cancel_safe: bool) -> None:
     lifetime = 1.0
-    writer = CountingTransport(cancel_safe_writes=cancel_safe, write_lifetime=lifetime,
+    writer = _counting(cancel_safe_writes=cancel_safe, write_lifetime=lifetime,
                                faults=lambda call: WriteFault(delay=1.0) if call.index == 0 else None)
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
@@ -172,7 +154,7 @@ async def test_non_contiguous_and_aliased_fields_arrive_bit_for_bit() -> None:
     """A non-contiguous field is written from its contiguous copy (held with the source), and fields that share
     memory are read where they lie."""
     layout = Layout(a=Field((16,), torch.float32), b=Field((16,), torch.float32))
-    writer = CountingTransport()
+    writer = _counting()
     async with EmbeddingSender(layout, CFG, transport=writer) as sender, \
             EmbeddingReceiver(layout, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         await receiver.wait_connected()
@@ -190,7 +172,7 @@ async def test_registered_buffers_are_still_used_where_sources_need_no_registrat
     """``register_sources()`` on such a transport: a send() from inside the buffers is written from them (the
     buffers' own path), one from elsewhere from the caller's tensors; neither registers anything per send()."""
     calls: list[WriteCall] = []
-    writer = CountingTransport(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
+    writer = _counting(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         await receiver.wait_connected()
@@ -221,7 +203,7 @@ async def test_a_plan_reading_past_the_callers_rows_fails_the_room_before_any_wr
 
     monkeypatch.setattr(send_room, "plan_row_runs", past_the_end)
     calls: list[WriteCall] = []
-    writer = CountingTransport(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
+    writer = _counting(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
         await receiver.wait_connected()
