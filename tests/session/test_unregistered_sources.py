@@ -1,6 +1,7 @@
-"""A transport that reads unregistered CPU sources (``Transport.reads_unregistered``: Mooncake and UCX over TCP):
-the sender writes straight from the caller's tensors, with no staging area, no staging copy and no registration
-per ``send()``; the tensors are still held until no write reads them, a write that may still land included."""
+"""A transport that reads unregistered CPU sources (``Transport.reads_unregistered``: Mooncake over TCP, UCX
+without RDMA): the sender writes straight from the caller's tensors, with no staging area, no staging copy and no
+registration per ``send()``; the tensors are still held until no write reads them, a write that may still land
+included."""
 
 from __future__ import annotations
 

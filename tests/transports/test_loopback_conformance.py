@@ -16,7 +16,7 @@ class TestLoopbackConformanceThreaded(TransportConformance):
 
 
 class TestLoopbackConformanceUnregisteredSources(TransportConformance):
-    """Writes read CPU sources that were never registered (as Mooncake and UCX over TCP do)."""
+    """Writes read CPU sources that were never registered (as Mooncake over TCP and UCX without RDMA do)."""
 
     transport_name = "loopback"
     transport_options = {"unregistered_sources": True}

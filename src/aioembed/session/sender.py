@@ -428,7 +428,7 @@ class EmbeddingSender:
                 raise
         assert self._transport is not None
         if all(self._transport.reads_unregistered(str(tensors[name].device)) for name in self.layout):
-            # Read where they lie: a copy or a registration would only cost time (Mooncake, UCX over TCP).
+            # Read where they lie: a copy or a registration would only cost time (Mooncake over TCP, UCX without RDMA).
             return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, None, False
         if self._staging is not None:
             staged = self._staging.stage(tensors, num_tokens)
@@ -1183,9 +1183,8 @@ class EmbeddingSender:
     def sources_held(self) -> int:
         """``send()`` sources whose memory is still registered, staged or (read unregistered) referenced (its
         ``send()`` runs, or a write may still read it, or the transport's ``unregister()`` of it has not
-        returned), and registered source
-        buffers being unregistered; 0 once idle. The staging area and source buffers not closed
-        (:attr:`source_buffers`) stay registered while the sender runs and are not counted."""
+        returned), and registered source buffers being unregistered; 0 once idle. The staging area and source
+        buffers not closed (:attr:`source_buffers`) stay registered while the sender runs and are not counted."""
         return len(self._sources) + len(self._unregistering)
 
     @property

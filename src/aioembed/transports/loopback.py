@@ -56,7 +56,7 @@ class LoopbackTransport(Transport):
     Options: ``inline_bytes`` (writes smaller than this copy on the event loop thread;
     larger ones in a worker thread, default 256 KiB), ``threads`` (worker threads, default 4) and
     ``unregistered_sources`` (default false: writes read CPU sources that were never registered, as
-    Mooncake and UCX over TCP do; see :meth:`Transport.reads_unregistered`, for tests of that path).
+    Mooncake over TCP and UCX without RDMA do; see :meth:`Transport.reads_unregistered`, for tests of that path).
     """
 
     name: ClassVar[str] = "loopback"
