@@ -6,6 +6,8 @@ included."""
 from __future__ import annotations
 
 import gc
+import math
+import random
 import time
 import weakref
 
@@ -23,6 +25,7 @@ from aioembed import (
     TransferFailed,
     TransportError,
 )
+from aioembed.samples import same_rows
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 from aioembed.testing.source_buffers import rows_in, send_and_check
 
@@ -223,3 +226,71 @@ async def test_a_plan_reading_past_the_callers_rows_fails_the_room_before_any_wr
         assert failures and "outside the request's 64 rows" in str(failures[0])
         assert calls == [] and sender.sources_held == 0
         await wait_pools_free(sender, receiver)
+
+
+async def test_many_rooms_with_failures_and_cancels_hold_and_release_every_source() -> None:
+    """48 rooms, 8 at a time, over a transport whose writes fail (and may still land), stall or are cancelled at
+    random: every room that succeeds arrives bit for bit, and once the write lifetime passed every caller's rows
+    are let go (weak references dead), nothing is held and both pools are free."""
+    rng = random.Random(48)
+    lifetime = 0.3
+
+    def faults(call: WriteCall) -> WriteFault | None:
+        x = rng.random()
+        if x < 0.15:
+            return WriteFault(error=TransportError("link dropped; the destination may still be written"),
+                              fail_after=0.01, land_after=0.05)
+        if x < 0.3:
+            return WriteFault(delay=0.03)
+        return None
+
+    writer = _counting(cancel_safe_writes=False, write_lifetime=lifetime, faults=faults)
+    refs: list[weakref.ref[torch.Tensor]] = []
+    outcomes: dict[str, str] = {}
+    sent: dict[int, str] = {}
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+
+        async def room(i: int) -> None:
+            n = rng.choice([16, 64, 300, 1500])
+            want = make_request(n, seed=100 + i)
+            rows = {k: v.clone() for k, v in want.items()}  # what send() reads; only the sender keeps it alive
+            refs.extend(weakref.ref(t) for t in rows.values())
+            cancel_at = rng.choice([None, None, None, 0.005, 0.02])
+
+            async def send(rows: dict[str, torch.Tensor]) -> None:
+                sent[i] = "cancelled"
+                with anyio.move_on_after(cancel_at if cancel_at is not None else math.inf):
+                    try:
+                        await sender.send(f"r{i}", rows)
+                        sent[i] = "ok"
+                    except TransferError as exc:
+                        sent[i] = type(exc).__name__  # the name only: its traceback would hold the rows
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send, rows)
+                del rows
+                try:
+                    got = await receiver.receive(f"r{i}")
+                except TransferError:
+                    outcomes[f"r{i}"] = "failed"
+                    return
+            assert same_rows(got.tensors, want), f"room r{i}: the rows differ"
+            assert sent[i] in ("ok", "cancelled"), f"room r{i} arrived, but its send() raised {sent[i]}"
+            outcomes[f"r{i}"] = "ok"
+
+        it = iter(range(48))
+
+        async def worker() -> None:
+            for i in it:
+                await room(i)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(worker)
+        assert len(outcomes) == 48 and "ok" in outcomes.values() and "failed" in outcomes.values()
+        await wait_pools_free(sender, receiver, timeout=lifetime + 5.0)
+        assert sender.sources_held == 0 and writer.registered == []
+        gc.collect()
+        assert all(r() is None for r in refs), "a caller's rows are still referenced once every write ended"
