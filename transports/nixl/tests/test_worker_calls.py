@@ -160,7 +160,7 @@ async def test_a_registration_runs_here_when_idle_and_on_the_worker_while_a_call
         region = MemoryRegion.of_tensor(buf)
         # Right after open() the worker may still be clearing its start-up job (it declines until then, by
         # design): wait, bounded, until it is idle (CI caught the race once).
-        await _runs_here_once_idle(transport._worker, lambda: None)
+        await _runs_here_once_idle(transport.worker, lambda: None)
         await transport.register([region])
         await transport.unregister([region])
         assert threads == [threading.current_thread().name] * 2

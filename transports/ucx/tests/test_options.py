@@ -9,10 +9,12 @@ import pytest
 import torch
 from aioembed import EmbeddingSender, Field, Layout, TransferConfig
 from aioembed.errors import ConfigError, TransportError
+from aioembed.transports.base import MemoryRegion, WriteOp
 from aioembed.transports.registry import available_transports, open_transport, resolve_transport
 
 import aioembed_ucx
 from aioembed_ucx import UcxOptions, UcxTransport
+from aioembed_ucx._options import tls_may_use_rdma
 
 from .conftest import UCX_OPTIONS
 
@@ -136,24 +138,51 @@ def test_which_tls_settings_can_move_cuda_memory() -> None:
 
 
 def test_which_tls_settings_may_use_rdma() -> None:
-    """Where UCX may pick an RDMA transport, a CPU source is not read unregistered (a pin per request)."""
-    for tls in ("tcp", "tcp,sm", "sm,self,cma", "tcp,cuda_copy"):
+    """Where UCX may move host memory over RDMA, a CPU source is not read unregistered (a pin per request)."""
+    for tls in ("tcp", "tcp,sm", "sm,self,cma", "tcp,cuda_copy", "posix,sysv,tcp"):
         for devices in (False, True):
             assert not UcxOptions.parse({"tls": tls}).may_use_rdma({}, devices)
-    for tls in ("rc,tcp", "ib", "ud_verbs,tcp", "dc_mlx5"):
+            assert not tls_may_use_rdma(tls, devices)
+    for tls in ("rc,tcp", "ib", "ud_verbs,tcp", "dc_mlx5", "srd,tcp"):
         assert UcxOptions.parse({"tls": tls}).may_use_rdma({}, False)  # named: whatever this host has
-    for tls in (None, "all", "^cuda_ipc"):
+    assert tls_may_use_rdma("tcp,some_new_rdma", False)  # a name it does not know counts as RDMA (staged: safe)
+    for tls in (None, "all", "^cuda_ipc", "^rc"):
         opts = UcxOptions.parse({} if tls is None else {"tls": tls})
         assert opts.may_use_rdma({}, True) and not opts.may_use_rdma({}, False)  # UCX chooses: the host decides
     assert UcxOptions.parse({}).may_use_rdma({"UCX_TLS": "rc,tcp"}, False)  # the environment counts
+    assert UcxOptions.parse({}).may_use_rdma({"UCX_TLS": "^cuda_ipc"}, True)  # an exclusion list from it too
+    assert not UcxOptions.parse({"tls": "tcp"}).may_use_rdma({"UCX_TLS": "rc"}, True)  # the option wins
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_tcp_endpoint_reads_unregistered_cpu_sources_only(anyio_backend: str) -> None:
     """(Every endpoint of a process shares one UCX context, so only the tests' ``tls = "tcp"`` opens here; the
-    decision for other settings is the unit test above.)"""
+    decision for other settings is the unit test above, and the endpoint asks its live context.)"""
     t = await UcxTransport.open(dict(UCX_OPTIONS))
     try:
-        assert t.reads_unregistered("cpu") and not t.reads_unregistered("cuda:0")
+        assert t.reads_unregistered("cpu") == (UCX_OPTIONS["progress_mode"] in ("blocking", "polling"))
+        assert not t.reads_unregistered("cuda:0")
     finally:
         await t.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_endpoint_that_reads_only_registered_sources_refuses_an_unregistered_one(anyio_backend: str) -> None:
+    """As on a host with RDMA (or in a thread progress mode): the write is refused before anything is posted,
+    and says nothing can land."""
+    a = await UcxTransport.open(dict(UCX_OPTIONS))
+    b = await UcxTransport.open(dict(UCX_OPTIONS))
+    try:
+        a._unregistered_cpu = False
+        assert not a.reads_unregistered("cpu")
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        await b.register([MemoryRegion.of_tensor(dst)])
+        link = await a.connect(b.descriptor())
+        stray = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+        with pytest.raises(TransportError, match="outside every region registered") as info:
+            await link.write([WriteOp(stray.data_ptr(), dst.data_ptr(), 4096)])
+        assert info.value.may_land is False and int(dst.sum()) == 0
+        await link.aclose()
+    finally:
+        await a.aclose()
+        await b.aclose()

@@ -77,6 +77,12 @@ def load_ucxx() -> Any:
     return ucxx
 
 
+def context_settings(ucxx: Any) -> tuple[str, str]:
+    """The live UCX context's TLS setting and progress mode (what it was made with, by this plugin or another
+    user of ucxx in the process; the environment may have changed since)."""
+    return str(ucxx.get_config().get("TLS", "all")), str(ucxx.core._get_ctx().progress_mode)
+
+
 def _effective_mode(opts: UcxOptions) -> str:
     return opts.progress_mode or os.environ.get("UCXPY_PROGRESS_MODE") or DEFAULT_PROGRESS_MODE
 

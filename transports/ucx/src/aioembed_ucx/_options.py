@@ -11,7 +11,7 @@ from typing import Any
 
 from aioembed.errors import ConfigError
 
-__all__ = ["EAGER_BYTES", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions"]
+__all__ = ["EAGER_BYTES", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions", "tls_may_use_rdma"]
 
 PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
 
@@ -24,11 +24,25 @@ _KNOWN_TLS = frozenset({
     "cuda", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "rocm_gdr",
     "ze_copy", "ze_ipc", "ze_gdr", "ugni", "ugni_rdma", "ugni_udt", "ugni_smsg",
 })
-_RDMA_TLS = frozenset({
-    "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5",
-    "dc", "dc_x", "dc_mlx5", "srd", "rdmacm", "ugni", "ugni_rdma", "ugni_udt", "ugni_smsg",
+_LOCAL_TLS = frozenset({
+    "self", "tcp", "sm", "shm", "mm", "posix", "sysv", "xpmem", "cma", "knem", "sockcm",
+    "cuda", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "rocm_gdr", "ze_copy", "ze_ipc",
+    "ze_gdr",
 })
-"""The UCX transports that move data over RDMA (registration pins memory there)."""
+"""UCX transports that move host memory without RDMA (TCP, shared memory) or only device memory; any other name
+(``rc``, ``ud``, ``dc``, ``ib``, ``srd``, ``ugni``..., or one this list does not know) counts as RDMA."""
+
+
+def tls_may_use_rdma(tls: str | None, rdma_devices: bool) -> bool:
+    """Whether UCX with this ``UCX_TLS`` setting may move host memory over RDMA, where a send from memory UCX has
+    not registered costs it a registration (a pin): one such transport is named, or UCX chooses (no setting,
+    ``all``, or an exclusion list) on a host with RDMA devices (``rdma_devices``)."""
+    if not tls:
+        return rdma_devices
+    names = {n.strip().lower() for n in tls.removeprefix("^").split(",") if n.strip()}
+    if tls.startswith("^") or "all" in names:
+        return rdma_devices
+    return bool(names - _LOCAL_TLS)
 _UCX_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 _KNOWN = ("tls", "host", "port", "progress_mode", "write_timeout", "connect_timeout", "inline_bytes",
@@ -179,16 +193,9 @@ class UcxOptions:
                 f"host), e.g. {tls + ',cuda_copy,cuda_ipc'!r}")
 
     def may_use_rdma(self, environ: Mapping[str, str], rdma_devices: bool) -> bool:
-        """Whether UCX may pick an RDMA transport with these options: one is named in the TLS setting, or
-        UCX chooses (no setting, ``all``, or an exclusion list) on a host with RDMA devices
-        (``rdma_devices``). There a send from memory UCX has not registered costs it a registration (a pin)."""
-        tls = self.tls if self.tls is not None else environ.get("UCX_TLS")
-        if not tls:
-            return rdma_devices
-        names = {n.strip().lower() for n in tls.removeprefix("^").split(",")}
-        if tls.startswith("^") or "all" in names:
-            return rdma_devices
-        return bool(names & _RDMA_TLS)
+        """:func:`tls_may_use_rdma` of the TLS setting these options would give a new UCX context (the option, else
+        ``UCX_TLS``). An endpoint asks its live context instead (:func:`aioembed_ucx._context.context_settings`)."""
+        return tls_may_use_rdma(self.tls if self.tls is not None else environ.get("UCX_TLS"), rdma_devices)
 
     def context_key(self) -> tuple[str | None, str | None, tuple[tuple[str, str], ...]]:
         """The settings that are per process in UCX (one context per process)."""

@@ -48,10 +48,10 @@ from aioembed.transports.base import (
 from aioembed.transports.close_once import CloseOnce
 
 from aioembed_ucx import _wire as w
-from aioembed_ucx._context import ensure_context, load_ucxx
+from aioembed_ucx._context import context_settings, ensure_context, load_ucxx
 from aioembed_ucx._graveyard import GRAVEYARD as _GRAVEYARD
 from aioembed_ucx._listener import Listener
-from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions
+from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions, tls_may_use_rdma
 from aioembed_ucx._progress import (
     Posted,
     cancel_posted,
@@ -206,7 +206,8 @@ class UcxTransport(Transport):
         self.closed = False
         self._closing = CloseOnce()
         self._memory = _Memory()
-        self._unregistered_cpu = not options.may_use_rdma(os.environ, _rdma_devices())
+        tls, mode = context_settings(ucxx)
+        self._unregistered_cpu = not tls_may_use_rdma(tls, _rdma_devices()) and not mode.startswith("thread")
         """Writes read unregistered CPU sources (:meth:`reads_unregistered`); fixed for the endpoint's life."""
         self._ucxx = ucxx
         self._errors: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError,)
@@ -263,11 +264,14 @@ class UcxTransport(Transport):
 
     def reads_unregistered(self, device: str) -> bool:
         """ucxx sends from any host memory (UCX registers what a protocol needs itself, in its cache): this
-        plugin's registration only records each region's device. So where UCX has no RDMA transport to use
-        (``tls`` names none, or the host has no RDMA device), a CPU source needs nothing, and the sender writes
-        from the caller's tensors as they are. Over RDMA a send from memory UCX has not seen costs a pin, which
-        the sender's staging area (registered, so hot in UCX's cache) avoids for small requests: false there,
-        as for CUDA sources (registered, for their device)."""
+        plugin's registration only records each region's device. So where UCX has no RDMA transport to use (the
+        context's TLS names none, or UCX chooses on a host without RDMA devices), a CPU source needs nothing, and
+        the sender writes from the caller's tensors as they are. Over RDMA a send from memory UCX has not seen
+        costs a pin, which the sender's staging area (registered, so hot in UCX's cache) avoids for small
+        requests: false there. False in ucxx's ``thread`` progress modes too: there the abort of a failed write's
+        endpoint is handed to the progress thread and may give up with sends still posted, so a source must not
+        depend on the write lifetime alone (staged rows live as long as the sender). False for CUDA sources
+        (registered, for their device)."""
         return self._unregistered_cpu and device == "cpu"
 
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -729,7 +733,7 @@ class UcxLink(Link):
             if sdev is None:
                 if not local._unregistered_cpu:
                     raise TransportError(f"write source [{op.src:#x}, +{op.length}) is outside every region "
-                                         f"registered at this ucx endpoint")
+                                         f"registered at this ucx endpoint", may_land=False)
                 sdev = "cpu"  # read unregistered (reads_unregistered: the sessions pass only CPU memory so)
             ddev = self._peer.memory.device_of(op.dst, op.length)
             if ddev is None:
