@@ -184,6 +184,8 @@ class EmbeddingSender:
         self._sources: dict[int, _Source] = {}
         self._unregistering: dict[int, _Unregistration] = {}  # sources whose unregister() has not returned
         self._staging: StagingArea | None = None
+        self._unregistered: dict[str, bool] = {}
+        """The transport's ``reads_unregistered`` per device, asked once (fixed for the endpoint's life)."""
         self._source_buffers = SourceBufferIndex()
         self._buffer_keys = itertools.count(-1, -1)
         """Keys of registered source buffers being unregistered, in ``_unregistering`` (sends' sources count up)."""
@@ -225,7 +227,7 @@ class EmbeddingSender:
             sock, self.address, self._auth = make_router(self._ctx, self.bind, cfg)
             self._chan = ControlSocket(sock, self._on_frames, name=f"sender@{self.address}", routed=True,
                                        bundles=True)
-            if cfg.staging_tokens and not self._transport.reads_unregistered("cpu"):
+            if cfg.staging_tokens and not self._reads_unregistered("cpu"):
                 await self._open_staging()
             self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
                                          transport=self._transport, observer=self.observer, send=self._send_to,
@@ -426,8 +428,7 @@ class EmbeddingSender:
             except BaseException:
                 kept.release()
                 raise
-        assert self._transport is not None
-        if all(self._transport.reads_unregistered(str(tensors[name].device)) for name in self.layout):
+        if all(self._reads_unregistered(str(tensors[name].device)) for name in self.layout):
             # Read where they lie: a copy or a registration would only cost time (Mooncake over TCP, UCX without RDMA).
             return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, None, False
         if self._staging is not None:
@@ -435,6 +436,13 @@ class EmbeddingSender:
             if staged is not None:
                 return num_tokens, meta, list(staged.tensors.values()), staged, None, False
         return num_tokens, meta, await self._ready_sources(room, tensors, stream), None, None, True
+
+    def _reads_unregistered(self, device: str) -> bool:
+        known = self._unregistered.get(device)
+        if known is None:
+            assert self._transport is not None
+            known = self._unregistered[device] = self._transport.reads_unregistered(device)
+        return known
 
     async def _ready_sources(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                              stream: torch.cuda.Stream | None) -> list[torch.Tensor]:

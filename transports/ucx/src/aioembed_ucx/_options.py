@@ -192,11 +192,6 @@ class UcxOptions:
         return (f"{setting}={tls!r} has no CUDA transport: add cuda_copy (and cuda_ipc for GPUs of one "
                 f"host), e.g. {tls + ',cuda_copy,cuda_ipc'!r}")
 
-    def may_use_rdma(self, environ: Mapping[str, str], rdma_devices: bool) -> bool:
-        """:func:`tls_may_use_rdma` of the TLS setting these options would give a new UCX context (the option, else
-        ``UCX_TLS``). An endpoint asks its live context instead (:func:`aioembed_ucx._context.context_settings`)."""
-        return tls_may_use_rdma(self.tls if self.tls is not None else environ.get("UCX_TLS"), rdma_devices)
-
     def context_key(self) -> tuple[str | None, str | None, tuple[tuple[str, str], ...]]:
         """The settings that are per process in UCX (one context per process)."""
         return (self.tls, self.progress_mode, tuple(sorted(self.ucx_options.items())))
