@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from aioembed.errors import PlanError
 from aioembed.transports.base import WriteOp
 
-__all__ = ["FieldSpan", "RowRun", "plan_row_runs", "plan_writes"]
+__all__ = ["FieldSpan", "RowRun", "plan_inline", "plan_row_runs", "plan_writes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +104,25 @@ def plan_writes(runs: Sequence[RowRun], fields: Sequence[FieldSpan]) -> list[Wri
         for f in fields
         for r in runs
     ]
+
+
+def plan_inline(field_bytes: Sequence[int | None], limit: int) -> tuple[int, ...]:
+    """The fields (indices, increasing) whose rows of a round ride inside its STATUS instead of a write.
+
+    ``field_bytes``: each field's bytes in the round, ``None`` where it cannot go inline (its source is not
+    in CPU memory). Smallest first while the total stays within ``limit``; never the largest field (the
+    first of equals): a round always keeps a write for it, so that only the small fields, whose transfers
+    each cost more than their bytes, leave the transport.
+    """
+    if limit <= 0 or len(field_bytes) < 2:
+        return ()
+    sizes = [-1 if n is None else n for n in field_bytes]
+    largest = sizes.index(max(sizes))
+    chosen: list[int] = []
+    for n, i in sorted((n, i) for i, n in enumerate(sizes) if i != largest and n >= 0):
+        if n > limit:
+            break
+        limit -= n
+        chosen.append(i)
+    chosen.sort()
+    return tuple(chosen)

@@ -51,6 +51,8 @@ class BlockPool:
             raise ConfigError(f"the receive pool of {rows} tokens x {layout.bytes_per_token} B = "
                               f"{rows * layout.bytes_per_token} B cannot be allocated on {device} (pool_tokens): "
                               f"{exc}") from exc
+        self._row_fields = [(name, f.row_bytes, self.tensors[name].data_ptr()) for name, f in layout.items()]
+        """Per field: its name, bytes per row and base address (for :meth:`write_rows`)."""
         if self.device.type != "cpu" and self.tensors:
             # "cuda" is whatever device is current: name the one the pool is on ("cuda:0"), which is what
             # tensors made there report (an out= on it was refused as "on cuda:0; the pool is on cuda").
@@ -128,6 +130,26 @@ class BlockPool:
                 continue
             for r in runs:
                 o[out_start + r.src_row:out_start + r.src_row + r.count].copy_(t[r.dst_row:r.dst_row + r.count])
+
+    def write_rows(self, blocks: Sequence[int], rows: Sequence[tuple[int, bytes]], num_tokens: int) -> None:
+        """Put ``num_tokens`` packed rows of each ``(field number, bytes)`` of ``rows`` into the first tokens of
+        ``blocks``; every entry is checked before any is written. CPU pools only: rows a peer sent inside a
+        control frame."""
+        if self.device.type != "cpu":
+            raise PlanError(f"rows are written into a pool on {self.device} only by a transport")
+        fields = self._row_fields
+        for i, data in rows:
+            if not 0 <= i < len(fields):
+                raise PlanError(f"field number {i}: the layout has {len(fields)} fields")
+            name, row, _ = fields[i]
+            if len(data) != num_tokens * row:
+                raise PlanError(f"{len(data)} bytes of field {name!r}, expected {num_tokens} rows of {row} B")
+        runs = self.runs(blocks, num_tokens)
+        for i, data in rows:
+            _, row, base = fields[i]
+            src = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+            for r in runs:
+                ctypes.memmove(base + r.dst_row * row, src + r.src_row * row, r.count * row)
 
     def _field(self, tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         try:

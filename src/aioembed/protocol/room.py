@@ -212,6 +212,8 @@ class ReceiverRoomState:
         if self.state.terminal:
             raise self._illegal("STATUS")
         if msg.state in (TransferStatus.FAILED, TransferStatus.ABORTED):
+            if msg.inline:
+                raise self._bad(f"STATUS {msg.state.name} carrying rows inline")
             self.state = msg.state
             self.error = msg.error or f"sender reported {msg.state.name}"
             self._awaiting_status = False
@@ -473,10 +475,12 @@ class SenderRoomState:
             return None
         return Total(room=self.room, total_tokens=self.total)
 
-    def write_done(self, task: WriteTask, *, metadata: dict[str, object] | None = None) -> Status:
+    def write_done(self, task: WriteTask, *, metadata: dict[str, object] | None = None,
+                   inline: tuple[tuple[int, bytes], ...] = ()) -> Status:
         """The write of ``task`` is visible at the rank; returns the STATUS to send it (with the room's
-        ``metadata`` if this is the first announcement to the rank). A round announced early is due next, or
-        is now the round being written if its write started ahead."""
+        ``metadata`` if this is the first announcement to the rank, and the rows of fields not written,
+        ``inline``). A round announced early is due next, or is now the round being written if its write
+        started ahead."""
         p = self._writing(task, "write completion")
         assert self.total is not None
         p.sent = p.landed = task.start + task.count
@@ -492,7 +496,7 @@ class SenderRoomState:
         return Status(
             room=self.room, state=TransferStatus.SUCCESS if done else TransferStatus.TRANSFERRING,
             total_tokens=self.total,
-            sent_tokens=p.sent, round=task.round, metadata=self._metadata_once(p, metadata),
+            sent_tokens=p.sent, round=task.round, metadata=self._metadata_once(p, metadata), inline=inline,
         )
 
     def on_resume(self, rank: int, *, round: int, sent_tokens: int, blocks: tuple[int, ...],

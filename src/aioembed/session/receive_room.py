@@ -26,6 +26,7 @@ from aioembed.config import TransferConfig
 from aioembed.errors import (
     AllocationTimeout,
     PeerDead,
+    PlanError,
     ProtocolError,
     TransferAborted,
     TransferError,
@@ -584,6 +585,8 @@ class ReceiveRoomDriver:
         if arrived is None:  # a final FAILED / ABORTED
             self._sender_failed(event)
         assert grant is not None  # on_status accepts data only with a reservation outstanding
+        if event.inline:
+            self._take_inline(event, arrived, grant)
         if (error := self._part_total_error(arrived.total)) is not None:
             # Its write is over (the STATUS says so); the room is not, nor a round announced early (fail() fences it).
             self._end_grant(Proof.STATUS, ahead=False)
@@ -597,6 +600,22 @@ class ReceiveRoomDriver:
         if arrived.complete:
             self._sender_ended = True
         return arrived, grant
+
+    def _take_inline(self, event: Status, arrived: Arrived, grant: int) -> None:
+        """Rows the STATUS brought itself (``Status.inline``) go into the round's blocks before the round counts
+        as landed: no more than this receiver said it takes, of fields it has, exactly the round's rows."""
+        ctx = self.ctx
+        limit = ctx.config.inline_bytes if ctx.pool.device.type == "cpu" else 0
+        size = sum(len(data) for _, data in event.inline)
+        if size > limit:
+            raise ProtocolError(f"room {self.room!r}: STATUS of round {event.round} carries {size} bytes of rows "
+                                f"inline; this receiver takes at most {limit} (inline_bytes, a CPU pool)",
+                                room=self.room)
+        try:
+            ctx.pool.write_rows(self._rows_of(grant, arrived), event.inline, arrived.count)
+        except PlanError as exc:
+            raise ProtocolError(f"room {self.room!r}: STATUS of round {event.round} carries rows inline that do "
+                                f"not fit its {arrived.count} tokens: {exc}", room=self.room) from None
 
     def _on_total(self, event: Total) -> None:
         """The sender's TOTAL, as round 0 is written: the room is longer than round 0's reservation."""

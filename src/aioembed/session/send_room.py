@@ -11,6 +11,8 @@ non-fence final ``STATUS`` only once the room's writes ended; after a write that
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import logging
 import time
@@ -34,7 +36,7 @@ from aioembed.errors import (
     TransportError,
 )
 from aioembed.layout import Layout
-from aioembed.memory.plan import FieldSpan, plan_row_runs, plan_writes
+from aioembed.memory.plan import FieldSpan, plan_inline, plan_row_runs, plan_writes
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import AbortAck, Message, RoomId, Status, TransferStatus, plain_text
 from aioembed.protocol.ownership import WriteLedger, WriteOutcome, WriterAction
@@ -276,7 +278,8 @@ class SendRoomDriver:
 
     async def _post_round(self, task: WriteTask, peer: PeerSession, after: anyio.Event | None) -> None:
         ctx, room = self.ctx, self.room
-        chunks = self._chunks(task, peer)
+        inline = self._inline_fields(task, peer)
+        chunks = self._chunks(task, peer, inline)
         ops = [op for _, chunk_ops in chunks for op in chunk_ops]
         wid = ctx.ledger.started(peer.key, room, self.source)
         cancel_safe = ctx.transport.capabilities.cancel_safe_writes
@@ -318,7 +321,7 @@ class SendRoomDriver:
         if self.machine.failed is not None or not peer.alive:
             self.poke()
             return
-        status = self.machine.write_done(task, metadata=self.metadata)
+        status = self.machine.write_done(task, metadata=self.metadata, inline=self._inline_rows(task, inline))
         if not ctx.send(peer, status):
             # The rank never learns that its rows arrived: the room fails, and it is told so.
             self.machine.fail(f"the STATUS of round {task.round} could not be sent to {peer}",
@@ -405,13 +408,34 @@ class SendRoomDriver:
         if first is not None:
             raise _one_failure([exc for exc in failed if exc is not None])
 
-    def _chunks(self, task: WriteTask, peer: PeerSession) -> list[tuple[int | None, list[WriteOp]]]:
-        """The write ops of ``task``, cut where the rank asked for ``PROGRESS`` (block-aligned within the
-        round): ``(token the chunk ends at, ops)``, the last chunk with ``None`` (its STATUS follows)."""
+    def _inline_fields(self, task: WriteTask, peer: PeerSession) -> tuple[int, ...]:
+        """The fields of ``task`` whose rows go in its STATUS, not in a write (:func:`plan_inline`): where the
+        rank takes rows inline and the round is announced only by its STATUS (no ``PROGRESS`` within it)."""
+        if not peer.inline_bytes or self.machine.progress_points(task):
+            return ()
+        return _plan_inline(tuple(task.count * f.row_bytes if t.device.type == "cpu" else None
+                                  for t, f in zip(self.sources, self.ctx.layout.values(), strict=True)),
+                            peer.inline_bytes)
+
+    def _inline_rows(self, task: WriteTask, fields: tuple[int, ...]) -> tuple[tuple[int, bytes], ...]:
+        """The rows of ``task`` of ``fields``, packed, for its STATUS. Read from the caller's tensors (or their
+        staged copy) as the STATUS goes out: ``send()`` holds them, unchanged, until it returns."""
+        if not fields:
+            return ()
+        return tuple((i, ctypes.string_at(t.data_ptr() + task.start * f.row_bytes, task.count * f.row_bytes))
+                     for i, (t, f) in enumerate(zip(self.sources, self.ctx.layout.values(), strict=True))
+                     if i in fields)
+
+    def _chunks(self, task: WriteTask, peer: PeerSession,
+                inline: tuple[int, ...] = ()) -> list[tuple[int | None, list[WriteOp]]]:
+        """The write ops of ``task`` (but for the fields carried ``inline``), cut where the rank asked for
+        ``PROGRESS`` (block-aligned within the round): ``(token the chunk ends at, ops)``, the last chunk with
+        ``None`` (its STATUS follows)."""
         ctx = self.ctx
         bs = ctx.config.block_size
         spans = [FieldSpan(src_base=t.data_ptr(), dst_base=reg[0], row_bytes=f.row_bytes)
-                 for t, reg, f in zip(self.sources, peer.regions, ctx.layout.values(), strict=True)]
+                 for i, (t, reg, f) in enumerate(zip(self.sources, peer.regions, ctx.layout.values(), strict=True))
+                 if i not in inline]
         bounds = [task.start, *self.machine.progress_points(task), task.start + task.count]
         rows = min(t.shape[0] for t in self.sources)
         out: list[tuple[int | None, list[WriteOp]]] = []
@@ -456,6 +480,10 @@ class SendRoomDriver:
                 state = TransferStatus.ABORTED if m.state is TransferStatus.ABORTED else TransferStatus.FAILED
                 ctx.send(peer, Status(room=self.room, state=state, total_tokens=m.total or 0, sent_tokens=0,
                                       round=0, error=error))
+
+
+_plan_inline = functools.lru_cache(maxsize=1024)(plan_inline)
+"""Rounds of one size to one receiver are planned alike: a small request's round asks once."""
 
 
 def _one_failure(errors: list[Exception]) -> Exception:

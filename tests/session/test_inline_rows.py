@@ -1,0 +1,270 @@
+"""A round's small fields ride inside its STATUS (``inline_bytes``): the rows arrive bit for bit, the transport
+writes only the rest, the receiver checks what it takes, and nothing changes where it cannot apply (a receiver
+that takes none, rounds announced chunk by chunk)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+import pytest
+import torch
+
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferError
+from aioembed.errors import PlanError, ProtocolError
+from aioembed.memory.plan import plan_inline
+from aioembed.memory.pool import BlockPool
+from aioembed.protocol.messages import MAX_INLINE_BYTES, Hello, Status, decode, encode
+from aioembed.protocol.room import ReceiverRoomState
+from aioembed.samples import same_rows
+from aioembed.session.send_room import SendRoomDriver
+from aioembed.testing import MockTransport, WriteCall
+
+from .conftest import LAYOUT, CountingTransport, make_request, wait_pools_free
+
+pytestmark = pytest.mark.anyio
+
+CFG = TransferConfig(default_tokens=1024, pool_tokens=8192, block_size=16, handshake_timeout=2.0,
+                     input_timeout=5.0, round_timeout=2.0, room_timeout=10.0)
+EMB, IDS, MROPE = (f.row_bytes for f in LAYOUT.values())
+
+
+# -- planning (pure) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sizes", "limit", "want"), [
+    ([8192, 256, 1536], 8192, (1, 2)),       # the small fields, not the largest
+    ([8192, 256, 1536], 1792, (1, 2)),       # exactly at the limit
+    ([8192, 256, 1536], 1791, (1,)),         # smallest first while they fit
+    ([8192, 256, 1536], 255, ()),
+    ([8192, 256, 1536], 0, ()),              # the receiver takes none
+    ([100, 100], 1 << 20, (1,)),             # equals: the first stays on the transport
+    ([64], 1 << 20, ()),                     # one field: always written
+    ([None, 256, 1536], 8192, (1,)),         # a field not on the CPU is written; so is the largest of the rest
+    ([256, None, 8192, 24], 8192, (0, 3)),
+])
+def test_plan_inline(sizes: list[int | None], limit: int, want: tuple[int, ...]) -> None:
+    assert plan_inline(sizes, limit) == want
+
+
+# -- the codec and the room machine ------------------------------------------------------------------
+
+
+def _status(**kw: object) -> Status:
+    base: dict[str, object] = dict(room="r", state="SUCCESS", total_tokens=4, sent_tokens=4, round=0)
+    return Status(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_status_inline_round_trips() -> None:
+    msg = _status(inline=((1, b"\x00\x01" * 8), (2, b"\xff" * 96)))
+    assert decode(encode(msg)) == msg
+    assert decode(encode(_status())).inline == ()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("inline", [
+    ((2, b"a"), (1, b"b")),                  # not in field order
+    ((1, b"a"), (1, b"b")),                  # twice
+    ((True, b"a"),),
+    ((256, b"a"),),
+    ((-1, b"a"),),
+    ((1, "text"),),
+    ((1,),),
+    ((0, b"\x00" * (MAX_INLINE_BYTES // 2 + 1)), (1, b"\x00" * (MAX_INLINE_BYTES // 2))),  # too many bytes
+])
+def test_bad_inline_is_refused_by_the_codec(inline: object) -> None:
+    with pytest.raises(ProtocolError, match="inline"):
+        encode(_status(inline=inline))
+
+
+def test_hello_inline_bytes_range() -> None:
+    hello = Hello(receiver_id="x", epoch=1, fingerprint="f", transport="loopback", descriptor=b"", block_size=16,
+                  num_blocks=4, rank=0, world=1, regions=((1, 64),), inline_bytes=MAX_INLINE_BYTES)
+    assert decode(encode(hello)) == hello
+    with pytest.raises(ProtocolError, match="inline_bytes"):
+        encode(dataclasses.replace(hello, inline_bytes=-1))
+
+
+def test_a_failed_status_carries_no_rows() -> None:
+    m = ReceiverRoomState("r", block_size=16, max_tokens=1000)
+    m.init_sent(blocks=1, allocated_tokens=16)
+    with pytest.raises(ProtocolError, match="inline"):
+        m.on_status(_status(state="FAILED", total_tokens=0, sent_tokens=0, inline=((1, b"x"),)))
+    assert m.state.name == "WAITING_FOR_INPUT"  # unchanged: the caller fails the room
+
+
+def test_pool_write_rows_fills_scattered_blocks() -> None:
+    pool = BlockPool(LAYOUT, num_blocks=8, block_size=4)
+    rows = make_request(10, seed=3)
+    ids, pos = rows["token_ids"].numpy().tobytes(), rows["mrope_positions"].numpy().tobytes()
+    pool.write_rows([6, 1, 2], [(1, ids), (2, pos)], 10)  # blocks 1 and 2 adjacent, 6 apart
+    for name in ("token_ids", "mrope_positions"):
+        t = pool.tensors[name]
+        assert torch.equal(t[24:28], rows[name][0:4]) and torch.equal(t[4:10], rows[name][4:10])
+    assert not pool.tensors["embeddings"].any()
+    before = {k: v.clone() for k, v in pool.tensors.items()}
+    # Every entry is checked before any is written.
+    for bad, why in [([(1, ids), (2, pos[:-1])], "expected 10 rows"), ([(1, ids), (3, b"")], "field number 3")]:
+        with pytest.raises(PlanError, match=why):
+            pool.write_rows([0, 3, 5], bad, 10)
+        assert all(torch.equal(before[k], pool.tensors[k]) for k in before)
+
+
+# -- end to end -----------------------------------------------------------------------------------------
+
+
+def _recording() -> tuple[CountingTransport, list[WriteCall]]:
+    calls: list[WriteCall] = []
+    return CountingTransport(faults=lambda call: calls.append(call) or None), calls  # type: ignore[func-returns-value]
+
+
+def _written(calls: list[WriteCall]) -> int:
+    return sum(op.length for call in calls for op in call.ops)
+
+
+async def test_small_fields_ride_in_the_status_bit_for_bit() -> None:
+    writer, calls = _recording()
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        # 64 tokens: ids (256 B) and positions (1536 B) inline, one write of the embeddings.
+        # 300 tokens: positions (7200 B) and ids (1200 B) exceed 8192 together: only the ids.
+        # 3000 tokens in rounds of 1024: the ids (4096 B) of each round inline.
+        for i, (n, inline_per_token) in enumerate([(64, IDS + MROPE), (300, IDS), (3000, IDS), (1, IDS + MROPE)]):
+            want = make_request(n, seed=i)
+            calls.clear()
+            for mode in ("receive", "leased", "out"):
+                calls.clear()
+                room = f"r{i}-{mode}"
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(sender.send, room, want)
+                    if mode == "receive":
+                        got = dict((await receiver.receive(room)).tensors)
+                    elif mode == "out":
+                        out = LAYOUT.empty(n)
+                        await receiver.receive(room, out=out)
+                        got = out
+                    else:
+                        with await receiver.receive_leased(room) as lease:
+                            got = lease.to_tensors()
+                assert same_rows(got, want), f"{room}: the rows differ"
+                assert _written(calls) == n * (LAYOUT.bytes_per_token - inline_per_token), room
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_receiver_taking_none_gets_every_row_written() -> None:
+    writer, calls = _recording()
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG.replace(inline_bytes=0), connect=sender.address,
+                              transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        want = make_request(64, seed=7)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "r", want)
+            got = await receiver.receive("r")
+        assert same_rows(dict(got.tensors), want)
+        assert _written(calls) == 64 * LAYOUT.bytes_per_token
+        assert len([op for call in calls for op in call.ops]) == len(LAYOUT)
+
+
+async def test_rounds_announced_in_chunks_write_every_field() -> None:
+    """A streamed round is announced chunk by chunk (PROGRESS): its rows are all written, none inline."""
+    writer, calls = _recording()
+    cfg = CFG.replace(stream_chunk_tokens=64)
+    async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        want = make_request(200, seed=8)
+        chunks: list[dict[str, torch.Tensor]] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "s", want)
+            async with receiver.stream("s") as stream:
+                async for chunk in stream:
+                    chunks.append({k: v.clone() for k, v in chunk.tensors.items()})
+        got = {k: torch.cat([c[k] for c in chunks]) for k in want}
+        assert same_rows(got, want)
+        assert _written(calls) == 200 * LAYOUT.bytes_per_token
+        # ... while a short one (a single chunk: no PROGRESS) still carries its small fields inline.
+        calls.clear()
+        small = make_request(40, seed=9)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "t", small)
+            async with receiver.stream("t") as stream:
+                parts = [{k: v.clone() for k, v in c.tensors.items()} async for c in stream]
+        got = {k: torch.cat([p[k] for p in parts]) for k in small}
+        assert same_rows(got, small)
+        assert _written(calls) == 40 * EMB
+
+
+async def test_several_ranks_each_get_the_small_fields_inline() -> None:
+    writer, calls = _recording()
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, rank=0, world=2,
+                              transport=MockTransport()) as r0, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, rank=1, world=2,
+                              transport=MockTransport()) as r1:
+        await r0.wait_connected()
+        await r1.wait_connected()
+        want = make_request(64, seed=11)
+        results = {}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "m", want)
+
+            async def take(r: EmbeddingReceiver) -> None:
+                results[r.rank] = dict((await r.receive("m")).tensors)
+
+            tg.start_soon(take, r0)
+            tg.start_soon(take, r1)
+        assert all(same_rows(results[k], want) for k in (0, 1))
+        assert _written(calls) == 2 * 64 * EMB
+        await wait_pools_free(sender, r0, r1)
+
+
+@pytest.mark.parametrize(("bad", "why"), [
+    ("short", "expected 64 rows of"),
+    ("field", "field number 7: the layout has 3 fields"),
+    ("limit", "at most 0"),
+])
+async def test_the_receiver_refuses_rows_it_cannot_take(monkeypatch: pytest.MonkeyPatch, bad: str,
+                                                        why: str) -> None:
+    """A STATUS whose inline rows are short, of a field the layout lacks, or more than the receiver takes fails
+    the room at the receiver (nothing is copied), and the sender's send() fails too."""
+    real_rows = SendRoomDriver._inline_rows
+
+    def rows(self: SendRoomDriver, task: object, fields: tuple[int, ...]) -> tuple[tuple[int, bytes], ...]:
+        good = real_rows(self, task, fields)  # type: ignore[arg-type]
+        if bad == "short":
+            return ((good[0][0], good[0][1][:-4]), *good[1:])
+        if bad == "field":
+            return (*good, (7, b"\x00" * 64))
+        return good
+
+    monkeypatch.setattr(SendRoomDriver, "_inline_rows", rows)
+    cfg = CFG.replace(inline_bytes=0) if bad == "limit" else CFG
+    if bad == "limit":  # the sender believes the receiver takes rows inline
+        monkeypatch.setattr(SendRoomDriver, "_inline_fields", lambda self, task, peer: (1, 2))
+    writer, _ = _recording()
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        want = make_request(64, seed=12)
+        sent: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("bad", want)
+            except TransferError as exc:
+                sent.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with pytest.raises(TransferError, match=why):
+                await receiver.receive("bad")
+        await wait_pools_free(sender, receiver)
+        # The pair still works for the next room (with the real rows).
+        monkeypatch.setattr(SendRoomDriver, "_inline_rows", real_rows)
+        if bad == "limit":
+            monkeypatch.undo()
+        good = make_request(64, seed=13)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "good", good)
+            assert same_rows(dict((await receiver.receive("good")).tensors), good)
