@@ -236,3 +236,24 @@ async def test_goals_with_registered_sources_send_every_room_from_the_registered
     result = await Measurer(opts, None, lambda s: None).run_goals()
     assert [p["label"].split(":")[0] for p in result["points"]] == ["W1", "W2", "W3", "W3"]
     assert len(covered) > 100 and all(covered), (covered.count(False), len(covered))
+
+
+@pytest.mark.anyio
+async def test_gc_freeze_leaves_the_session_out_of_collections_while_it_runs() -> None:
+    import gc
+
+    from aioembed.bench.measure import Measurer
+
+    base = TransferConfig(transport="loopback")
+    before = gc.get_freeze_count()
+    for freeze in (False, True):
+        m = Measurer(BenchOptions(base_config=base, gc_freeze=freeze), None, lambda s: None)
+        src = m.source(8)
+        async with m._session(base.replace(pool_tokens=1024, default_tokens=128)) as pair:
+            frozen = gc.get_freeze_count()
+            # Everything alive once the session is up (the session too) is frozen, only with gc_freeze.
+            assert (frozen > before) is freeze
+            times, _ = await pair.series(["r0", "r1"], src, expected=8, mode="lease", concurrency=2,
+                                         check=[m.opts.seed, 8])
+            assert len(times) == 2
+        assert gc.get_freeze_count() == before  # unfrozen with the session

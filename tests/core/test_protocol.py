@@ -72,6 +72,7 @@ hellos = st.builds(
     regions=st.lists(
         st.tuples(st.integers(1, (1 << 64) - 1), st.integers(1, (1 << 64) - 1)), min_size=1, max_size=6
     ).map(tuple),
+    inline_bytes=st.integers(0, m.MAX_INLINE_BYTES),
 )
 welcomes = st.builds(
     Welcome, sender_id=texts(max_size=64), epoch=st.integers(1, INT64_MAX),
@@ -88,6 +89,8 @@ resumes = st.builds(Resume, room=room_ids, round=rounds, sent_tokens=tokens, blo
 statuses = st.builds(
     Status, room=room_ids, state=st.sampled_from(list(m.TransferStatus)), total_tokens=tokens, sent_tokens=tokens,
     round=rounds, metadata=st.none() | metadata, error=st.none() | texts(max_size=300),
+    inline=st.dictionaries(st.integers(0, 255), st.binary(max_size=64), max_size=4).map(
+        lambda d: tuple(sorted(d.items()))),
 )
 aborts = st.builds(Abort, room=room_ids, reason=texts(max_size=300))
 abort_acks = st.builds(AbortAck, room=room_ids)

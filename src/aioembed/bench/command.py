@@ -118,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "registers per request (where the transport reads unregistered CPU sources, e.g. "
                              "Mooncake over TCP, send() does neither anyway); the raw baseline's sources are "
                              "registered once either way")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="both processes call gc.collect(); gc.freeze() once each workload's sender and "
+                             "receiver are up, as vLLM and SGLang servers do after start-up, so full collections "
+                             "scan only the objects made since (the README: 'Garbage collection under load')")
     parser.add_argument("--control-floor", action="store_true",
                         help="sizes: also time each raw method framed by the two control messages of aioembed's "
                              "protocol (a request, then done: plain pyzmq to and from a bare peer process); the "
@@ -163,6 +167,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         stream_tokens=args.stream_tokens if args.stream_tokens is not None else (20000 if quick else 100000),
         process_model=_process_model(args.process_model, base.transport),
         registered_sources=bool(args.registered_sources),
+        gc_freeze=bool(args.gc_freeze),
         control_floor=bool(args.control_floor),
     )
 
@@ -385,6 +390,7 @@ def _run(args: argparse.Namespace, stdout: TextIO) -> int:
         },
         "process_model": opts.process_model,
         "registered_sources": opts.registered_sources,
+        "gc_freeze": opts.gc_freeze,
         "control_floor": opts.control_floor,
         "raw_baseline": baseline_info,
         "zero_copy": {"available": zero_copy},

@@ -38,6 +38,7 @@ event loop, so a command costs no thread hand-off.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -249,6 +250,9 @@ async def _run(spec: dict[str, Any]) -> None:
     async with EmbeddingReceiver(layout, config, connect=spec["connect"]) as receiver:
         for address in spec.get("senders") or [spec["connect"]]:
             await receiver.wait_connected(timeout=config.handshake_timeout * 3, sender=address)
+        if spec.get("gc_freeze"):  # as a server does once it is up (the bench's --gc-freeze)
+            gc.collect()
+            gc.freeze()
         _emit(event="ready", pid=os.getpid())
         while True:
             line = await reader.readline()
