@@ -82,7 +82,7 @@ class TransferConfig:
     each ``send()`` (for small requests a copy costs less than a registration)."""
     staging_max_tokens: int = 256
     """Sender: the largest request (in tokens) copied into the staging area."""
-    inline_bytes: int = 8192
+    status_inline_bytes: int = 8192
     """Receiver: the most bytes of a round's rows it takes inside the round's STATUS frame instead of a
     transport write (a CPU pool only; 0: none). The sender carries a round's smaller fields there (token ids,
     positions: a few bytes per token) while they fit, never the largest one: each field would otherwise cost
@@ -152,7 +152,7 @@ class TransferConfig:
         _check_int("stream_chunk_tokens", self.stream_chunk_tokens, 0, _MAX_INT)
         _check_int("copy_chunk_tokens", self.copy_chunk_tokens, 0, _MAX_INT)
         _check_int("output_cache_bytes", self.output_cache_bytes, 0, _MAX_INT)
-        _check_int("inline_bytes", self.inline_bytes, 0, MAX_INLINE_BYTES)
+        _check_int("status_inline_bytes", self.status_inline_bytes, 0, MAX_INLINE_BYTES)
         _check_int("staging_tokens", self.staging_tokens, 0, _MAX_INT)
         _check_int("staging_max_tokens", self.staging_max_tokens, 1, _MAX_INT)
         if 0 < self.staging_tokens < self.staging_max_tokens:

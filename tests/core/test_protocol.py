@@ -72,7 +72,7 @@ hellos = st.builds(
     regions=st.lists(
         st.tuples(st.integers(1, (1 << 64) - 1), st.integers(1, (1 << 64) - 1)), min_size=1, max_size=6
     ).map(tuple),
-    inline_bytes=st.integers(0, m.MAX_INLINE_BYTES),
+    status_inline_bytes=st.integers(0, m.MAX_INLINE_BYTES),
 )
 welcomes = st.builds(
     Welcome, sender_id=texts(max_size=64), epoch=st.integers(1, INT64_MAX),

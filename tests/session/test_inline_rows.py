@@ -1,4 +1,4 @@
-"""A round's small fields ride inside its STATUS (``inline_bytes``): the rows arrive bit for bit, the transport
+"""A round's small fields ride inside its STATUS (``status_inline_bytes``): the rows arrive bit for bit, the transport
 writes only the rest, the receiver checks what it takes, and nothing changes where it cannot apply (a receiver
 that takes none, rounds announced chunk by chunk)."""
 
@@ -10,11 +10,20 @@ import anyio
 import pytest
 import torch
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferError
+from aioembed import EmbeddingReceiver, EmbeddingSender, Part, TransferConfig, TransferError
 from aioembed.errors import PlanError, ProtocolError
 from aioembed.memory.plan import plan_inline
 from aioembed.memory.pool import BlockPool
-from aioembed.protocol.messages import MAX_INLINE_BYTES, Hello, Status, decode, encode
+from aioembed.protocol.messages import (
+    MAX_FRAME_BYTES,
+    MAX_INLINE_BYTES,
+    MAX_METADATA_BYTES,
+    Hello,
+    Status,
+    check_metadata,
+    decode,
+    encode,
+)
 from aioembed.protocol.room import ReceiverRoomState
 from aioembed.samples import same_rows
 from aioembed.session.send_room import SendRoomDriver
@@ -40,8 +49,11 @@ EMB, IDS, MROPE = (f.row_bytes for f in LAYOUT.values())
     ([8192, 256, 1536], 0, ()),              # the receiver takes none
     ([100, 100], 1 << 20, (1,)),             # equals: the first stays on the transport
     ([64], 1 << 20, ()),                     # one field: always written
-    ([None, 256, 1536], 8192, (1,)),         # a field not on the CPU is written; so is the largest of the rest
-    ([256, None, 8192, 24], 8192, (0, 3)),
+    ([None, 256, 1536], 8192, (1, 2)),       # a field not on the CPU is written: the round keeps that write
+    ([256, None, 8192, 24], 8192, (0, 3)),   # smallest first: 8192 no longer fits
+    ([256, None, 8192, 24], 8471, (0, 3)),
+    ([256, None, 8192, 24], 8472, (0, 2, 3)),
+    ([None, None], 8192, ()),
 ])
 def test_plan_inline(sizes: list[int | None], limit: int, want: tuple[int, ...]) -> None:
     assert plan_inline(sizes, limit) == want
@@ -76,12 +88,12 @@ def test_bad_inline_is_refused_by_the_codec(inline: object) -> None:
         encode(_status(inline=inline))
 
 
-def test_hello_inline_bytes_range() -> None:
+def test_hello_status_inline_bytes_range() -> None:
     hello = Hello(receiver_id="x", epoch=1, fingerprint="f", transport="loopback", descriptor=b"", block_size=16,
-                  num_blocks=4, rank=0, world=1, regions=((1, 64),), inline_bytes=MAX_INLINE_BYTES)
+                  num_blocks=4, rank=0, world=1, regions=((1, 64),), status_inline_bytes=MAX_INLINE_BYTES)
     assert decode(encode(hello)) == hello
-    with pytest.raises(ProtocolError, match="inline_bytes"):
-        encode(dataclasses.replace(hello, inline_bytes=-1))
+    with pytest.raises(ProtocolError, match="status_inline_bytes"):
+        encode(dataclasses.replace(hello, status_inline_bytes=-1))
 
 
 def test_a_failed_status_carries_no_rows() -> None:
@@ -154,7 +166,7 @@ async def test_small_fields_ride_in_the_status_bit_for_bit() -> None:
 async def test_a_receiver_taking_none_gets_every_row_written() -> None:
     writer, calls = _recording()
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
-            EmbeddingReceiver(LAYOUT, CFG.replace(inline_bytes=0), connect=sender.address,
+            EmbeddingReceiver(LAYOUT, CFG.replace(status_inline_bytes=0), connect=sender.address,
                               transport=MockTransport()) as receiver:
         await receiver.wait_connected()
         want = make_request(64, seed=7)
@@ -222,12 +234,14 @@ async def test_several_ranks_each_get_the_small_fields_inline() -> None:
 @pytest.mark.parametrize(("bad", "why"), [
     ("short", "expected 64 rows of"),
     ("field", "field number 7: the layout has 3 fields"),
-    ("limit", "at most 0"),
+    ("limit", "takes at most 0"),
+    ("progress", "after a PROGRESS"),
 ])
 async def test_the_receiver_refuses_rows_it_cannot_take(monkeypatch: pytest.MonkeyPatch, bad: str,
                                                         why: str) -> None:
-    """A STATUS whose inline rows are short, of a field the layout lacks, or more than the receiver takes fails
-    the room at the receiver (nothing is copied), and the sender's send() fails too."""
+    """A STATUS whose inline rows are short, of a field the layout lacks, more than the receiver takes, or in a
+    round announced by PROGRESS fails the room at the receiver, and none of its rows is copied. (The sender's
+    send() has returned by then: the round was its last, and its STATUS went out.)"""
     real_rows = SendRoomDriver._inline_rows
 
     def rows(self: SendRoomDriver, task: object, fields: tuple[int, ...]) -> tuple[tuple[int, bytes], ...]:
@@ -239,8 +253,8 @@ async def test_the_receiver_refuses_rows_it_cannot_take(monkeypatch: pytest.Monk
         return good
 
     monkeypatch.setattr(SendRoomDriver, "_inline_rows", rows)
-    cfg = CFG.replace(inline_bytes=0) if bad == "limit" else CFG
-    if bad == "limit":  # the sender believes the receiver takes rows inline
+    cfg = {"limit": CFG.replace(status_inline_bytes=0), "progress": CFG.replace(copy_chunk_tokens=16)}.get(bad, CFG)
+    if bad in ("limit", "progress"):  # the sender carries the small fields inline whatever the receiver said
         monkeypatch.setattr(SendRoomDriver, "_inline_fields", lambda self, task, peer: (1, 2))
     writer, _ = _recording()
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
@@ -259,12 +273,73 @@ async def test_the_receiver_refuses_rows_it_cannot_take(monkeypatch: pytest.Monk
             tg.start_soon(send)
             with pytest.raises(TransferError, match=why):
                 await receiver.receive("bad")
+        assert sent == []
+        # The small fields went by no write, and none of their rows was copied: still the pool's zeros.
+        assert not receiver.pool.tensors["token_ids"].any() and not receiver.pool.tensors["mrope_positions"].any()
         await wait_pools_free(sender, receiver)
         # The pair still works for the next room (with the real rows).
-        monkeypatch.setattr(SendRoomDriver, "_inline_rows", real_rows)
-        if bad == "limit":
-            monkeypatch.undo()
+        monkeypatch.undo()
         good = make_request(64, seed=13)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.send, "good", good)
             assert same_rows(dict((await receiver.receive("good")).tensors), good)
+
+
+def test_only_a_cpu_pool_takes_rows_inline() -> None:
+    pool = BlockPool(LAYOUT, num_blocks=2, block_size=4)
+    assert pool.status_inline_budget(8192) == 8192
+    pool.device = torch.device("cuda", 0)  # as a CUDA pool says (its memory is not written by the loop)
+    assert pool.status_inline_budget(8192) == 0
+    with pytest.raises(PlanError, match="only by a transport"):
+        pool.write_rows([0], [(1, b"\x00" * 16)], 4)
+
+
+def test_a_first_status_with_the_most_metadata_and_rows_fits_a_frame() -> None:
+    metadata = {"m": b"x" * (MAX_METADATA_BYTES - 16)}
+    assert check_metadata(metadata, MAX_METADATA_BYTES) <= MAX_METADATA_BYTES
+    msg = _status(room="r" * 256, metadata=metadata, inline=((0, b"y" * (MAX_INLINE_BYTES - 100)), (1, b"z" * 100)))
+    assert len(encode(msg)) <= MAX_FRAME_BYTES
+    assert decode(encode(msg)) == msg
+
+
+async def test_metadata_and_rows_ride_together_and_streams_zero_copy_and_parts_get_them() -> None:
+    """The first STATUS carries the metadata beside the rows; a zero-copy stream of a short room and a room
+    assembled from two senders' parts get their small fields inline too."""
+    a_writer, a_calls = _recording()
+    b_writer, b_calls = _recording()
+    async with EmbeddingSender(LAYOUT, CFG, transport=a_writer) as a, \
+            EmbeddingSender(LAYOUT, CFG, transport=b_writer) as b, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=a.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected(sender=a.address)
+        await receiver.wait_connected(sender=b.address)
+        want = make_request(50, seed=21)
+        meta = {"image": "x" * 3000, "n": [1, 2, 3]}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: a.send("m", want, metadata=meta))
+            got = await receiver.receive("m")
+        assert same_rows(dict(got.tensors), want) and got.metadata == meta
+        assert _written(a_calls) == 50 * EMB
+
+        a_calls.clear()
+        leased: list[dict[str, torch.Tensor]] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.send, "z", want)
+            async with receiver.stream("z", zero_copy=True) as stream:
+                async for chunk in stream:
+                    with chunk:
+                        leased.append(chunk.to_tensors())
+        assert same_rows({k: torch.cat([c[k] for c in leased]) for k in want}, want)
+        assert _written(a_calls) == 50 * EMB
+
+        a_calls.clear()
+        whole = make_request(120, seed=22)
+        first = {k: v[:70] for k, v in whole.items()}
+        second = {k: v[70:] for k, v in whole.items()}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: a.send("p", first, part=0))
+            tg.start_soon(lambda: b.send("p", second, part=1))
+            got = await receiver.receive("p", parts=[Part(a.address, 0, 70), Part(b.address, 70, 120)])
+        assert same_rows(dict(got.tensors), whole)
+        assert _written(a_calls) == 70 * EMB and _written(b_calls) == 50 * EMB
+        await wait_pools_free(a, receiver)
+        await wait_pools_free(b, receiver)

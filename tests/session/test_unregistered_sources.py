@@ -54,7 +54,7 @@ async def test_sends_read_the_callers_tensors_unregistered() -> None:
     writer = _counting(faults=lambda call: calls.append(call) or None)  # type: ignore[func-returns-value]
     # Every row written (none inline: see test_inline_rows.py), so every op's source is checked here.
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
-            EmbeddingReceiver(LAYOUT, CFG.replace(inline_bytes=0), connect=sender.address,
+            EmbeddingReceiver(LAYOUT, CFG.replace(status_inline_bytes=0), connect=sender.address,
                               transport=MockTransport()) as receiver:
         await receiver.wait_connected()
         assert sender._staging is None and writer.registered == []  # no staging area: nothing to copy into

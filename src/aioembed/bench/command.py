@@ -336,6 +336,10 @@ def _run(args: argparse.Namespace, stdout: TextIO) -> int:
     if opts.registered_sources:
         notes.append("sources: the source tensors (goals, sizes) are registered once with the sender "
                      "(register_sources()): send() writes from them without staging or registering per request")
+    if opts.gc_freeze:
+        notes.append("gc: both aioembed processes froze their heap (gc.collect(); gc.freeze()) once each workload's "
+                     "sender and receiver were up, as vLLM and SGLang servers do after start-up; the raw baseline's "
+                     "own peer process did not")
     if opts.control_floor:
         notes.append("floor = raw / (the raw transfer framed by a request from a bare peer process and a 'done' "
                      "back to it, plain pyzmq over TCP loopback, timed in the peer), same raw method: what a transfer "

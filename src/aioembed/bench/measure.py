@@ -662,7 +662,8 @@ class Measurer:
     @contextmanager
     def _frozen_heap(self) -> Iterator[None]:
         """With ``gc_freeze``: what is alive now (the sessions, torch, the sources) is left out of every collection
-        until the workload's session ends (the receiving child freezes its own once connected)."""
+        until the workload's session ends (the receiving child freezes its own once connected). ``gc.unfreeze()``
+        then unfreezes whatever was frozen, by the bench or before it: the bench is the process's owner."""
         if not self.opts.gc_freeze:
             yield
             return

@@ -110,16 +110,17 @@ def plan_inline(field_bytes: Sequence[int | None], limit: int) -> tuple[int, ...
     """The fields (indices, increasing) whose rows of a round ride inside its STATUS instead of a write.
 
     ``field_bytes``: each field's bytes in the round, ``None`` where it cannot go inline (its source is not
-    in CPU memory). Smallest first while the total stays within ``limit``; never the largest field (the
-    first of equals): a round always keeps a write for it, so that only the small fields, whose transfers
-    each cost more than their bytes, leave the transport.
+    in CPU memory: it is written). Smallest first while the total stays within ``limit``. The round always
+    keeps a write: of its ``None`` fields if it has any, else of its largest field (the first of equals), so
+    that only small fields, whose transfers each cost more than their bytes, leave the transport.
     """
     if limit <= 0 or len(field_bytes) < 2:
         return ()
-    sizes = [-1 if n is None else n for n in field_bytes]
-    largest = sizes.index(max(sizes))
+    written = -1
+    if None not in field_bytes:
+        written = field_bytes.index(max(n for n in field_bytes if n is not None))
     chosen: list[int] = []
-    for n, i in sorted((n, i) for i, n in enumerate(sizes) if i != largest and n >= 0):
+    for n, i in sorted((n, i) for i, n in enumerate(field_bytes) if i != written and n is not None):
         if n > limit:
             break
         limit -= n

@@ -51,7 +51,8 @@ class BlockPool:
             raise ConfigError(f"the receive pool of {rows} tokens x {layout.bytes_per_token} B = "
                               f"{rows * layout.bytes_per_token} B cannot be allocated on {device} (pool_tokens): "
                               f"{exc}") from exc
-        self._row_fields = [(name, f.row_bytes, self.tensors[name].data_ptr()) for name, f in layout.items()]
+        self._row_fields = [(name, f.row_bytes, self.tensors[name].data_ptr()) for name, f in layout.items()
+                            if self.device.type == "cpu"]
         """Per field: its name, bytes per row and base address (for :meth:`write_rows`)."""
         if self.device.type != "cpu" and self.tensors:
             # "cuda" is whatever device is current: name the one the pool is on ("cuda:0"), which is what
@@ -131,6 +132,12 @@ class BlockPool:
             for r in runs:
                 o[out_start + r.src_row:out_start + r.src_row + r.count].copy_(t[r.dst_row:r.dst_row + r.count])
 
+    def status_inline_budget(self, setting: int) -> int:
+        """The bytes of a round's rows a receiver of this pool takes inside a STATUS (``Hello.status_inline_bytes``,
+        announced and enforced alike): ``setting`` on the CPU, where :meth:`write_rows` is a memmove on the loop;
+        none elsewhere."""
+        return setting if self.device.type == "cpu" else 0
+
     def write_rows(self, blocks: Sequence[int], rows: Sequence[tuple[int, bytes]], num_tokens: int) -> None:
         """Put ``num_tokens`` packed rows of each ``(field number, bytes)`` of ``rows`` into the first tokens of
         ``blocks``; every entry is checked before any is written. CPU pools only: rows a peer sent inside a
@@ -147,7 +154,8 @@ class BlockPool:
         runs = self.runs(blocks, num_tokens)
         for i, data in rows:
             _, row, base = fields[i]
-            src = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+            src = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+            assert src is not None  # the address of bytes' own buffer (no copy), never NULL
             for r in runs:
                 ctypes.memmove(base + r.dst_row * row, src + r.src_row * row, r.count * row)
 

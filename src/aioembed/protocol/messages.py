@@ -53,18 +53,18 @@ PROTOCOL_VERSION = 5
 """2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership). 3: a ZeroMQ message
 may bundle several frames, one message each (:mod:`aioembed.control.channel`). 4: TOTAL, and a RESUME
 accepted while the round before it is being written (the next round announced early). 5: a round's small
-fields carried inside its STATUS (``HELLO.inline_bytes``, ``STATUS.inline``)."""
+fields carried inside its STATUS (``HELLO.status_inline_bytes``, ``STATUS.inline``)."""
 MAX_FRAME_BYTES = 16 << 20
 """Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCK_SIZE = 1 << 20
 """The largest ``block_size`` a HELLO carries."""
 MAX_POOL_BLOCKS = 1 << 32
 """The most blocks a HELLO may announce."""
-MAX_METADATA_BYTES = MAX_FRAME_BYTES - (64 << 10)
-"""The most metadata one room may carry: it travels inside a STATUS frame, with room for the frame's
-other fields (``max_metadata_bytes`` may not exceed it)."""
 MAX_INLINE_BYTES = 1 << 20
-"""The most bytes of rows one STATUS may carry inline (``inline_bytes`` may not exceed it)."""
+"""The most bytes of rows one STATUS may carry inline (the ``status_inline_bytes`` setting may not exceed it)."""
+MAX_METADATA_BYTES = MAX_FRAME_BYTES - MAX_INLINE_BYTES - (64 << 10)
+"""The most metadata one room may carry: it travels inside a STATUS frame, with room for the rows that frame
+may carry inline and its other fields (``max_metadata_bytes`` may not exceed it)."""
 MAX_BLOCKS_PER_MESSAGE = 1 << 20
 MAX_TOKENS = 1 << 40
 MAX_ROOM_STR = 256
@@ -285,9 +285,9 @@ class Hello(_Base):
     world: int
     regions: tuple[tuple[int, int], ...]
     """Per layout field: (base address, length) of the pool tensor in the receiver."""
-    inline_bytes: int = 0
+    status_inline_bytes: int = 0
     """The most bytes of rows this receiver takes inside one STATUS (``Status.inline``); 0: none (a pool
-    not in CPU memory, or ``inline_bytes = 0``)."""
+    not in CPU memory, or ``status_inline_bytes = 0``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,9 +361,9 @@ class Status(_Base):
     fence: bool = False
     """With FAILED: a failed write may still land, so the receiver keeps the blocks fenced until
     the sender's ``FENCE_RELEASE`` (or ``DRAINED``) says it can no longer land."""
-    inline: tuple[tuple[int, bytes], ...] = ()
+    inline: tuple[tuple[int, bytes], ...] = dataclasses.field(default=(), repr=False)
     """With data: ``(field index, bytes)`` per layout field whose rows this frame brings itself instead of a
-    write (every row it announces, packed), in field order; at most ``HELLO.inline_bytes`` in all."""
+    write (every row it announces, packed), in field order; at most ``HELLO.status_inline_bytes`` in all."""
 
     def __post_init__(self) -> None:
         # A state given by name becomes the enum member; an unknown one is refused by encode().
@@ -466,6 +466,14 @@ def _regions(name: str, v: Any) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _describe(item: Any) -> str:
+    """A short account of a bad inline entry: its parts' types, and an int shown (the bytes may be a megabyte)."""
+    if not isinstance(item, (list, tuple)):
+        return type(item).__name__
+    parts = [repr(x) if isinstance(x, int) else type(x).__name__ for x in item[:3]]
+    return "[" + ", ".join(parts) + (", ...]" if len(item) > 3 else "]")
+
+
 def _inline(name: str, v: Any) -> tuple[tuple[int, bytes], ...]:
     if not isinstance(v, (list, tuple)) or len(v) > 256:
         raise ProtocolError(f"field {name!r}: expected a list of at most 256 [field index, bytes] pairs")
@@ -474,7 +482,7 @@ def _inline(name: str, v: Any) -> tuple[tuple[int, bytes], ...]:
     for item in v:
         if (not isinstance(item, (list, tuple)) or len(item) != 2 or isinstance(item[0], bool)
                 or not isinstance(item[0], int) or not 0 <= item[0] < 256 or not isinstance(item[1], bytes)):
-            raise ProtocolError(f"field {name!r}: bad entry {item!r:.80}, expected [field index 0..255, bytes]")
+            raise ProtocolError(f"field {name!r}: bad entry {_describe(item)}, expected [field index 0..255, bytes]")
         if out and item[0] <= out[-1][0]:
             raise ProtocolError(f"field {name!r}: field indices must increase, got {item[0]} after {out[-1][0]}")
         size += len(item[1])
@@ -514,7 +522,7 @@ Hello.SCHEMA = {
     "receiver_id": _str(64), "epoch": _EPOCH, "fingerprint": _str(128), "transport": _str(64),
     "descriptor": _bytes(MAX_DESCRIPTOR), "block_size": _int(1, MAX_BLOCK_SIZE),
     "num_blocks": _int(1, MAX_POOL_BLOCKS), "rank": _RANK, "world": _WORLD, "regions": _regions,
-    "inline_bytes": _int(0, MAX_INLINE_BYTES),
+    "status_inline_bytes": _int(0, MAX_INLINE_BYTES),
 }
 Welcome.SCHEMA = {"sender_id": _str(64), "epoch": _EPOCH, "heartbeat_interval": _seconds,
                   "writer_id": _str(256)}

@@ -255,8 +255,7 @@ class SenderConnection:
             transport=self.transport.name, descriptor=self.transport.descriptor(), block_size=cfg.block_size,
             num_blocks=cfg.pool_blocks, rank=self.rank, world=self.world,
             regions=tuple((reg.address, reg.length) for reg in self.pool.regions()),
-            # Rows carried inline are copied into the pool on this loop: only where that is a memmove.
-            inline_bytes=cfg.inline_bytes if self.pool.device.type == "cpu" else 0,
+            status_inline_bytes=self.pool.status_inline_budget(cfg.status_inline_bytes),
         )
         backoff = 0.05
         while not self._answered.is_set():

@@ -33,8 +33,8 @@ class PeerSession:
     regions: tuple[tuple[int, int], ...]
     link: Link
     clock: PeerClock
-    inline_bytes: int = 0
-    """The most bytes of a round's rows the receiver takes inside its STATUS (``Hello.inline_bytes``)."""
+    status_inline_bytes: int = 0
+    """The most bytes of a round's rows the receiver takes inside its STATUS (``Hello.status_inline_bytes``)."""
     rooms: set[RoomId] = field(default_factory=set)
     alive: bool = True
 

@@ -603,19 +603,26 @@ class ReceiveRoomDriver:
 
     def _take_inline(self, event: Status, arrived: Arrived, grant: int) -> None:
         """Rows the STATUS brought itself (``Status.inline``) go into the round's blocks before the round counts
-        as landed: no more than this receiver said it takes, of fields it has, exactly the round's rows."""
+        as landed: no more than this receiver said it takes, of fields it has, exactly the rows of a round that
+        this STATUS alone announces (the sender carries none in a round with PROGRESS)."""
         ctx = self.ctx
-        limit = ctx.config.inline_bytes if ctx.pool.device.type == "cpu" else 0
+        limit = ctx.pool.status_inline_budget(ctx.config.status_inline_bytes)
         size = sum(len(data) for _, data in event.inline)
+        why = None
         if size > limit:
-            raise ProtocolError(f"room {self.room!r}: STATUS of round {event.round} carries {size} bytes of rows "
-                                f"inline; this receiver takes at most {limit} (inline_bytes, a CPU pool)",
-                                room=self.room)
-        try:
-            ctx.pool.write_rows(self._rows_of(grant, arrived), event.inline, arrived.count)
-        except PlanError as exc:
-            raise ProtocolError(f"room {self.room!r}: STATUS of round {event.round} carries rows inline that do "
-                                f"not fit its {arrived.count} tokens: {exc}", room=self.room) from None
+            why = (f"carries {size} bytes of rows inline; this receiver takes at most {limit} "
+                   "(status_inline_bytes, a CPU pool)")
+        elif arrived.offset:
+            why = f"carries rows inline after a PROGRESS announced rows of the round ({arrived.offset} tokens)"
+        else:
+            try:
+                ctx.pool.write_rows(self._rows_of(grant, arrived), event.inline, arrived.count)
+                return
+            except PlanError as exc:
+                why = f"carries rows inline that do not fit its {arrived.count} tokens: {exc}"
+        # The STATUS says the round's write is over, as for a wrong total below: its blocks need no fence.
+        self._end_grant(Proof.STATUS, ahead=False)
+        raise ProtocolError(f"room {self.room!r}: STATUS of round {event.round} {why}", room=self.room)
 
     def _on_total(self, event: Total) -> None:
         """The sender's TOTAL, as round 0 is written: the room is longer than round 0's reservation."""

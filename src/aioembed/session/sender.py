@@ -980,7 +980,7 @@ class EmbeddingSender:
                                            f"{hello.receiver_id[:8]}")
         session = PeerSession(identity=identity, key=SessionKey(hello.receiver_id, hello.epoch), rank=hello.rank,
                               world=hello.world, num_blocks=hello.num_blocks, regions=hello.regions, link=link,
-                              clock=PeerClock(anyio.current_time()), inline_bytes=hello.inline_bytes)
+                              clock=PeerClock(anyio.current_time()), status_inline_bytes=hello.status_inline_bytes)
         self._peers.add(session)
         self._last_refusal = None
         self._send_identity(identity, Welcome(sender_id=self.sender_id, epoch=hello.epoch,
