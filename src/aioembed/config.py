@@ -84,9 +84,10 @@ class TransferConfig:
     """Sender: the largest request (in tokens) copied into the staging area."""
     status_inline_bytes: int = 8192
     """Receiver: the most bytes of a round's rows it takes inside the round's STATUS frame instead of a
-    transport write (a CPU pool only; 0: none). The sender carries a round's smaller fields there (token ids,
-    positions: a few bytes per token) while they fit, never the largest one: each field would otherwise cost
-    a transfer of its own, which for small requests costs more than its bytes."""
+    transport write (a CPU pool only; 0: none). The sender carries a round's smaller CPU fields there (token
+    ids, positions: a few bytes per token) while they fit, and keeps a write for the rest (at least the largest
+    field): each field would otherwise cost a write op of its own, which for small requests costs more than its
+    bytes."""
     stream_chunk_tokens: int = 2048
     """Streaming receive: the sender announces rows within a round every this many tokens (rounded up
     to whole blocks), so chunks reach the caller before the round ends; 0: only at round ends."""
