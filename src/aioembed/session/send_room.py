@@ -413,7 +413,7 @@ class SendRoomDriver:
         rank takes rows inline and the round is announced only by its STATUS (no ``PROGRESS`` within it)."""
         if not peer.status_inline_bytes or self.machine.progress_points(task):
             return ()
-        return _plan_inline(tuple(task.count * f.row_bytes if t.device.type == "cpu" else None
+        return _plan_inline(tuple(task.count * f.row_bytes if t.is_cpu else None
                                   for t, f in zip(self.sources, self.ctx.layout.values(), strict=True)),
                             peer.status_inline_bytes)
 
