@@ -9,6 +9,8 @@ import dataclasses
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, Part, TransferConfig, TransferError
 from aioembed.errors import PlanError, ProtocolError
@@ -334,3 +336,51 @@ async def test_metadata_and_rows_ride_together_and_streams_zero_copy_and_parts_g
         assert _written(a_calls) == 70 * EMB and _written(b_calls) == 50 * EMB
         await wait_pools_free(a, receiver)
         await wait_pools_free(b, receiver)
+
+
+_POOL_BLOCKS, _BS = 6, 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_write_rows_touches_exactly_the_rows_it_names_or_nothing(data: st.DataObject) -> None:
+    """Whatever a peer sends (block lists, field numbers, lengths, rows): either exactly the named rows of the
+    named fields change, in the named blocks' first tokens, or nothing does (PlanError). The memmoves stay inside
+    the pool."""
+    pool = BlockPool(LAYOUT, num_blocks=_POOL_BLOCKS, block_size=_BS)
+    for t in pool.tensors.values():  # a known pattern everywhere, to see any stray byte
+        t.view(torch.uint8).reshape(-1).copy_(torch.arange(t.numel() * t.element_size()) % 251)
+    before = {k: v.clone() for k, v in pool.tensors.items()}
+    # Mostly well-formed (so that writes happen and are checked), sometimes not.
+    blocks = data.draw(st.one_of(st.lists(st.integers(0, _POOL_BLOCKS - 1), unique=True, max_size=4),
+                                 st.lists(st.integers(-1, _POOL_BLOCKS), max_size=4)), label="blocks")
+    tokens = data.draw(st.integers(0, len(blocks) * _BS) | st.integers(0, 5 * _BS), label="tokens")
+    rows_by_field = list(LAYOUT.values())
+    entries = data.draw(st.lists(st.tuples(
+        st.sampled_from([0, 1, 2, 0, 1, 2, 3, 4]),  # 3, 4: fields the layout lacks
+        st.sampled_from([0, 0, 0, 0, 0, 0, -2, -1, 1, 2]),  # rows' length off by this many bytes
+    ), max_size=4, unique_by=lambda e: e[0]), label="entries")
+    rows: list[tuple[int, bytes]] = []
+    for i, off in sorted(entries):
+        size = tokens * (rows_by_field[i].row_bytes if i < len(rows_by_field) else 8) + off
+        rows.append((i, bytes((i * 37 + k) % 256 for k in range(max(0, size)))))
+    valid = (all(0 <= b < _POOL_BLOCKS for b in blocks) and len(set(blocks)) == len(blocks)
+             and tokens <= len(blocks) * _BS
+             and all(i < len(rows_by_field) and len(d) == tokens * rows_by_field[i].row_bytes for i, d in rows))
+    try:
+        pool.write_rows(blocks, rows, tokens)
+    except PlanError:
+        assert not valid
+        assert all(torch.equal(before[k], pool.tensors[k]) for k in before), "a refused write changed the pool"
+        return
+    assert valid
+    names = list(LAYOUT)
+    for j, name in enumerate(names):
+        got, want = pool.tensors[name].view(torch.uint8).reshape(pool.num_tokens, -1), \
+            before[name].view(torch.uint8).reshape(pool.num_tokens, -1).clone()
+        data_j = dict(rows).get(j)
+        if data_j:
+            packed = torch.frombuffer(bytearray(data_j), dtype=torch.uint8).reshape(tokens, -1)
+            for k in range(tokens):
+                want[blocks[k // _BS] * _BS + k % _BS] = packed[k]
+        assert torch.equal(got, want), f"field {name!r}: rows outside those named changed, or named rows are wrong"
