@@ -36,6 +36,10 @@ class TransferObserver:
     def sender_room_finished(self, *, sender: str, outcome: str, nbytes: int) -> None:
         """On a receiver: a room (or a part of one) from the sender at ``sender`` ended."""
 
+    def rows_inline(self, *, side: str, nbytes: int) -> None:
+        """``nbytes`` of a round's rows rode inside its STATUS instead of a transport write: sent (``sender``)
+        or copied into the pool (``receiver``)."""
+
     def blocks_fenced(self, *, reason: str, blocks: int, sender: str) -> None:
         """A receiver fenced ``blocks`` because a write of ``sender`` may still reach them;
         ``reason``: ``abort_unacked``, ``write_failed``, ``peer_silent``, ``session_dropped``,
@@ -115,6 +119,8 @@ class PrometheusMetrics(TransferObserver):
                                          "by outcome", ["sender", "outcome"], namespace=namespace, registry=reg)
         self.sender_bytes = prom.Counter("sender_bytes", "Payload bytes a receiver got from each sender", ["sender"],
                                          namespace=namespace, registry=reg)
+        self.inline_bytes = prom.Counter("inline_bytes", "Bytes of rows carried inside STATUS frames instead of "
+                                         "transport writes", ["side"], namespace=namespace, registry=reg)
         self.fences = prom.Counter("blocks_fenced", "Blocks fenced because a write may still reach them",
                                    ["reason", "sender"], namespace=namespace, registry=reg)
         self.fence_releases = prom.Counter("blocks_unfenced", "Fenced blocks released, by the proof that made it safe",
@@ -123,6 +129,9 @@ class PrometheusMetrics(TransferObserver):
         """(metric, label values) -> the object whose gauge it reads (see :meth:`watch_receiver`)."""
         self._sender_series: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}
         """Per sender: the (metric, label values) series made for it, dropped by :meth:`sender_closed`."""
+
+    def rows_inline(self, *, side: str, nbytes: int) -> None:
+        self.inline_bytes.labels(side=side).inc(nbytes)
 
     def room_finished(self, *, side: str, outcome: str, nbytes: int, rounds: int, seconds: float) -> None:
         self.transfers.labels(side=side, outcome=outcome).inc()

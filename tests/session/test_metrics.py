@@ -70,6 +70,11 @@ async def test_prometheus_exporter() -> None:
         assert value("aioembed_transfers_total", {"side": "receiver", "outcome": "success"}) == 1
         assert value("aioembed_transfers_total", {"side": "sender", "outcome": "success"}) == 1
         assert value("aioembed_bytes_total", {"side": "receiver"}) == 2500 * LAYOUT.bytes_per_token
+        # Both rounds (1024 and 1476 tokens) carried their token ids inside the STATUS; the positions (24 B a
+        # row) did not fit the 8192 bytes beside them.
+        ids = 2500 * LAYOUT["token_ids"].row_bytes
+        assert value("aioembed_inline_bytes_total", {"side": "sender"}) == ids
+        assert value("aioembed_inline_bytes_total", {"side": "receiver"}) == ids
         assert value("aioembed_rounds_count", {"side": "receiver"}) == 1
         assert value("aioembed_round_seconds_count", {"side": "receiver"}) == 2
         assert value("aioembed_free_blocks", {"rank": "0"}) == receiver.allocator.stats.total

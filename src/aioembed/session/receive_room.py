@@ -617,6 +617,7 @@ class ReceiveRoomDriver:
         else:
             try:
                 ctx.pool.write_rows(self._rows_of(grant, arrived), event.inline, arrived.count)
+                ctx.observer.rows_inline(side="receiver", nbytes=size)
                 return
             except PlanError as exc:
                 why = f"carries rows inline that do not fit its {arrived.count} tokens: {exc}"

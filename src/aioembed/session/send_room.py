@@ -328,12 +328,18 @@ class SendRoomDriver:
                               even_if_complete=True)
             self.poke()
             return
-        if status.state is TransferStatus.SUCCESS:
-            self.finished.add(task.rank)
-        self.status_sent_at[task.rank] = ended_at  # the RESUME wait counts from the STATUS just sent
+        self._status_sent(status, task.rank, ended_at)
         log.debug("sender: room=%r: round %d to rank %d: %d tokens (%d ops)", room, task.round, task.rank,
                   task.count, len(ops))
         self.poke()
+
+    def _status_sent(self, status: Status, rank: int, at: float) -> None:
+        """A round's STATUS went out to ``rank`` at ``at`` (the RESUME wait counts from there)."""
+        if status.inline:
+            self.ctx.observer.rows_inline(side="sender", nbytes=sum(len(data) for _, data in status.inline))
+        if status.state is TransferStatus.SUCCESS:
+            self.finished.add(rank)
+        self.status_sent_at[rank] = at
 
     def _may_write(self, task: WriteTask, peer: PeerSession) -> bool:
         """False if the room ended (a write started as a task may find it so: an ABORT or a refused frame came
