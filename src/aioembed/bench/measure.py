@@ -647,17 +647,17 @@ class Measurer:
     async def _session(self, cfg: TransferConfig, senders: int = 1) -> AsyncIterator[_Pair]:
         async with AsyncExitStack() as stack:
             opened = [await stack.enter_async_context(EmbeddingSender(self.layout, cfg)) for _ in range(senders)]
+            pair: _Pair
             if self.opts.process_model != "two":
                 receiver = await stack.enter_async_context(
                     EmbeddingReceiver(self.layout, cfg, connect=opened[0].address))
                 for s in opened:
                     await receiver.wait_connected(sender=s.address)
-                with self._frozen_heap():
-                    yield _LocalPair(opened, receiver)
-                return
-            async with self._child_receiver(cfg, opened) as pair:
-                with self._frozen_heap():
-                    yield pair
+                pair = _LocalPair(opened, receiver)
+            else:
+                pair = await stack.enter_async_context(self._child_receiver(cfg, opened))
+            stack.enter_context(self._frozen_heap())
+            yield pair
 
     @contextmanager
     def _frozen_heap(self) -> Iterator[None]:

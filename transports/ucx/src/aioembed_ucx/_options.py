@@ -15,15 +15,6 @@ __all__ = ["EAGER_BYTES", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions", "tl
 
 PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
 
-# UCX transport names accepted in UCX_TLS (UCX 1.1x-1.2x), including aliases and the
-# meta names. A leading "^" negates the list, as in UCX itself.
-_KNOWN_TLS = frozenset({
-    "all", "self", "tcp", "sm", "shm", "mm", "posix", "sysv", "xpmem", "cma", "knem",
-    "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5",
-    "dc", "dc_x", "dc_mlx5", "srd", "rdmacm", "sockcm",
-    "cuda", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "rocm_gdr",
-    "ze_copy", "ze_ipc", "ze_gdr", "ugni", "ugni_rdma", "ugni_udt", "ugni_smsg",
-})
 _LOCAL_TLS = frozenset({
     "self", "tcp", "sm", "shm", "mm", "posix", "sysv", "xpmem", "cma", "knem", "sockcm",
     "cuda", "cuda_copy", "cuda_ipc", "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "rocm_gdr", "ze_copy", "ze_ipc",
@@ -31,6 +22,13 @@ _LOCAL_TLS = frozenset({
 })
 """UCX transports that move host memory without RDMA (TCP, shared memory) or only device memory; any other name
 (``rc``, ``ud``, ``dc``, ``ib``, ``srd``, ``ugni``..., or one this list does not know) counts as RDMA."""
+_RDMA_TLS = frozenset({
+    "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5",
+    "dc", "dc_x", "dc_mlx5", "srd", "rdmacm", "ugni", "ugni_rdma", "ugni_udt", "ugni_smsg",
+})
+# UCX transport names accepted in UCX_TLS (UCX 1.1x-1.2x), including aliases and the
+# meta names. A leading "^" negates the list, as in UCX itself.
+_KNOWN_TLS = _LOCAL_TLS | _RDMA_TLS | {"all"}
 
 
 def tls_may_use_rdma(tls: str | None, rdma_devices: bool) -> bool:
@@ -43,6 +41,8 @@ def tls_may_use_rdma(tls: str | None, rdma_devices: bool) -> bool:
     if tls.startswith("^") or "all" in names:
         return rdma_devices
     return bool(names - _LOCAL_TLS)
+
+
 _UCX_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 _KNOWN = ("tls", "host", "port", "progress_mode", "write_timeout", "connect_timeout", "inline_bytes",
