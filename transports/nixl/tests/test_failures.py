@@ -381,7 +381,9 @@ async def test_a_burst_to_one_peer_does_not_time_out_while_its_writes_complete()
     """Writes queued behind others on one link are not late while the link moves: the deadline counted
     from the post, and 30 of 48 concurrent writes timed out with 6x headroom (found by a review)."""
     size = 32 << 20
-    options = dict(NIXL_TCP_OPTIONS, write_timeout=0.3)
+    # 0.6 s: about 30 times one write, and past a stall of this VM (CI once saw a write of a burst exceed 0.3 s
+    # after its post while the 46 writes took 0.48 s in all); the burst still lasts well past it.
+    options = dict(NIXL_TCP_OPTIONS, write_timeout=0.6)
     async with await open_transport("nixl", options) as owner, writer(options, size) as (t, src):
         dst = torch.zeros(size, dtype=torch.uint8)
         await owner.register([region_of(dst)])
@@ -397,7 +399,7 @@ async def test_a_burst_to_one_peer_does_not_time_out_while_its_writes_complete()
             except TransportError as exc:
                 failures.append(exc)
 
-        count = max(8, int(1.0 / max(alone, 1e-3)))  # together several times the write_timeout
+        count = max(8, int(2.0 / max(alone, 1e-3)))  # together several times the write_timeout
         start = time.monotonic()
         async with anyio.create_task_group() as tg:
             for _ in range(count):
