@@ -233,7 +233,7 @@ async def test_abort_after_a_failed_send_keeps_the_ranks_that_asked() -> None:
 
 
 async def test_a_reject_in_a_live_room_fences_what_it_announced_until_the_aborts_answer() -> None:
-    """A REJECT does not say which frame it refused, and a refused frame leaves the sender's room going: the
+    """A REJECT names the frame it refused only in its text, and a refused frame leaves the sender's room going: the
     receiver ABORTs the room and keeps its announced blocks fenced until the ABORT is answered."""
     async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
         await _welcomed(raw)

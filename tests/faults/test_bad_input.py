@@ -103,6 +103,7 @@ async def test_bad_reservations_are_refused_and_leave_nothing(init: Init, needle
             raw.send(init)
             rej = await raw.expect(Reject)
             assert isinstance(rej, Reject) and rej.room == "r" and needle in rej.reason, rej
+            assert rej.reason.startswith("INIT refused: "), rej.reason
             assert sender.rooms_in_flight == 0  # a refused INIT creates no room
             for name, t in raw.pool.tensors.items():
                 assert torch.equal(t, before[name])
@@ -114,6 +115,7 @@ async def test_protocol_violations_after_a_valid_init() -> None:
             raw.send(Resume(room="nope", round=1, sent_tokens=0, blocks=(0,), allocated_tokens=128))
             rej = await raw.expect(Reject)
             assert isinstance(rej, Reject) and "has not started" in rej.reason
+            assert rej.reason.startswith("RESUME refused: "), rej.reason
             raw.send(Init(room="dup", blocks=(0, 1), allocated_tokens=256, expected_ranks=1))
             raw.send(Init(room="dup", blocks=(2, 3), allocated_tokens=256, expected_ranks=1))
             rej = await raw.expect(Reject)
@@ -125,6 +127,7 @@ async def test_protocol_violations_after_a_valid_init() -> None:
             raw.send(Resume(room="early", round=1, sent_tokens=0, blocks=(4,), allocated_tokens=128))
             rej = await raw.expect(Reject)
             assert isinstance(rej, Reject) and "not expected" in rej.reason and rej.room == "early"
+            assert rej.reason.startswith("RESUME refused: "), rej.reason  # which of its frames broke the rule
             assert sender.rooms_in_flight == 0
             raw.send(Abort(room="early", reason="test over"))
             assert isinstance(await raw.expect(AbortAck), AbortAck)

@@ -565,8 +565,9 @@ class ReceiveRoomDriver:
                                   room=self.room)
         if isinstance(event, Reject):
             # Not the sender's end of the room: a refused frame leaves its room (and this rank) going there,
-            # and which frame was refused the REJECT does not say. fail() ABORTs the room and fences what we
-            # announced; the ABORT's answer, which comes once nothing of the room can move, frees it.
+            # and the REJECT names the refused frame only in its text (for the error below), so no frame of
+            # ours is known to be void. fail() ABORTs the room and fences what we announced; the ABORT's
+            # answer, which comes once nothing of the room can move, frees it.
             if self._lost_reason is not None and self.machine.received == 0:
                 raise PeerDead(f"room {self.room!r}: {self._lost_reason}; opened again, sender "
                                f"{self.conn.address} refused it: {event.reason}", room=self.room)

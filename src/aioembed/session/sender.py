@@ -918,7 +918,8 @@ class EmbeddingSender:
             handler(peer, msg)
         except ProtocolError as exc:
             log.warning("sender: room=%s: %s from %s refused: %s", exc.room, msg.TYPE, peer, exc)
-            reject = Reject(reason=plain_text(exc), room=exc.room)
+            # The reason names the refused frame: the receiver's error says which of its frames broke a rule.
+            reject = Reject(reason=plain_text(f"{msg.TYPE} refused: {exc}"), room=exc.room)
             if exc.room is None:
                 self._send_to(peer, reject)
             else:
