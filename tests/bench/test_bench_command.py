@@ -257,3 +257,50 @@ async def test_gc_freeze_leaves_the_session_out_of_collections_while_it_runs() -
                                          check=[m.opts.seed, 8])
             assert len(times) == 2
         assert gc.get_freeze_count() == before  # unfrozen with the session
+
+
+@pytest.mark.anyio
+async def test_rooms_in_flight_receive_out_into_buffers_of_their_own() -> None:
+    """W3 ``out=`` reuses buffers from room to room, but never between rooms in flight at the same time: with one
+    shared buffer a room's check could read the rows another room had just copied (as a server gives each
+    request in flight its own buffers)."""
+    from aioembed.bench.measure import Measurer
+    from aioembed.session.receiver import EmbeddingReceiver
+
+    base = TransferConfig(transport="loopback")
+    m = Measurer(BenchOptions(base_config=base), None, lambda s: None)
+    src = m.source(8)
+    async with m._session(base.replace(pool_tokens=1024, default_tokens=128)) as pair:
+        receiver = pair.receiver  # type: ignore[attr-defined]
+        assert isinstance(receiver, EmbeddingReceiver)
+        holders: dict[int, list[str]] = {}  # out buffer -> the rooms receiving into it now
+        shared: list[list[str]] = []
+        receive = receiver.receive
+
+        async def recording(room: Any, **kw: Any) -> Any:
+            rooms = holders.setdefault(kw["out"]["embeddings"].data_ptr(), [])
+            rooms.append(room)
+            if len(rooms) > 1:
+                shared.append(list(rooms))
+            try:
+                return await receive(room, **kw)
+            finally:
+                rooms.remove(room)
+
+        receiver.receive = recording  # type: ignore[method-assign]
+        times, _ = await pair.series([f"r{i}" for i in range(16)], src, expected=8, mode="out", concurrency=4,
+                                     check=[m.opts.seed, 8])
+        assert len(times) == 16 and shared == []
+        assert len(pair._out) == 4  # type: ignore[attr-defined]  # one per worker, reused by its rooms
+
+
+def test_the_receiving_child_keeps_out_buffers_per_worker() -> None:
+    from aioembed.bench.peer import _Checker
+    from aioembed.samples import standard_layout
+
+    checker = _Checker(standard_layout(16))
+    a, b = checker.out(8, 0), checker.out(8, 1)
+    assert a["embeddings"].data_ptr() != b["embeddings"].data_ptr()
+    assert checker.out(4, 0) is a and checker.out(8, 1) is b  # reused by the same worker, if large enough
+    bigger = checker.out(16, 0)
+    assert bigger["embeddings"].shape[0] == 16 and checker.out(16, 1) is not bigger

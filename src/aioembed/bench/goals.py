@@ -13,7 +13,8 @@ W3     64-token requests, 32 in flight: requests/s, p99 latency     >= 0.5 x raw
 =====  ===========================================================  ======================================
 
 Receive modes: ``leased`` (``receive_leased()``, released after the clock stops), ``out``
-(``receive(out=...)`` into buffers reused from room to room), ``receive`` (``receive()`` into a
+(``receive(out=...)`` into buffers reused from room to room, one set per room in flight), ``receive``
+(``receive()`` into a
 fresh output). Every aioembed transfer is checked bit for bit against the source in the receiving
 process, outside its timing: in W1 and W2 with the receiver in a child process, only once *both* sides
 are done (the child holds the rows until then); in W3 as each room's rows are in hand, so there the
@@ -226,7 +227,8 @@ async def run_goals(m: Measurer) -> dict[str, Any]:
         "description": (
             "the speed goals: W1 8192 tokens one at a time (GB/s per receive mode); W2 20000 tokens in rounds "
             "(8192-token default) vs one round (expected_tokens); W3 64-token requests one at a time and 32 in "
-            "flight (expected_tokens=64); modes leased = receive_leased(), out = receive(out=reused buffers), "
+            "flight (expected_tokens=64); modes leased = receive_leased(), out = receive(out=reused buffers, "
+            "one set per room in flight), "
             "receive = receive() into a fresh output; every aioembed transfer checked bit for bit after its "
             "clock stopped; raw = the transport's raw baseline on the same bytes, interleaved"
         ),

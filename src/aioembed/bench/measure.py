@@ -267,8 +267,9 @@ class _Pair(ABC):
     async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
                   check: list[int] | None) -> tuple[float, int]:
         """One transfer received as ``mode`` says (``copy``: ``receive()``, ``out``: ``receive(out=...)``
-        into reused buffers, ``lease``: ``receive_leased()``); the rows are checked against the source
-        (``check = [seed, top]``, see :func:`make_source`) after the clock stopped. (seconds, rounds)."""
+        into reused buffers, one set per room in flight, ``lease``: ``receive_leased()``); the rows are checked
+        against the source (``check = [seed, top]``, see :func:`make_source`) after the clock stopped. (seconds,
+        rounds)."""
 
     @abstractmethod
     async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
@@ -290,7 +291,8 @@ class _LocalPair(_Pair):
     def __init__(self, senders: list[EmbeddingSender], receiver: EmbeddingReceiver) -> None:
         self.senders = senders
         self.receiver = receiver
-        self._out: dict[str, torch.Tensor] | None = None
+        self._out: dict[int, dict[str, torch.Tensor]] = {}
+        """``out=`` buffers per receiving worker, reused from room to room (rooms in flight never share one)."""
 
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                    via: int = 0) -> tuple[float, int]:
@@ -319,8 +321,9 @@ class _LocalPair(_Pair):
         return dt, rounds
 
     async def _receive(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None, mode: str,
-                       check: bool) -> tuple[float, int]:
-        """The receiving side of one room; returns (``time.perf_counter()`` with the rows in hand, rounds)."""
+                       check: bool, *, slot: int = 0) -> tuple[float, int]:
+        """The receiving side of one room (``out`` mode: into worker ``slot``'s buffers); returns
+        (``time.perf_counter()`` with the rows in hand, rounds)."""
         if mode == "lease":
             lease = await self.receiver.receive_leased(room, expected_tokens=expected)
             t = time.perf_counter()
@@ -331,10 +334,10 @@ class _LocalPair(_Pair):
             return t, rounds
         else:
             n = next(iter(data.values())).shape[0]
-            if mode == "out" and (self._out is None or next(iter(self._out.values())).shape[0] < n):
-                self._out = self.receiver.layout.empty(n, device=self.receiver.config.device)
-            got = await self.receiver.receive(room, expected_tokens=expected,
-                                              out=self._out if mode == "out" else None)
+            out = self._out.get(slot)
+            if mode == "out" and (out is None or next(iter(out.values())).shape[0] < n):
+                out = self._out[slot] = self.receiver.layout.empty(n, device=self.receiver.config.device)
+            got = await self.receiver.receive(room, expected_tokens=expected, out=out if mode == "out" else None)
             t = time.perf_counter()
             rows, rounds = got.tensors, got.rounds
         if check and not same_rows(rows, data):
@@ -358,10 +361,10 @@ class _LocalPair(_Pair):
         starts, ends, send_starts, send_ends = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         recv_it, send_it = iter(enumerate(rooms)), iter(enumerate(rooms))
 
-        async def receiving() -> None:
+        async def receiving(slot: int) -> None:
             for i, room in recv_it:
                 starts[i] = time.perf_counter()
-                ends[i], _ = await self._receive(room, data, expected, mode, bool(check))
+                ends[i], _ = await self._receive(room, data, expected, mode, bool(check), slot=slot)
 
         async def sending() -> None:
             for i, room in send_it:
@@ -370,8 +373,8 @@ class _LocalPair(_Pair):
                 send_ends[i] = time.perf_counter()
 
         async with anyio.create_task_group() as tg:
-            for _ in range(min(concurrency, n)):
-                tg.start_soon(receiving)
+            for slot in range(min(concurrency, n)):
+                tg.start_soon(receiving, slot)
                 tg.start_soon(sending)
         return _series_times(starts, ends, send_starts, send_ends)
 

@@ -10,10 +10,11 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
 * stdin ``{"op": "recv", "id": i, "room": r, "expected": n | null, "mode": m, "sender": a, "check":
   [seed, top], "out_tokens": k, "at": A}``: at instant ``A`` (``time.monotonic()``, the start line where the
   parent calls ``send()``; at once if absent or passed), start the room from the sender at ``a`` (default
-  ``connect``) with ``receive()`` (``mode`` copy), ``receive(out=...)`` into reused buffers of ``k`` rows (out) or
-  ``receive_leased()`` (lease); the ``out=`` buffers and the reference rows live on the pool's device;
-  with ``check``, the rows are compared with the source the parent made (``make_source(layout, top,
-  seed)``, regenerated here on the pool's device) once they are in hand (``T`` taken); stdout
+  ``connect``) with ``receive()`` (``mode`` copy), ``receive(out=...)`` into reused buffers of ``k`` rows,
+  one set per room in flight (out) or ``receive_leased()`` (lease); the ``out=`` buffers and the reference
+  rows live on the pool's device; with ``check``, the rows are compared with the source the parent made
+  (``make_source(layout, top, seed)``, regenerated here on the pool's device) once they are in hand (``T``
+  taken); stdout
   ``{"event": "done", "id": i, "t0": T0, "t": T, "rounds": k}`` when the rows are in hand (``T0``: when
   the receive was called), where ``T`` is ``time.monotonic()`` at that moment (one system-wide clock on
   Linux, so the parent times the transfer from its own start to ``max(send returned, T)``); a lease is
@@ -69,15 +70,17 @@ class _Checker:
         self.layout = layout
         self.device = device
         self._sources: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._out: dict[int, dict[str, torch.Tensor]] = {}
+        self._out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
-    def out(self, tokens: int) -> dict[str, torch.Tensor]:
-        """Preallocated output of at least ``tokens`` rows on the pool's device, reused from room to room."""
-        have = max((n for n in self._out if n >= tokens), default=None)
+    def out(self, tokens: int, slot: int = 0) -> dict[str, torch.Tensor]:
+        """Preallocated output of at least ``tokens`` rows on the pool's device, reused from room to room by
+        one worker (``slot``): rooms in flight at the same time never share one, so a room's check reads the
+        rows that room copied, as a server gives each request in flight its own buffers."""
+        have = max((n for s, n in self._out if s == slot and n >= tokens), default=None)
         if have is None:
-            self._out[tokens] = self.layout.empty(tokens, device=self.device)
+            self._out[slot, tokens] = self.layout.empty(tokens, device=self.device)
             have = tokens
-        return self._out[have]
+        return self._out[slot, have]
 
     def same(self, check: list[int] | None, rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> bool:
         """True if ``rows`` are rows ``[0, n)`` of the source ``check = [seed, top]`` (or nothing to check)."""
@@ -102,10 +105,10 @@ async def _start(cmd: dict[str, Any]) -> float:
 
 
 async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
-                cmd: dict[str, Any]) -> tuple[float, int, Callable[[], None]]:
-    """One room as ``cmd`` says (``mode``: copy, out or lease): (``time.monotonic()`` once the rows were in
-    hand, rounds, ``finish``). ``finish()`` compares the rows with the source and lets them go (a lease is
-    released); it raises if they differ."""
+                cmd: dict[str, Any], slot: int = 0) -> tuple[float, int, Callable[[], None]]:
+    """One room as ``cmd`` says (``mode``: copy, out or lease; ``out`` into the buffers of worker ``slot``):
+    (``time.monotonic()`` once the rows were in hand, rounds, ``finish``). ``finish()`` compares the rows with
+    the source and lets them go (a lease is released); it raises if they differ."""
     expected, sender = cmd.get("expected"), cmd.get("sender")
     mode = check_receive_mode(cmd.get("mode") or ("lease" if cmd.get("lease") else "copy"))
     check = cmd.get("check")
@@ -122,7 +125,7 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
                 raise RuntimeError(f"room {room!r}: the rows differ from the source")
 
         return t, lease.rounds, release
-    out = checker.out(int(cmd["out_tokens"])) if mode == "out" else None
+    out = checker.out(int(cmd["out_tokens"]), slot) if mode == "out" else None
     got = await receiver.receive(room, expected_tokens=expected, sender=sender, out=out)
     t = time.monotonic()
 
@@ -133,10 +136,11 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
     return t, got.rounds, drop
 
 
-async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cmd: dict[str, Any]) -> tuple[float, int]:
-    """One room, checked as soon as its rows are in hand (the sender may still be finishing); returns (when the
-    rows were in hand, rounds)."""
-    t, rounds, finish = await _take(receiver, checker, room, cmd)
+async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cmd: dict[str, Any],
+                   slot: int) -> tuple[float, int]:
+    """One room of worker ``slot``, checked as soon as its rows are in hand (the sender may still be finishing);
+    returns (when the rows were in hand, rounds)."""
+    t, rounds, finish = await _take(receiver, checker, room, cmd, slot)
     finish()
     return t, rounds
 
@@ -203,17 +207,17 @@ async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str,
     errors: list[str] = []
     it = iter(enumerate(rooms))
 
-    async def worker() -> None:
+    async def worker(slot: int) -> None:
         for i, room in it:
             starts[i] = time.monotonic()
             try:
-                ends[i], _ = await _receive(receiver, checker, room, cmd)
+                ends[i], _ = await _receive(receiver, checker, room, cmd, slot)
             except Exception as exc:
                 errors.append(f"{room}: {type(exc).__name__}: {exc}")
 
     async with anyio.create_task_group() as tg:
-        for _ in range(min(int(cmd["concurrency"]), len(rooms))):
-            tg.start_soon(worker)
+        for slot in range(min(int(cmd["concurrency"]), len(rooms))):
+            tg.start_soon(worker, slot)
     if errors:
         _emit(event="done", id=cid, error=f"{len(errors)} rooms failed, first: {errors[0]}")
     else:

@@ -33,7 +33,8 @@ from aioembed.layout import Layout
 
 RECEIVE_MODES = ("copy", "out", "lease")
 """How a benchmark's receiving side takes a room's rows: ``receive()`` into a fresh output, ``receive(out=...)``
-into reused buffers, ``receive_leased()``. Anything else is refused (a misspelt mode must not measure another)."""
+into reused buffers (one set per room in flight), ``receive_leased()``. Anything else is refused (a misspelt
+mode must not measure another)."""
 
 
 def check_receive_mode(mode: str) -> str:
