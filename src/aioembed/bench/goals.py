@@ -14,8 +14,7 @@ W3     64-token requests, 32 in flight: requests/s, p99 latency     >= 0.5 x raw
 
 Receive modes: ``leased`` (``receive_leased()``, released after the clock stops), ``out``
 (``receive(out=...)`` into buffers reused from room to room, one set per room in flight), ``receive``
-(``receive()`` into a
-fresh output). Every aioembed transfer is checked bit for bit against the source in the receiving
+(``receive()`` into a fresh output). Every aioembed transfer is checked bit for bit against the source in the receiving
 process, outside its timing: in W1 and W2 with the receiver in a child process, only once *both* sides
 are done (the child holds the rows until then); in W3 as each room's rows are in hand, so there the
 checks share the cores with the rooms still in flight and count in the requests/s. The raw baseline
