@@ -298,9 +298,9 @@ def test_the_receiving_child_keeps_out_buffers_per_worker() -> None:
     from aioembed.bench.peer import _Checker
     from aioembed.samples import standard_layout
 
-    checker = _Checker(standard_layout(16))
-    a, b = checker.out(8, 0), checker.out(8, 1)
+    out = _Checker(standard_layout(16)).out
+    a, b = out.get(0, 8), out.get(1, 8)
     assert a["embeddings"].data_ptr() != b["embeddings"].data_ptr()
-    assert checker.out(4, 0) is a and checker.out(8, 1) is b  # reused by the same worker, if large enough
-    bigger = checker.out(16, 0)
-    assert bigger["embeddings"].shape[0] == 16 and checker.out(16, 1) is not bigger
+    assert out.get(0, 4) is a and out.get(1, 8) is b  # reused by the same worker, if large enough
+    bigger = out.get(0, 16)
+    assert bigger["embeddings"].shape[0] == 16 and out.get(1, 16) is not bigger and len(out) == 2

@@ -49,6 +49,7 @@ from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
     REQUEST_MIXES,
     TRACE_KINDS,
+    OutBuffers,
     check_receive_mode,
     concurrency_sizes,
     generate_trace,
@@ -291,8 +292,7 @@ class _LocalPair(_Pair):
     def __init__(self, senders: list[EmbeddingSender], receiver: EmbeddingReceiver) -> None:
         self.senders = senders
         self.receiver = receiver
-        self._out: dict[int, dict[str, torch.Tensor]] = {}
-        """``out=`` buffers per receiving worker, reused from room to room (rooms in flight never share one)."""
+        self._out = OutBuffers(receiver.layout, receiver.config.device)
 
     async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
                    via: int = 0) -> tuple[float, int]:
@@ -333,11 +333,8 @@ class _LocalPair(_Pair):
                 raise PeerProcessError(f"room {room!r}: the rows differ from the source")
             return t, rounds
         else:
-            n = next(iter(data.values())).shape[0]
-            out = self._out.get(slot)
-            if mode == "out" and (out is None or next(iter(out.values())).shape[0] < n):
-                out = self._out[slot] = self.receiver.layout.empty(n, device=self.receiver.config.device)
-            got = await self.receiver.receive(room, expected_tokens=expected, out=out if mode == "out" else None)
+            out = self._out.get(slot, next(iter(data.values())).shape[0]) if mode == "out" else None
+            got = await self.receiver.receive(room, expected_tokens=expected, out=out)
             t = time.perf_counter()
             rows, rounds = got.tensors, got.rounds
         if check and not same_rows(rows, data):

@@ -53,7 +53,7 @@ import torch
 from aioembed.bench.event_channel import claim_stdout
 from aioembed.bench.event_channel import emit as _emit
 from aioembed.bench.start_line import reach
-from aioembed.bench.workloads import check_receive_mode, make_source
+from aioembed.bench.workloads import OutBuffers, check_receive_mode, make_source
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
 from aioembed.samples import same_rows, standard_layout
@@ -64,23 +64,14 @@ __all__ = ["main"]
 
 class _Checker:
     """The rows a room must hold (regenerated from the source's seed, as the sender made them), and the
-    reused ``out=`` buffers; checks run once the child's own clock stopped (with ``hold``, the parent's too)."""
+    reused ``out=`` buffers (:class:`~aioembed.bench.workloads.OutBuffers`, on the pool's device); checks run
+    once the child's own clock stopped (with ``hold``, the parent's too)."""
 
     def __init__(self, layout: Layout, device: str = "cpu") -> None:
         self.layout = layout
         self.device = device
         self._sources: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-
-    def out(self, tokens: int, slot: int = 0) -> dict[str, torch.Tensor]:
-        """Preallocated output of at least ``tokens`` rows on the pool's device, reused from room to room by
-        one worker (``slot``): rooms in flight at the same time never share one, so a room's check reads the
-        rows that room copied, as a server gives each request in flight its own buffers."""
-        have = max((n for s, n in self._out if s == slot and n >= tokens), default=None)
-        if have is None:
-            self._out[slot, tokens] = self.layout.empty(tokens, device=self.device)
-            have = tokens
-        return self._out[slot, have]
+        self.out = OutBuffers(layout, device)
 
     def same(self, check: list[int] | None, rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> bool:
         """True if ``rows`` are rows ``[0, n)`` of the source ``check = [seed, top]`` (or nothing to check)."""
@@ -125,7 +116,7 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
                 raise RuntimeError(f"room {room!r}: the rows differ from the source")
 
         return t, lease.rounds, release
-    out = checker.out(int(cmd["out_tokens"]), slot) if mode == "out" else None
+    out = checker.out.get(slot, int(cmd["out_tokens"])) if mode == "out" else None
     got = await receiver.receive(room, expected_tokens=expected, sender=sender, out=out)
     t = time.monotonic()
 

@@ -43,11 +43,33 @@ def check_receive_mode(mode: str) -> str:
         raise ValueError(f"unknown receive mode {mode!r}; known: {', '.join(RECEIVE_MODES)}")
     return mode
 
+
+class OutBuffers:
+    """The ``out=`` buffers of a benchmark's receiving side: one set per worker (``slot``), reused by its rooms and
+    replaced by a larger one when a room needs more rows. Rooms in flight at the same time never share one, so a
+    room's check reads the rows that room copied, as a server gives each request in flight its own buffers."""
+
+    def __init__(self, layout: Layout, device: str | torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self._sets: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def get(self, slot: int, tokens: int) -> dict[str, torch.Tensor]:
+        """Worker ``slot``'s buffers, of at least ``tokens`` rows."""
+        out = self._sets.get(slot)
+        if out is None or next(iter(out.values())).shape[0] < tokens:
+            out = self._sets[slot] = self.layout.empty(tokens, device=self.device)
+        return out
+
 __all__ = [
     "FULL_CONCURRENCY",
     "FULL_SIZES",
     "IMAGE_TOKENS",
     "MULTI_IMAGE_COUNT",
+    "OutBuffers",
     "QUICK_CONCURRENCY",
     "QUICK_SIZES",
     "RECEIVE_MODES",
