@@ -3,7 +3,9 @@
 The stateful tests run random interleavings of every event kind against a model of the data plane:
 the model knows which writes are in flight and which blocks they target, and the senders in it are
 truthful (a proof is given only when it holds). The invariant: a block the ledger frees has no
-write that may still reach it, so it can never be re-announced while one does.
+write that may still reach it, so it can never be re-announced while one does. A failed write that
+settled at its sender is such a write until ``SETTLE`` has passed (its last bytes may still sit in the
+receiver's socket buffers), so the settle on FENCE_RELEASE, DRAINED and late answers is checked too.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ class _Write:
     grant: int
     blocks: tuple[int, ...]
     poisoned: bool = False
-    deadline: float | None = None  # a gone writer's write lands by then at the latest
+    deadline: float | None = None  # it lands by then at the latest (a gone writer's, or one that settled)
+    settled: bool = False
+    """Poisoned, and its sender saw its last transfer end: nothing more is sent, but bytes already sent may
+    still sit in the receiver's socket buffers and land within ``SETTLE`` (its ``deadline``)."""
 
 
 @dataclass(eq=False)
@@ -195,8 +200,9 @@ class BlockLedgerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def write_lands(self, data: st.DataObject) -> None:
-        if self.writes:
-            self.writes.pop(data.draw(st.sampled_from(sorted(self.writes))))
+        landing = sorted(w.id for w in self.writes.values() if not w.settled)  # settled: lands by its deadline
+        if landing:
+            self.writes.pop(data.draw(st.sampled_from(landing)))
 
     @rule(data=st.data())
     def write_fails_but_may_land(self, data: st.DataObject) -> None:
@@ -222,6 +228,55 @@ class BlockLedgerMachine(RuleBasedStateMachine):
             assert g.writer is not None
             self.apply(self.ledger.late_answer(g.writer, g.room, Proof.STATUS))
 
+    @rule(data=st.data(), sender=st.sampled_from(["a", "b"]))
+    def write_fails_and_its_room_fences(self, data: st.DataObject, sender: str) -> None:
+        """The usual path of a failed write, in one step (a new room's if no write is in flight): it may still
+        land (poisoned), its sender says ``STATUS(FAILED, fence=True)``, the receiver fences the round's grant."""
+        announced = self.live(GrantState.ANNOUNCED)
+        live = [w for w in self.writes.values() if not w.poisoned and self.grants.get(w.grant) in announced]
+        if not live:
+            self.reserve(1)
+            fresh = self.live(GrantState.RESERVED)
+            if not fresh:
+                return
+            g = fresh[-1]
+            g.writer, g.written = self.writer_of(sender), True
+            self.ledger.announce(g.id, g.writer)
+            wid = next(self.ids)
+            live = [self.writes.setdefault(wid, _Write(wid, g.writer.sender, g.writer.epoch, g.id, g.blocks))]
+        w = data.draw(st.sampled_from(live))
+        w.poisoned = True
+        g = self.grants[w.grant]
+        g.room_open = False
+        self.apply(self.ledger.fence(g.id, FenceReason.WRITE_FAILED, now=self.now))
+
+    @rule(data=st.data())
+    def failed_write_settles_at_its_sender(self, data: st.DataObject) -> None:
+        """The sender's transport says a poisoned write ended; what it sent lands within ``SETTLE``."""
+        live = [w for w in self.writes.values() if w.poisoned and not w.settled]
+        if live:
+            w = data.draw(st.sampled_from(live))
+            w.settled = True
+            w.deadline = min(w.deadline if w.deadline is not None else math.inf, self.now + SETTLE)
+
+    @staticmethod
+    def _settled(writes: list[_Write]) -> bool:
+        """Has the sender seen every one of ``writes`` end (so that it may vouch for them after a settle)?"""
+        return all(w.settled for w in writes)
+
+    @rule(data=st.data(), proof=st.sampled_from([Proof.STATUS, Proof.ABORT_ACK, Proof.SENDER_ABORT]))
+    def late_answer_after_a_failed_write(self, data: st.DataObject, proof: Proof) -> None:
+        """The writer's final STATUS / ABORT_ACK / ABORT for a room whose write failed and was fenced: sent once
+        that write settled at the sender, while its last bytes may still be on their way."""
+        grants = [g for g in self.live(GrantState.FENCED)
+                  if self.ledger.grant(g.id).reason is FenceReason.WRITE_FAILED and g.writer is not None
+                  and self._settled(self._writes_into(g))]
+        if grants:
+            g = data.draw(st.sampled_from(grants))
+            assert g.writer is not None
+            g.written = True  # the room is over for the sender
+            self.apply(self.ledger.late_answer(g.writer, g.room, proof, now=self.now, settle=SETTLE))
+
     @rule(data=st.data(), proof=st.sampled_from([Proof.STATUS, Proof.ABORT_ACK, Proof.SENDER_ABORT]))
     def writer_says_over(self, data: st.DataObject, proof: Proof) -> None:
         """A final non-fence STATUS / ABORT_ACK / ABORT: sent only once no write is in flight."""
@@ -242,8 +297,9 @@ class BlockLedgerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def fence_release(self, data: st.DataObject) -> None:
-        """FENCE_RELEASE: only once the grant's writes can no longer land."""
-        grants = [g for g in self.live(GrantState.FENCED) if not self._writes_into(g)]
+        """FENCE_RELEASE: only once the grant's writes can no longer be sent (they settled at the sender; their
+        last bytes may land within ``SETTLE``)."""
+        grants = [g for g in self.live(GrantState.FENCED) if self._settled(self._writes_into(g))]
         if grants:
             g = data.draw(st.sampled_from(grants))
             assert g.writer is not None
@@ -287,11 +343,12 @@ class BlockLedgerMachine(RuleBasedStateMachine):
 
     @rule(sender=st.sampled_from(["a", "b"]))
     def drained(self, sender: str) -> None:
-        """The same sender, in its current session, confirms earlier sessions drained (only if true)."""
+        """The same sender, in its current session, confirms earlier sessions drained (only if true: their
+        writes all ended at the sender; the last bytes of failed ones may land within ``SETTLE``)."""
         s = self.senders[sender]
         if s.gone_at is not None:
             return
-        if any(w.sender == s.process and w.epoch < s.epoch for w in self.writes.values()):
+        if not self._settled([w for w in self.writes.values() if w.sender == s.process and w.epoch < s.epoch]):
             return
         self.apply(self.ledger.drained(s.process, s.epoch, now=self.now, settle=SETTLE))
 
