@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from aioembed.memory import huge_pages
+from aioembed.testing.event_loops import AnyioBackend, anyio_backends
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test of this folder runs on asyncio and on trio."""
-    return str(request.param)
+@pytest.fixture(params=anyio_backends("asyncio", "trio"))
+def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
+    """Every async test of this folder runs on asyncio and on trio (no I/O here: uvloop would add nothing)."""
+    return request.param
 
 
 @pytest.fixture

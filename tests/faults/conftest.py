@@ -1,10 +1,12 @@
-"""Fault tests run on both event loops."""
+"""Fault tests run on every event loop aioembed supports (asyncio, uvloop, trio)."""
 
 from __future__ import annotations
 
 import pytest
 
+from aioembed.testing.event_loops import AnyioBackend, anyio_backends
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+
+@pytest.fixture(params=anyio_backends())
+def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
+    return request.param

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from aioembed.control.channel import ControlSocket
+from aioembed.testing.event_loops import AnyioBackend, anyio_backends
 
 pytestmark = pytest.mark.anyio
 
@@ -65,9 +66,10 @@ def _recv_all(sock: zmq.Socket[bytes]) -> int:
         n += 1
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture(params=anyio_backends())
+def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
+    """The control channel watches ZeroMQ's edge-triggered descriptor: a selector on asyncio, libuv on uvloop."""
+    return request.param
 
 
 async def test_a_peer_at_its_high_water_mark_blocks_nobody_and_nothing_spins() -> None:

@@ -36,6 +36,7 @@ from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.testing import MockTransport, WriteCall, WriteFault
+from aioembed.testing.event_loops import AnyioBackend, backend_and_options
 
 from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
 from .rawpeer import raw_sender
@@ -61,7 +62,7 @@ async def _in(portal: BlockingPortal, fn: Callable[..., Any], *args: Any) -> Any
 
 
 async def test_frozen_receiver_declared_dead_never_lets_a_late_write_corrupt_the_next_room(
-        anyio_backend: str) -> None:
+        anyio_backend: AnyioBackend) -> None:
     late = WriteFault(delay=2.5)  # the first write lands (and returns) 2.5 s after it was posted
 
     def faults(call: WriteCall) -> WriteFault | None:
@@ -74,7 +75,7 @@ async def test_frozen_receiver_declared_dead_never_lets_a_late_write_corrupt_the
     async with EmbeddingSender(LAYOUT, HB, transport=MockTransport(faults=faults)) as sender:
         # The receiver runs on its own loop in another thread: freezing it does not freeze the sender.
         # (A portal is only ever driven from worker threads: trio refuses it from a loop's thread.)
-        portal_cm = start_blocking_portal(anyio_backend)
+        portal_cm = start_blocking_portal(*backend_and_options(anyio_backend))
         portal = await anyio.to_thread.run_sync(portal_cm.__enter__)
         try:
             receiver = await _in(portal, lambda: EmbeddingReceiver(LAYOUT, HB, connect=sender.address,

@@ -11,6 +11,7 @@ import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
 from aioembed.testing import MockTransport
+from aioembed.testing.event_loops import AnyioBackend, anyio_backends
 from aioembed.transports.base import MemoryRegion
 
 LAYOUT = Layout(
@@ -90,9 +91,9 @@ async def running(
         yield sender, receivers
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture(params=anyio_backends())
+def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
+    return request.param
 
 
 class CountingTransport(MockTransport):

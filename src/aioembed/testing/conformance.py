@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from aioembed.errors import ConfigError, TransportError
+from aioembed.testing.event_loops import anyio_backends
 from aioembed.transports.base import Link, MemoryRegion, Transport, WriteOp
 from aioembed.transports.boundary import GuardedLink, GuardedTransport
 from aioembed.transports.registry import open_transport
@@ -50,7 +51,9 @@ class TransportConformance:
 
     transport_name: ClassVar[str]
     transport_options: ClassVar[Mapping[str, Any]] = {}
-    backends: ClassVar[tuple[str, ...]] = ("asyncio", "trio")
+    backends: ClassVar[tuple[str, ...]] = ("asyncio", "uvloop", "trio")
+    """Event loops to run on (:data:`~aioembed.testing.event_loops.EVENT_LOOPS`); ("asyncio", "uvloop") for a
+    transport that runs only on asyncio's loops."""
     large_bytes: ClassVar[int] = 64 << 20
     """Size of the large-write test; lower it for slow transports."""
     peer_gone_timeout: ClassVar[float] = 30.0
@@ -61,7 +64,7 @@ class TransportConformance:
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "anyio_backend" in metafunc.fixturenames:
-            metafunc.parametrize("anyio_backend", self.backends)
+            metafunc.parametrize("anyio_backend", anyio_backends(*self.backends))
 
     @pytest.fixture
     async def endpoints(self) -> AsyncIterator[tuple[Transport, Transport]]:

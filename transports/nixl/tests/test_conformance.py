@@ -21,6 +21,6 @@ class TestNixlConformance(TransportConformance):
 class TestNixlConformanceTcp(TransportConformance):
     transport_name = "nixl"
     transport_options: ClassVar[Mapping[str, Any]] = NIXL_TCP_OPTIONS
-    backends = ("asyncio",)
+    backends = ("asyncio", "uvloop")
     large_bytes = 16 << 20
     peer_gone_timeout = 10.0

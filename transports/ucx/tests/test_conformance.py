@@ -13,7 +13,7 @@ from .conftest import UCX_OPTIONS
 class _UcxConformance(TransportConformance):
     transport_name = "ucx"
     transport_options: ClassVar[Mapping[str, Any]] = UCX_OPTIONS
-    backends = ("asyncio",)
+    backends = ("asyncio", "uvloop")
     large_bytes = 8 << 20
     peer_gone_timeout = 10.0
 
