@@ -16,10 +16,12 @@ A loop whose package is missing (uvloop on Windows) is skipped, with the reason,
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import pytest
-from _pytest.mark.structures import ParameterSet
+
+if TYPE_CHECKING:
+    from pytest import ParameterSet  # public from pytest 9 on; only the annotations use it
 
 __all__ = ["EVENT_LOOPS", "AnyioBackend", "anyio_backends", "backend_and_options"]
 
