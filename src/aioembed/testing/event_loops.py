@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import pytest
 
 if TYPE_CHECKING:
-    from pytest import ParameterSet  # public from pytest 9 on; only the annotations use it
+    from pytest import ParameterSet  # only the annotations use it: not imported at run time
 
 __all__ = ["EVENT_LOOPS", "AnyioBackend", "anyio_backends", "backend_and_options"]
 
