@@ -7,7 +7,14 @@ import asyncio
 import pytest
 import sniffio
 
-from aioembed.testing.event_loops import EVENT_LOOPS, AnyioBackend, anyio_backends, backend_and_options
+from aioembed.testing.event_loops import (
+    EVENT_LOOPS,
+    AnyioBackend,
+    anyio_backends,
+    backend_and_options,
+    run_on,
+    running_loop,
+)
 
 
 @pytest.fixture(params=anyio_backends())
@@ -18,13 +25,10 @@ def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
 @pytest.mark.anyio
 async def test_each_parameter_runs_the_loop_it_is_named_after(request: pytest.FixtureRequest) -> None:
     name = request.node.callspec.id
-    library = sniffio.current_async_library()
-    if name == "trio":
-        assert library == "trio"
-        return
-    assert library == "asyncio"
-    loop_module = type(asyncio.get_running_loop()).__module__
-    assert loop_module.split(".")[0] == ("uvloop" if name == "uvloop" else "asyncio"), loop_module
+    assert running_loop() == name
+    assert sniffio.current_async_library() == ("trio" if name == "trio" else "asyncio")
+    if name != "trio":
+        assert type(asyncio.get_running_loop()).__module__.split(".")[0] == name
 
 
 def test_every_loop_is_offered_under_its_own_name() -> None:
@@ -37,3 +41,7 @@ def test_every_loop_is_offered_under_its_own_name() -> None:
 def test_a_backend_is_split_into_name_and_options_for_anyio_calls() -> None:
     assert backend_and_options("trio") == ("trio", {})
     assert backend_and_options(EVENT_LOOPS["uvloop"][0]) == ("asyncio", {"use_uvloop": True})
+    assert run_on("uvloop") == ("asyncio", {"use_uvloop": True})
+    assert run_on("asyncio") == ("asyncio", {})
+    with pytest.raises(ValueError, match="unknown event loop 'tokio'"):
+        run_on("tokio")

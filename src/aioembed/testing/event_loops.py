@@ -18,12 +18,10 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-import pytest
-
 if TYPE_CHECKING:
     from pytest import ParameterSet  # only the annotations use it: not imported at run time
 
-__all__ = ["EVENT_LOOPS", "AnyioBackend", "anyio_backends", "backend_and_options"]
+__all__ = ["EVENT_LOOPS", "AnyioBackend", "anyio_backends", "backend_and_options", "run_on", "running_loop"]
 
 AnyioBackend: TypeAlias = str | tuple[str, dict[str, Any]]
 """What anyio's pytest plugin takes as ``anyio_backend``: a backend name, or a name and its options."""
@@ -39,6 +37,8 @@ EVENT_LOOPS: dict[str, tuple[AnyioBackend, str]] = {
 def anyio_backends(*names: str) -> list[ParameterSet]:
     """pytest parameters for ``anyio_backend``, one per named loop (default: every loop in
     :data:`EVENT_LOOPS`), each with the loop's name as its id."""
+    import pytest  # here, not at the top: a side process (:mod:`.processes`) reads EVENT_LOOPS without pytest
+
     unknown = [n for n in names if n not in EVENT_LOOPS]
     if unknown:
         raise ValueError(f"unknown event loop(s) {unknown}; known: {sorted(EVENT_LOOPS)}")
@@ -54,3 +54,23 @@ def anyio_backends(*names: str) -> list[ParameterSet]:
 def backend_and_options(backend: AnyioBackend) -> tuple[str, dict[str, Any]]:
     """``anyio_backend`` as anyio's own calls take it (``start_blocking_portal(name, options)``, ``run``)."""
     return (backend, {}) if isinstance(backend, str) else backend
+
+
+def running_loop() -> str:
+    """The name (in :data:`EVENT_LOOPS`) of the event loop running the caller: what a test checks a process or
+    a parameter really runs, rather than trusting its options."""
+    import asyncio
+
+    import sniffio
+
+    if sniffio.current_async_library() == "trio":
+        return "trio"
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.split(".")[0] == "uvloop" else "asyncio"
+
+
+def run_on(loop: str) -> tuple[str, dict[str, Any]]:
+    """The ``backend`` and ``backend_options`` of ``anyio.run`` for the event loop named ``loop``."""
+    if loop not in EVENT_LOOPS:
+        raise ValueError(f"unknown event loop {loop!r}; known: {sorted(EVENT_LOOPS)}")
+    return backend_and_options(EVENT_LOOPS[loop][0])

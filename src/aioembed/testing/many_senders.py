@@ -101,8 +101,8 @@ class ManySendersSuite:
     pytestmark: ClassVar[list[pytest.MarkDecorator]] = [pytest.mark.anyio]
     transport_name: ClassVar[str]
     transport_options: ClassVar[Mapping[str, Any]] = {}
-    backends: ClassVar[tuple[str, ...]] = ("asyncio", "trio")
-    """Event loops the side processes run on."""
+    backends: ClassVar[tuple[str, ...]] = ("asyncio", "uvloop", "trio")
+    """Event loops the side processes run on (:data:`~aioembed.testing.event_loops.EVENT_LOOPS`)."""
     rooms: ClassVar[int] = 64
     hidden: ClassVar[int] = 64
     round_tokens: ClassVar[int] = 2048
@@ -139,7 +139,9 @@ class ManySendersSuite:
                 concurrency=concurrency, wait_for_receivers=2, linger=1.0)))
             senders.append(side)
         for side in senders:
-            addresses.append(str((await side.until("ready", timeout=self.start_timeout))["address"]))
+            ready = await side.until("ready", timeout=self.start_timeout)
+            assert ready["loop"] == backend, f"an encoder asked to run {backend} runs {ready['loop']}"
+            addresses.append(str(ready["address"]))
         receivers = [
             await stack.enter_async_context(spawn(SideSpec(
                 role="receive", config=cfg, rooms=receiver_rooms(plans, j, addresses), hidden=self.hidden,
@@ -147,7 +149,8 @@ class ManySendersSuite:
             for j in range(2)
         ]
         for side in receivers:
-            await side.until("ready", timeout=self.start_timeout)
+            ready = await side.until("ready", timeout=self.start_timeout)
+            assert ready["loop"] == backend, f"a language process asked to run {backend} runs {ready['loop']}"
         return senders, receivers, addresses
 
     def _plans(self, seed: int, max_tokens: int) -> list[RoomPlan]:

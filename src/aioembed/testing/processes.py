@@ -4,7 +4,7 @@ Both sides derive each room's rows deterministically from the room id, so the re
 process checks what arrived bit for bit without the data ever being shipped to the test.
 Each process prints one JSON object per line on stdout:
 
-* ``{"event": "ready", "address": ...}`` once listening (sender) or connected (receiver),
+* ``{"event": "ready", "address": ..., "loop": "uvloop"}`` once listening (sender) or connected (receiver),
 * ``{"event": "room", "room": ..., "ok": true, "tokens": n, "rounds": r}`` per room, or
   ``{"event": "room", "room": ..., "ok": false, "error": "...", "kind": "TransferTimeout"}``,
 * ``{"event": "done", "pool_free": bool, "stats": {...}}`` at the end.
@@ -42,6 +42,7 @@ from aioembed.layout import Layout
 from aioembed.samples import checksum, deterministic_request, standard_layout
 from aioembed.session.assembly import Part
 from aioembed.session.handle import Received
+from aioembed.testing.event_loops import run_on, running_loop
 
 __all__ = [
     "ProcessSide",
@@ -97,7 +98,7 @@ class SideSpec:
     wait_for_receivers: int = 0
     """Sender: send nothing until this many receivers hold a session (start-up is never raced)."""
     backend: str = "asyncio"
-    """The side's event loop: ``asyncio`` or ``trio``."""
+    """The side's event loop: ``asyncio``, ``uvloop`` or ``trio`` (:data:`.event_loops.EVENT_LOOPS`)."""
     env: dict[str, str] = field(default_factory=dict)
     netns: str = ""
     """Run the side in this network namespace (``ip netns exec``; needs root), e.g. behind a link a test cuts."""
@@ -164,7 +165,7 @@ async def _run_role(spec: SideSpec) -> None:
 
     if spec.role == "send":
         async with EmbeddingSender(layout, config, bind=spec.bind) as sender:
-            _emit(event="ready", address=sender.address, pid=os.getpid())
+            _emit(event="ready", address=sender.address, pid=os.getpid(), loop=running_loop())
             if spec.wait_for_receivers:
                 await sender.wait_for_receivers(spec.wait_for_receivers, timeout=300)
 
@@ -189,7 +190,7 @@ async def _run_role(spec: SideSpec) -> None:
             named = {r.sender for r in spec.rooms if r.sender} | {str(p[0]) for r in spec.rooms for p in r.parts}
             for address in sorted(named | ({spec.connect} if spec.connect else set())):
                 await receiver.wait_connected(timeout=config.handshake_timeout * 3, sender=address)
-            _emit(event="ready", address=spec.connect, pid=os.getpid())
+            _emit(event="ready", address=spec.connect, pid=os.getpid(), loop=running_loop())
 
             async def receive_one(room: RoomSpec) -> None:
                 parts = [Part(str(a), int(b), int(e)) for a, b, e in room.parts] or None
@@ -382,9 +383,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     spec = SideSpec.from_json(args.spec)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {spec.role}[{spec.rank}] %(name)s %(levelname)s %(message)s")
-    if spec.backend not in ("asyncio", "trio"):
-        raise SystemExit(f"backend={spec.backend!r}: expected 'asyncio' or 'trio'")
-    anyio.run(_run_side, spec, backend=spec.backend)
+    try:
+        backend, options = run_on(spec.backend)
+    except ValueError as exc:
+        raise SystemExit(f"backend={spec.backend!r}: {exc}") from None
+    anyio.run(_run_side, spec, backend=backend, backend_options=options)
 
 
 if __name__ == "__main__":

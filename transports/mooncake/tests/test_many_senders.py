@@ -8,4 +8,4 @@ from aioembed.testing.many_senders import ManySendersSuite
 class TestManySenders(ManySendersSuite):
     transport_name = "mooncake"
     transport_options = {"protocol": "tcp", "hostname": "127.0.0.1"}
-    backends = ("asyncio", "trio")
+    backends = ("asyncio", "uvloop", "trio")

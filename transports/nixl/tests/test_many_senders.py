@@ -10,4 +10,4 @@ from .conftest import NIXL_TCP_OPTIONS
 class TestManySenders(ManySendersSuite):
     transport_name = "nixl"
     transport_options = NIXL_TCP_OPTIONS  # across processes as across hosts
-    backends = ("asyncio",)
+    backends = ("asyncio", "uvloop")
