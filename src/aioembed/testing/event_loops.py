@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import pytest
+
 if TYPE_CHECKING:
     from pytest import ParameterSet  # only the annotations use it: not imported at run time
 
@@ -37,8 +39,6 @@ EVENT_LOOPS: dict[str, tuple[AnyioBackend, str]] = {
 def anyio_backends(*names: str) -> list[ParameterSet]:
     """pytest parameters for ``anyio_backend``, one per named loop (default: every loop in
     :data:`EVENT_LOOPS`), each with the loop's name as its id."""
-    import pytest  # here, not at the top: a side process (:mod:`.processes`) reads EVENT_LOOPS without pytest
-
     unknown = [n for n in names if n not in EVENT_LOOPS]
     if unknown:
         raise ValueError(f"unknown event loop(s) {unknown}; known: {sorted(EVENT_LOOPS)}")
