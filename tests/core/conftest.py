@@ -5,13 +5,10 @@ from __future__ import annotations
 import pytest
 
 from aioembed.memory import huge_pages
-from aioembed.testing.event_loops import AnyioBackend, anyio_backends
+from aioembed.testing.event_loops import anyio_backend_fixture
 
-
-@pytest.fixture(params=anyio_backends("asyncio", "trio"))
-def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
-    """Every async test of this folder runs on asyncio and on trio (no I/O here: uvloop would add nothing)."""
-    return request.param
+# Every async test of this folder runs on asyncio and on trio (no I/O here: uvloop would add nothing).
+anyio_backend = anyio_backend_fixture("asyncio", "trio")
 
 
 @pytest.fixture

@@ -9,17 +9,14 @@ import sniffio
 
 from aioembed.testing.event_loops import (
     EVENT_LOOPS,
-    AnyioBackend,
+    anyio_backend_fixture,
     anyio_backends,
     backend_and_options,
     run_on,
     running_loop,
 )
 
-
-@pytest.fixture(params=anyio_backends())
-def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
-    return request.param
+anyio_backend = anyio_backend_fixture()
 
 
 @pytest.mark.anyio

@@ -132,13 +132,17 @@ class BlockLedgerMachine(RuleBasedStateMachine):
 
     @rule(k=st.integers(1, 3))
     def reserve(self, k: int) -> None:
+        self._reserve(k)
+
+    def _reserve(self, k: int) -> _GrantModel | None:
         if len(self.free) < k:
-            return
+            return None
         blocks = tuple(sorted(self.free)[:k])
         self.free -= set(blocks)
         room = f"r{next(self.rooms)}"
         gid = self.ledger.reserve(room, blocks)
-        self.grants[gid] = _GrantModel(gid, room, blocks)
+        g = self.grants[gid] = _GrantModel(gid, room, blocks)
+        return g
 
     @rule(data=st.data(), sender=st.sampled_from(["a", "b"]))
     def announce(self, data: st.DataObject, sender: str) -> None:
@@ -235,15 +239,14 @@ class BlockLedgerMachine(RuleBasedStateMachine):
         announced = self.live(GrantState.ANNOUNCED)
         live = [w for w in self.writes.values() if not w.poisoned and self.grants.get(w.grant) in announced]
         if not live:
-            self.reserve(1)
-            fresh = self.live(GrantState.RESERVED)
-            if not fresh:
+            fresh = self._reserve(1)
+            if fresh is None:
                 return
-            g = fresh[-1]
-            g.writer, g.written = self.writer_of(sender), True
-            self.ledger.announce(g.id, g.writer)
+            fresh.writer, fresh.written = self.writer_of(sender), True
+            self.ledger.announce(fresh.id, fresh.writer)
             wid = next(self.ids)
-            live = [self.writes.setdefault(wid, _Write(wid, g.writer.sender, g.writer.epoch, g.id, g.blocks))]
+            self.writes[wid] = _Write(wid, fresh.writer.sender, fresh.writer.epoch, fresh.id, fresh.blocks)
+            live = [self.writes[wid]]
         w = data.draw(st.sampled_from(live))
         w.poisoned = True
         g = self.grants[w.grant]

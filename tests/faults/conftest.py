@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
+from aioembed.testing.event_loops import anyio_backend_fixture
 
-from aioembed.testing.event_loops import AnyioBackend, anyio_backends
-
-
-@pytest.fixture(params=anyio_backends())
-def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
-    return request.param
+anyio_backend = anyio_backend_fixture()

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from aioembed.control.channel import ControlSocket
-from aioembed.testing.event_loops import AnyioBackend, anyio_backends
+from aioembed.testing.event_loops import anyio_backend_fixture
 
 pytestmark = pytest.mark.anyio
 
@@ -66,10 +66,8 @@ def _recv_all(sock: zmq.Socket[bytes]) -> int:
         n += 1
 
 
-@pytest.fixture(params=anyio_backends())
-def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
-    """The control channel watches ZeroMQ's edge-triggered descriptor: a selector on asyncio, libuv on uvloop."""
-    return request.param
+# The control channel watches ZeroMQ's edge-triggered descriptor: a selector on asyncio, libuv on uvloop.
+anyio_backend = anyio_backend_fixture()
 
 
 async def test_a_peer_at_its_high_water_mark_blocks_nobody_and_nothing_spins() -> None:

@@ -6,12 +6,11 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
-import pytest
 import torch
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
 from aioembed.testing import MockTransport
-from aioembed.testing.event_loops import AnyioBackend, anyio_backends
+from aioembed.testing.event_loops import anyio_backend_fixture
 from aioembed.transports.base import MemoryRegion
 
 LAYOUT = Layout(
@@ -91,9 +90,7 @@ async def running(
         yield sender, receivers
 
 
-@pytest.fixture(params=anyio_backends())
-def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
-    return request.param
+anyio_backend = anyio_backend_fixture()
 
 
 class CountingTransport(MockTransport):

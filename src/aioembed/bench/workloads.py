@@ -64,6 +64,7 @@ class OutBuffers:
             out = self._sets[slot] = self.layout.empty(tokens, device=self.device)
         return out
 
+
 __all__ = [
     "FULL_CONCURRENCY",
     "FULL_SIZES",

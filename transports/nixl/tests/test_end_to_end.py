@@ -9,7 +9,7 @@ import anyio
 import pytest
 import torch
 from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
-from aioembed.testing.event_loops import AnyioBackend, anyio_backends
+from aioembed.testing.event_loops import anyio_backend_fixture
 from aioembed.testing.source_buffers import check_registered_sources
 
 from .conftest import NIXL_OPTIONS
@@ -23,9 +23,7 @@ LAYOUT = Layout(
 )
 
 
-@pytest.fixture(params=anyio_backends())
-def anyio_backend(request: pytest.FixtureRequest) -> AnyioBackend:
-    return request.param
+anyio_backend = anyio_backend_fixture()
 
 
 def make_request(num_tokens: int, seed: int) -> dict[str, torch.Tensor]:
