@@ -2,7 +2,8 @@
 
 The survivor must end every affected room within the liveness deadline with a clear error, end
 with a completely free pool, and rooms not touched by the death must still succeed bit for bit.
-CI runs one round of each scenario; ``make soak`` runs many.
+CI runs one round of each scenario with the processes on each event loop; ``make soak`` runs many, the
+loops taking turns.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
+from aioembed.testing.event_loops import EVENT_LOOPS
 from aioembed.testing.processes import RoomSpec, SideSpec, spawn
 
 pytest.importorskip("aioembed_mooncake", reason="the chaos tests need a cross-process transport")
@@ -57,15 +59,20 @@ async def _collect_until_done(side: Any, timeout: float) -> tuple[list[dict[str,
                 return rooms, ev
 
 
-async def kill_sender_round(seed: int) -> None:
+LOOPS = tuple(EVENT_LOOPS)
+"""The side processes' event loops (the test process only orchestrates, on asyncio)."""
+
+
+async def kill_sender_round(seed: int, loop: str) -> None:
     rng = random.Random(seed)
     rooms = _rooms("s", 40, rng)
-    async with spawn(SideSpec(role="send", config=CONFIG, rooms=rooms, concurrency=len(rooms))) as sender:
-        ready = await sender.until("ready", timeout=60)
+    async with spawn(SideSpec(role="send", config=CONFIG, rooms=rooms, concurrency=len(rooms),
+                              backend=loop)) as sender:
+        ready = await sender.ready(60)
         receiver_spec = SideSpec(role="receive", config=CONFIG, rooms=rooms, connect=ready["address"],
-                                 concurrency=len(rooms))
+                                 concurrency=len(rooms), backend=loop)
         async with spawn(receiver_spec) as receiver:
-            await receiver.until("ready", timeout=60)
+            await receiver.ready(60, also=[sender])
             # let some rooms finish, then kill the sender in the middle of others
             done_before = await sender.rooms(rng.randint(3, 10), timeout=60)
             await anyio.sleep(rng.random() * 0.05)
@@ -87,7 +94,7 @@ async def kill_sender_round(seed: int) -> None:
     assert done["pool_free"], done  # every block back, nothing fenced
 
 
-async def kill_receiver_round(seed: int) -> None:
+async def kill_receiver_round(seed: int, loop: str) -> None:
     rng = random.Random(seed)
     # Enough doomed rooms, taken one at a time, that the victim cannot finish them all while this process,
     # slowed by a loaded CI host, is still reading its first few results (30 at 4 at a time once were not
@@ -96,13 +103,15 @@ async def kill_receiver_round(seed: int) -> None:
     doomed = _rooms("d", 60, rng)
     spared = _rooms("k", 12, rng)
     async with spawn(SideSpec(role="send", config=CONFIG, rooms=doomed + spared,
-                              concurrency=len(doomed) + len(spared))) as sender:
-        ready = await sender.until("ready", timeout=60)
-        victim = SideSpec(role="receive", config=CONFIG, rooms=doomed, connect=ready["address"], concurrency=1)
-        survivor = SideSpec(role="receive", config=CONFIG, rooms=spared, connect=ready["address"], concurrency=2)
+                              concurrency=len(doomed) + len(spared), backend=loop)) as sender:
+        ready = await sender.ready(60)
+        victim = SideSpec(role="receive", config=CONFIG, rooms=doomed, connect=ready["address"], concurrency=1,
+                          backend=loop)
+        survivor = SideSpec(role="receive", config=CONFIG, rooms=spared, connect=ready["address"], concurrency=2,
+                            backend=loop)
         async with spawn(victim) as v, spawn(survivor) as s:
-            await v.until("ready", timeout=60)
-            await s.until("ready", timeout=60)
+            await v.ready(60, also=[sender])
+            await s.ready(60, also=[sender])
             await v.rooms(rng.randint(2, 8), timeout=60)
             await anyio.sleep(rng.random() * 0.05)
             v.kill()
@@ -126,16 +135,19 @@ async def kill_receiver_round(seed: int) -> None:
     assert ended < DEADLINE + 60
 
 
-async def test_kill_sender_mid_transfer() -> None:
-    await kill_sender_round(seed=11)
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_kill_sender_mid_transfer(loop: str) -> None:
+    await kill_sender_round(seed=11, loop=loop)
 
 
-async def test_kill_receiver_mid_transfer() -> None:
-    await kill_receiver_round(seed=12)
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_kill_receiver_mid_transfer(loop: str) -> None:
+    await kill_receiver_round(seed=12, loop=loop)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(8))
 async def test_chaos_soak(seed: int) -> None:
-    await kill_sender_round(seed=100 + seed)
-    await kill_receiver_round(seed=200 + seed)
+    loop = LOOPS[seed % len(LOOPS)]
+    await kill_sender_round(seed=100 + seed, loop=loop)
+    await kill_receiver_round(seed=200 + seed, loop=loop)

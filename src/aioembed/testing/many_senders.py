@@ -139,7 +139,7 @@ class ManySendersSuite:
                 concurrency=concurrency, wait_for_receivers=2, linger=1.0)))
             senders.append(side)
         for side in senders:
-            addresses.append(str((await self._ready(side, backend))["address"]))
+            addresses.append(str((await side.ready(self.start_timeout))["address"]))
         receivers = [
             await stack.enter_async_context(spawn(SideSpec(
                 role="receive", config=cfg, rooms=receiver_rooms(plans, j, addresses), hidden=self.hidden,
@@ -147,15 +147,9 @@ class ManySendersSuite:
             for j in range(2)
         ]
         for side in receivers:
-            await self._ready(side, backend)
+            await side.ready(self.start_timeout)
         return senders, receivers, addresses
 
-    async def _ready(self, side: ProcessSide, backend: str) -> dict[str, Any]:
-        """``side``'s ready line, once it runs the event loop it was asked for."""
-        ready = await side.until("ready", timeout=self.start_timeout)
-        assert ready["loop"] == backend, (f"{side.name} (pid {ready['pid']}) was asked to run {backend} and runs "
-                                          f"{ready['loop']}")
-        return ready
 
     def _plans(self, seed: int, max_tokens: int) -> list[RoomPlan]:
         plans = plan_rooms(rooms=self.rooms, senders=3, receivers=2, seed=seed, min_tokens=200,

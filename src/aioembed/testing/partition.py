@@ -13,6 +13,8 @@ the receiver declared X dead. Meanwhile Y keeps sending rooms into the same pool
   still fenced when Y is done;
 * ``-m slow``: once X's writes are known to be over, the pool comes back whole.
 
+The three processes run on each event loop in ``backends`` (asyncio and uvloop by default).
+
 A plugin runs it by subclassing (compare :class:`~aioembed.testing.TransportConformance`), naming the
 options that make an endpoint use a given address::
 
@@ -39,7 +41,7 @@ from typing import Any, ClassVar
 import anyio
 import pytest
 
-from aioembed.testing.processes import ProcessSide, RoomSpec, SideSpec, side_logs, spawn
+from aioembed.testing.processes import RoomSpec, SideSpec, side_logs, spawn
 
 __all__ = ["Net", "PartitionSuite", "partitionable_net"]
 
@@ -124,13 +126,6 @@ def partitionable_net() -> Iterator[Net]:
                 subprocess.run(["ip", *what], capture_output=True, timeout=10, check=False)
 
 
-async def _ready(side: ProcessSide, *others: ProcessSide) -> None:
-    try:
-        await side.until("ready", timeout=60)
-    except (EOFError, TimeoutError) as exc:
-        raise AssertionError(f"{side.name} did not start: {exc}\n{side_logs(side, *others, lines=40)}") from exc
-
-
 class PartitionSuite:
     """Subclass with ``transport_name`` and :meth:`transport_options` to run the partition scenarios."""
 
@@ -140,9 +135,17 @@ class PartitionSuite:
     """X's blocks are still fenced when Y's last room arrived, some seconds after the heal: true where X proves
     its writes over only after a long write lifetime (Mooncake: at least 32 s); a transport whose writer
     proves them over within seconds of the heal (its ``DRAINED`` after a short write lifetime) sets False."""
+    backends: ClassVar[tuple[str, ...]] = ("asyncio", "uvloop")
+    """Event loops the three processes run on (:data:`~aioembed.testing.event_loops.EVENT_LOOPS`): the bounded
+    test runs on each, the slow one on the first. The test process itself only orchestrates (on asyncio)."""
     heal_after: ClassVar[float] = 4.0
     """Seconds the link stays down once the receiver declared X dead (past X's own write timeout, so that
     what X's side still holds is all it may still deliver)."""
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "side_backend" in metafunc.fixturenames:
+            slow = metafunc.definition.get_closest_marker("slow") is not None
+            metafunc.parametrize("side_backend", self.backends[:1] if slow else self.backends)
 
     @pytest.fixture
     def anyio_backend(self) -> str:
@@ -165,25 +168,29 @@ class PartitionSuite:
             "handshake_timeout": 5.0, "input_timeout": 120.0, "round_timeout": 120.0,
         }
 
-    async def _partition(self, net: Net, *, settle: float) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    async def _partition(self, net: Net, backend: str, *, settle: float) -> tuple[dict[str, dict[str, Any]],
+                                                                                 dict[str, Any]]:
         """X's rooms cut mid-write while Y's go on; the receiver's room events by room, and its done event."""
         x_addr, y_addr = f"tcp://{net.x_ip}:5701", f"tcp://{net.y_ip}:5702"
         x_rooms = [RoomSpec(f"x{i}", 3000) for i in range(4)]
         y_rooms = [RoomSpec(f"y{i}", 1500, sender=y_addr) for i in range(Y_ROOMS)]
         x_spec = SideSpec(role="send", config=self.config(net.x_ip, pool_tokens=8192), rooms=x_rooms,
-                          hidden=HIDDEN, bind=x_addr, concurrency=len(x_rooms), linger=3600.0, netns=net.a)
+                          hidden=HIDDEN, bind=x_addr, concurrency=len(x_rooms), linger=3600.0, netns=net.a,
+                          backend=backend)
         y_spec = SideSpec(role="send", config=self.config(net.y_ip, pool_tokens=8192), rooms=y_rooms,
-                          hidden=HIDDEN, bind=y_addr, concurrency=4, linger=3600.0, netns=net.c)
+                          hidden=HIDDEN, bind=y_addr, concurrency=4, linger=3600.0, netns=net.c,
+                          backend=backend)
         # Y's rooms, 4 at a time beside X's, take blocks from the pool all through the cut, the heal and the
         # seconds after it, when X's side delivers what it still held (about 12 s of Y's writes).
         r_spec = SideSpec(role="receive", config=self.config(net.r_ip, pool_tokens=24576), rooms=x_rooms + y_rooms,
-                          hidden=HIDDEN, connect=x_addr, concurrency=len(x_rooms) + 4, settle=settle, netns=net.b)
+                          hidden=HIDDEN, connect=x_addr, concurrency=len(x_rooms) + 4, settle=settle, netns=net.b,
+                          backend=backend)
         rooms: dict[str, dict[str, Any]] = {}
         async with spawn(x_spec) as x, spawn(y_spec) as y:
-            await _ready(x, y)
-            await _ready(y, x)
+            await x.ready(also=[y])
+            await y.ready(also=[x])
             async with spawn(r_spec) as r:
-                await _ready(r, x, y)
+                await r.ready(also=[x, y])
                 await anyio.sleep(1.0)  # X's rooms are moving (about 4 s of writes over its link)
                 net.cut()
                 with anyio.fail_after(30):  # until the receiver declared X dead: one of X's rooms failed
@@ -212,8 +219,8 @@ class PartitionSuite:
             assert "differ" not in (ev.get("error") or ""), ev
 
     async def test_a_partitioned_encoders_blocks_stay_fenced_while_another_encoder_fills_the_pool(
-            self, net: Net) -> None:
-        rooms, done = await self._partition(net, settle=0.0)
+            self, net: Net, side_backend: str) -> None:
+        rooms, done = await self._partition(net, side_backend, settle=0.0)
         self._check(rooms)
         if self.fenced_when_y_is_done:
             # Y is done some seconds after the heal: X cannot have proven its writes over yet (its transport's
@@ -221,7 +228,7 @@ class PartitionSuite:
             assert done["stats"]["fenced"] > 0, done
 
     @pytest.mark.slow
-    async def test_after_a_partition_heals_the_pool_comes_back_whole(self, net: Net) -> None:
-        rooms, done = await self._partition(net, settle=120.0)
+    async def test_after_a_partition_heals_the_pool_comes_back_whole(self, net: Net, side_backend: str) -> None:
+        rooms, done = await self._partition(net, side_backend, settle=120.0)
         self._check(rooms)
         assert done["pool_free"], done

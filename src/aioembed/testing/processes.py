@@ -247,9 +247,12 @@ def _check_received(layout: Layout, room: RoomSpec, got: Received, parts: list[P
 class ProcessSide:
     """A running side process; read its JSON events with :meth:`next_event`."""
 
-    def __init__(self, process: anyio.abc.Process, stderr_path: str | None = None, name: str = "side") -> None:
+    def __init__(self, process: anyio.abc.Process, stderr_path: str | None = None, name: str = "side",
+                 backend: str = "asyncio") -> None:
         self.process = process
         self.name = name
+        self.backend = backend
+        """The event loop the side was asked to run (:attr:`SideSpec.backend`); :meth:`ready` checks it."""
         self.events: list[dict[str, Any]] = []
         self.other_output: list[str] = []
         """Lines on stdout that are not events (what a native library wrote there before the process claimed
@@ -315,6 +318,18 @@ class ProcessSide:
                 if ev.get("event") == kind:
                     return ev
 
+    async def ready(self, timeout: float = 60.0, *, also: Sequence[ProcessSide] = ()) -> dict[str, Any]:
+        """The side's ``ready`` event, once it runs the event loop it was asked for. A side that ends or stays
+        silent first fails the test with its stderr and that of the sides in ``also`` (what they saw is
+        otherwise lost with the processes)."""
+        try:
+            ev = await self.until("ready", timeout=timeout)
+        except (EOFError, TimeoutError) as exc:
+            raise AssertionError(f"{self.name} did not start: {exc}\n{side_logs(self, *also, lines=40)}") from exc
+        assert ev.get("loop") == self.backend, (f"{self.name} (pid {ev.get('pid')}) was asked to run {self.backend} "
+                                                f"and runs {ev.get('loop')}")
+        return ev
+
     async def rooms(self, count: int, timeout: float = 120.0) -> list[dict[str, Any]]:
         """Collect ``count`` room results."""
         out: list[dict[str, Any]] = []
@@ -359,7 +374,8 @@ async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
     with (contextlib.nullcontext() if passthrough
           else tempfile.NamedTemporaryFile(prefix="aioembed-side-", suffix=".stderr")) as err:
         process = await anyio.open_process(cmd, env=env, stderr=err)
-        side = ProcessSide(process, None if err is None else err.name, name=f"{spec.role}[{spec.rank}]")
+        side = ProcessSide(process, None if err is None else err.name, name=f"{spec.role}[{spec.rank}]",
+                           backend=spec.backend)
         try:
             yield side
         finally:

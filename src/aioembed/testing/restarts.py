@@ -16,7 +16,9 @@ A plugin runs it by subclassing (compare :class:`~aioembed.testing.TransportConf
         transport_name = "mine"
         transport_options = {"protocol": "tcp"}
 
-The test process runs on asyncio; ``pytest -m slow`` adds a longer run of each test.
+Both sides run on each event loop in ``backends`` (asyncio and uvloop by default: the long-lived side in the
+test process, where its tasks are counted, so not trio); ``pytest -m slow`` adds a longer run of each test on
+the first.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from aioembed.config import TransferConfig
 from aioembed.samples import deterministic_request, same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
+from aioembed.testing.event_loops import AnyioBackend, anyio_backends, running_loop
 from aioembed.testing.ports import fixed_port
 from aioembed.testing.processes import ProcessSide, RoomSpec, SideSpec, room_source, spawn
 
@@ -139,9 +142,19 @@ class PeerRestartSuite:
     start_timeout: ClassVar[float] = 60.0
     """Seconds a peer process may take to start (a GPU host with CUDA takes 5-6 s)."""
 
+    backends: ClassVar[tuple[str, ...]] = ("asyncio", "uvloop")
+    """Event loops both sides run on (:data:`~aioembed.testing.event_loops.EVENT_LOOPS`; asyncio-based ones: the
+    long-lived side counts its asyncio tasks). The bounded tests run on each, the slow ones on the first."""
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "restart_loop" in metafunc.fixturenames:
+            slow = metafunc.definition.get_closest_marker("slow") is not None
+            loops = self.backends[:1] if slow else self.backends
+            metafunc.parametrize("restart_loop", anyio_backends(*loops))
+
     @pytest.fixture
-    def anyio_backend(self) -> str:
-        return "asyncio"
+    def anyio_backend(self, restart_loop: AnyioBackend) -> AnyioBackend:
+        return restart_loop
 
     def transport_books(self, transport: Any) -> Mapping[str, int]:
         """The sizes of the plugin's own per-peer records on the long-lived side's endpoint (``transport``: the
@@ -176,9 +189,9 @@ class PeerRestartSuite:
             for cycle in range(cycles):
                 rooms = self._rooms(cycle)
                 spec = SideSpec(role="receive", config=self.config(), rooms=rooms, hidden=self.hidden,
-                                connect=sender.address, concurrency=len(rooms))
+                                connect=sender.address, concurrency=len(rooms), backend=running_loop())
                 async with spawn(spec) as side:
-                    await side.until("ready", timeout=self.start_timeout)
+                    await side.ready(self.start_timeout)
                     async with anyio.create_task_group() as tg:
                         for r in rooms:
                             tg.start_soon(sender.send, r.room, *room_source(layout, r))
@@ -201,9 +214,9 @@ class PeerRestartSuite:
             for cycle in range(cycles):
                 rooms = self._rooms(cycle)
                 spec = SideSpec(role="send", config=self.config(), rooms=rooms, hidden=self.hidden, bind=address,
-                                concurrency=len(rooms), linger=3600.0)
+                                concurrency=len(rooms), linger=3600.0, backend=running_loop())
                 async with spawn(spec) as side:
-                    await side.until("ready", timeout=self.start_timeout)
+                    await side.ready(self.start_timeout)
                     got: dict[str, bool] = {}
 
                     async def take(r: RoomSpec, got: dict[str, bool] = got) -> None:
