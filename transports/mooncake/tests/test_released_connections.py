@@ -4,7 +4,8 @@ The engine's TCP transport keeps up to ``MC_TCP_LANES_PER_PEER`` (default 4) con
 and closes one only when a transfer fails on it. A peer that died while they were idle left them in
 CLOSE-WAIT for good: a long-lived sender lost four file descriptors per receiver process that was killed and
 replaced (the next process has other ports, so nothing ever used those connections again). Closing the link
-now queues one-byte *reads* (never a write) that fail on those dead connections, which the engine closes.
+now queues one-byte *reads* (never a write) that fail on those dead connections, which the engine closes; a peer
+that still answers them keeps its connections, and is read from again at each later link close until it does not.
 
 The peer is a real endpoint in another process (``peer_proc.py``); sockets are read from ``/proc``.
 """
@@ -116,14 +117,7 @@ async def test_closing_the_link_to_a_killed_idle_peer_closes_its_connections() -
         async with await MooncakeTransport.open(OPTIONS) as t:
             await t.register([MemoryRegion(src.data_ptr(), SIZE)])
             link = await t.connect(bytes.fromhex(str(info["descriptor"])))
-            op = WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE)
-            for _ in range(20):  # until the engine opened several lanes (one per transfer it runs at once)
-                async with anyio.create_task_group() as tg:
-                    for _ in range(4):
-                        tg.start_soon(link.write, [op])
-                if _to(ports).count("ESTABLISHED") >= 2:
-                    break
-            assert _to(ports).count("ESTABLISHED") >= 2, _to(ports)
+            await _open_lanes(link, WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE), ports)
 
             proc.kill()  # while idle: no transfer in flight, so none fails and closes a connection
             proc.wait()
@@ -166,6 +160,47 @@ async def test_closing_the_link_to_a_live_peer_writes_nothing_and_keeps_the_peer
 
             again = await t.connect(descriptor)
             await again.write([WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE // 2)])
+            await again.aclose()
+
+
+async def _open_lanes(link: Any, op: WriteOp, ports: set[int]) -> None:
+    for _ in range(20):  # until the engine opened several lanes (one per transfer it runs at once)
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(link.write, [op])
+        if _to(ports).count("ESTABLISHED") >= 2:
+            return
+    raise AssertionError(f"the engine opened fewer than two lanes: {_to(ports)}")
+
+
+@needs_proc
+async def test_a_peer_that_outlived_its_link_has_its_connections_closed_at_a_later_link_close() -> None:
+    """A language-model rank that idled out of this encoder (its link closed while it still answered) and exits
+    later: the lanes it kept would stay in CLOSE-WAIT for good. The next link close reads from it again, and those
+    reads fail on its dead lanes, which the engine closes; a peer that still answers keeps its lanes."""
+    src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    async with await MooncakeTransport.open(OPTIONS) as t:
+        await t.register([MemoryRegion(src.data_ptr(), SIZE)])
+        with _owner() as (first, info, first_ports):
+            link = await t.connect(bytes.fromhex(str(info["descriptor"])))
+            await _open_lanes(link, WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE), first_ports)
+            await link.aclose()  # the peer answers the release reads: its lanes stay open
+            assert list(t._lingering) == [link.session]
+            assert _to(first_ports).count("ESTABLISHED") >= 2, _to(first_ports)
+            first.kill()  # later, while idle
+            first.wait()
+            assert await _until(lambda: set(_to(first_ports)) == {"CLOSE_WAIT"}, 5), _to(first_ports)
+        with _owner() as (_second, info, second_ports):
+            other = await t.connect(bytes.fromhex(str(info["descriptor"])))
+            await other.write([WriteOp(src.data_ptr(), int(str(info["addr"])), SIZE)])
+            await other.aclose()  # reads from the first peer again (they fail), and from this one (they succeed)
+            assert await _until(lambda: not _to(first_ports), 5), (
+                f"connections to the peer that outlived its link still open after a later link closed: "
+                f"{_to(first_ports)}")
+            assert list(t._lingering) == [other.session]
+            assert "ESTABLISHED" in _to(second_ports)  # a live peer keeps its lanes for a later link
+            again = await t.connect(bytes.fromhex(str(info["descriptor"])))
+            assert not t._lingering  # its lanes are a link's again
             await again.aclose()
 
 

@@ -273,6 +273,12 @@ class MooncakeTransport(Transport):
         self._releases: set[PendingTransfer] = set()
         """Reads of :meth:`_release_connections` not seen ending yet (the endpoint's ``aclose()`` does not wait
         for them)."""
+        self._lingering: dict[str, int] = {}
+        """Peer session -> a byte of its pool, for peers whose last link closed while they still answered the
+        release reads: the engine keeps its lanes to them (a later link reuses them), and they would end in
+        CLOSE-WAIT for good once that peer's process exits (a language-model rank that idled out of this
+        encoder and was redeployed later). Each later link close reads from them again, until a read fails:
+        the engine then closes those lanes, and the peer is forgotten."""
         self._links: set[MooncakeLink] = set()
         self._inflight = 0
         self._idle = anyio.Event()
@@ -355,6 +361,7 @@ class MooncakeTransport(Transport):
         await self._poller.drain(skip=self._releases)
         self._poller.forget(self._releases)
         self._releases.clear()
+        self._lingering.clear()
         self._poller.close()
         async with self._reg_lock:
             pieces = self._reg.clear()
@@ -499,6 +506,7 @@ class MooncakeTransport(Transport):
         self._check_open()
         link = MooncakeLink(self, session, announced, segments, None if first is None else first.address)
         self._links.add(link)
+        self._lingering.pop(session, None)  # its lanes are a link's again: its close releases them
         return link
 
     def _engine_busy(self) -> None:
@@ -514,7 +522,7 @@ class MooncakeTransport(Transport):
 
     async def _release_connections(self, link: MooncakeLink) -> None:
         """Let the engine close its connections to the peer of a link that just closed, if no other link of this
-        endpoint goes to that peer.
+        endpoint goes to that peer, and to the peers that still answered when their links closed earlier.
 
         The engine's TCP transport keeps up to ``MC_TCP_LANES_PER_PEER`` (default 4) connections ("lanes") open
         to every peer, and nothing closes an idle one: a peer that died while they were idle leaves them in
@@ -524,24 +532,32 @@ class MooncakeTransport(Transport):
         pool per lane, into the process's scratch buffer: nothing is written to the peer, whatever became of
         it. Queued together, they take every idle lane at once. On a dead peer's stale lane a read fails within
         milliseconds and the engine closes it; one more than there are lanes fails at its reconnect (refused).
-        On a live peer they succeed and the lanes stay (a later link reuses them); on a frozen one they fail at
-        the engine's progress timeout, closing those lanes too. The link's close waits for them at most
-        ``_RELEASE_WAIT`` (seen ending, they give back their engine ids); the endpoint's ``aclose()`` leaves
-        what is left to the engine."""
+        On a live peer they succeed and the lanes stay (a later link reuses them): the peer is kept in
+        :attr:`_lingering`, and read from again at each later link close, until its reads fail. On a frozen one
+        they fail at the engine's progress timeout, closing those lanes too (kept meanwhile: it may thaw).
+        The link's close waits for them at most ``_RELEASE_WAIT`` (seen ending, they give back their engine
+        ids); the endpoint's ``aclose()`` leaves what is left to the engine."""
         n = self._tcp_lanes
-        address = link._probe_address
-        if n <= 0 or address is None or self.closed or any(other.session == link.session for other in self._links):
+        if n <= 0 or self.closed:
+            return
+        linked = {other.session for other in self._links}
+        targets = {s: a for s, a in self._lingering.items() if s not in linked}
+        if link._probe_address is not None and link.session not in linked:
+            targets[link.session] = link._probe_address
+        if not targets:
             return
         engine = self._check_open()
         read = engine.batch_transfer_async_read
-        out: list[PendingTransfer] = []
+        out: dict[str, list[PendingTransfer]] = {}
 
         def run() -> None:
-            for _ in range(n):
-                batch = int(read(link.session, [self._scratch_address], [address], [1]))
-                if batch == 0:  # refused at submit: the engine has no connection state to release for it
-                    break
-                out.append(PendingTransfer(batch, 1))
+            for session, address in targets.items():
+                reads = out.setdefault(session, [])
+                for _ in range(n):
+                    batch = int(read(session, [self._scratch_address], [address], [1]))
+                    if batch == 0:  # refused at submit: the engine has no connection state to release for it
+                        break
+                    reads.append(PendingTransfer(batch, 1))
 
         self._engine_busy()  # aclose() destroys the engine only once this submit returned
         try:
@@ -549,17 +565,25 @@ class MooncakeTransport(Transport):
                 await anyio.to_thread.run_sync(run, limiter=link._submits)
         finally:
             self._engine_done()
-            for t in out:
+            submitted = [t for reads in out.values() for t in reads]
+            for t in submitted:
                 t.on_done = functools.partial(self._releases.discard, t)
-            self._releases.update(out)
-            self._poller.add(out)
-        log.debug("mooncake transport: link to %s closed; %d one-byte reads release the engine's connections to it",
-                  link.session, len(out))
+            self._releases.update(submitted)
+            self._poller.add(submitted)
+        log.debug("mooncake transport: link to %s closed; one-byte reads release the engine's connections to %s",
+                  link.session, {session: len(reads) for session, reads in out.items()})
         # Seen ending, they give back their engine ids and the lanes are closed now: nothing else may poll this
         # endpoint for a long time (no write goes on). A dead peer fails them in milliseconds, a live one
         # answers them; a frozen one only at the engine's progress timeout, which nobody waits for.
         with anyio.move_on_after(_RELEASE_WAIT):
-            await self._poller.watch(lambda: all(t.status != PENDING for t in out), max_delay=_SETTLE_POLL_MAX)
+            await self._poller.watch(lambda: all(t.status != PENDING for t in submitted), max_delay=_SETTLE_POLL_MAX)
+        for session, address in targets.items():
+            reads = out.get(session, [])
+            if not reads or any(t.status not in (DONE, PENDING) for t in reads) \
+                    or any(o.session == session for o in self._links):
+                self._lingering.pop(session, None)  # refused, or failed (the engine closed its lanes), or linked
+            else:  # it answered every read (its lanes stay open), or has not yet (frozen): look again next time
+                self._lingering[session] = address
 
     # -- writes (called by links) --------------------------------------------------------
 
