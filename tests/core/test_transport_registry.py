@@ -200,6 +200,35 @@ async def test_loopback_closed_peer_and_write(anyio_backend: str) -> None:
         a.descriptor()
 
 
+@pytest.mark.anyio
+async def test_loopback_owner_keeps_no_record_of_writers_that_closed(anyio_backend: str) -> None:
+    """An owner revokes each writer whose session it lost; one that outlives many writers must not keep an entry
+    per writer (it grew by one per sender endpoint), while a revocation still refuses a live writer's old link."""
+    owner = await LoopbackTransport.open({})
+    dst = torch.zeros(16, dtype=torch.uint8)
+    src = torch.arange(16, dtype=torch.uint8)
+    await owner.register([region_of(dst)])
+    for _ in range(3):
+        writer = await LoopbackTransport.open({})
+        await writer.register([region_of(src)])
+        old = await writer.connect(owner.descriptor())
+        await owner.revoke(writer.writer_id)
+        with pytest.raises(TransportError, match="revoked"):
+            await old.write([WriteOp(src=src.data_ptr(), dst=dst.data_ptr(), length=4)])
+        new = await writer.connect(owner.descriptor())  # a new session: a new link, admitted
+        await new.write([WriteOp(src=src.data_ptr(), dst=dst.data_ptr(), length=4)])
+        assert dst[:4].tolist() == [0, 1, 2, 3]
+        assert owner._generation == {writer.writer_id: 1}
+        await writer.aclose()
+        assert owner._generation == {}  # nothing left to refuse: it starts no write again
+        await owner.revoke(writer.writer_id)  # the owner learns of the loss only now
+        assert owner._generation == {}
+        with pytest.raises(TransportError):
+            await old.write([WriteOp(src=src.data_ptr(), dst=dst.data_ptr(), length=4)])
+    assert dst[4:].sum() == 0
+    await owner.aclose()
+
+
 # -- MemoryRegion / RegionSet -----------------------------------------------------------------
 
 

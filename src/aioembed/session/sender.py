@@ -1140,13 +1140,18 @@ class EmbeddingSender:
             expected = anyio.current_time() + interval
             await anyio.sleep(interval)
             now = anyio.current_time()
-            if watch.woke(now, expected):
-                # Our own loop was starved: do not blame peers for silence we could not hear.
-                for peer in self._peers.sessions():
-                    peer.clock.forgive(now, interval)
+            self._end_silent_sessions(now, limit, starved=watch.woke(now, expected), interval=interval)
+
+    def _end_silent_sessions(self, now: float, limit: float, *, starved: bool, interval: float) -> None:
+        """One look at every session's clock (a method of its own: a loop variable of the liveness loop kept the
+        last session it saw, link and all, alive while the loop slept, long after that session ended)."""
+        if starved:
+            # Our own loop was starved: do not blame peers for silence we could not hear.
             for peer in self._peers.sessions():
-                if peer.clock.silent(now, limit):
-                    self._session_ended(peer, f"{peer} silent for more than {limit:.1f} s")
+                peer.clock.forgive(now, interval)
+        for peer in self._peers.sessions():
+            if peer.clock.silent(now, limit):
+                self._session_ended(peer, f"{peer} silent for more than {limit:.1f} s")
 
     def _session_ended(self, peer: PeerSession, reason: str) -> None:
         """The session is over: no new write or frame goes to it; its rooms fail."""

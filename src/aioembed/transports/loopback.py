@@ -112,7 +112,8 @@ class LoopbackTransport(Transport):
 
     async def revoke(self, writer_id: str) -> None:
         with self._lock:
-            self._generation[writer_id] = self._generation.get(writer_id, 0) + 1
+            if writer_id in _ENDPOINTS:  # one that closed starts no write again: nothing to keep for it (see _close)
+                self._generation[writer_id] = self._generation.get(writer_id, 0) + 1
             busy = self._landing.get(writer_id, 0) > 0
         if busy:
             with anyio.CancelScope(shield=True):  # the barrier must hold once revoke() started
@@ -205,6 +206,12 @@ class LoopbackTransport(Transport):
         if busy:  # writes landing in our memory right now end before it may be released
             await anyio.to_thread.run_sync(self._wait_all_quiet)
         _ENDPOINTS.pop(self.id, None)
+        # Closed, this endpoint starts no write again (its links refuse before they land anything), so the other
+        # endpoints' revocations of it have nothing left to refuse: dropped, or an owner that outlives many
+        # writers would keep one entry per writer it ever revoked.
+        for owner in list(_ENDPOINTS.values()):
+            with owner._lock:
+                owner._generation.pop(self.id, None)
 
     def _wait_all_quiet(self) -> None:
         with self._lock:
