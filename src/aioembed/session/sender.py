@@ -1140,7 +1140,7 @@ class EmbeddingSender:
             expected = anyio.current_time() + interval
             await anyio.sleep(interval)
             now = anyio.current_time()
-            self._end_silent_sessions(now, limit, starved=watch.woke(now, expected), interval=interval)
+            self._end_silent_sessions(now, limit, starved=watch.woke(now, expected) > 0, interval=interval)
 
     def _end_silent_sessions(self, now: float, limit: float, *, starved: bool, interval: float) -> None:
         """One look at every session's clock (a method of its own: a loop variable of the liveness loop kept the
