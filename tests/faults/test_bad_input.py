@@ -62,6 +62,39 @@ async def test_garbage_and_unknown_frames_are_rejected_and_valid_rooms_go_on() -
         await wait_pools_free(sender, receiver)
 
 
+async def test_a_large_frame_from_a_peer_without_a_session_is_refused_unread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only HELLO or PING may come before a session: a larger valid frame (an INIT of a million block ids, 5 MB)
+    is refused before it is decoded (each took about 0.1 s of the sender's loop), and the sender goes on."""
+    import aioembed.session.sender as sender_module
+    from aioembed.protocol.messages import MAX_HELLO_BYTES
+
+    decoded: list[int] = []
+    real_decode = sender_module.decode
+
+    def counting(payload: bytes) -> object:
+        decoded.append(len(payload))
+        return real_decode(payload)
+
+    monkeypatch.setattr(sender_module, "decode", counting)
+    big = encode(Init(room=1, blocks=tuple(range(1 << 20)), allocated_tokens=128, expected_ranks=1))
+    assert len(big) > MAX_HELLO_BYTES
+    async with running(CFG) as (sender, [receiver]):
+        async with raw_receiver(sender.address, LAYOUT, CFG) as raw:
+            for _ in range(3):
+                raw.send_raw(big)
+                rej = await raw.expect(Reject)
+                assert isinstance(rej, Reject) and rej.code == "unknown_peer", rej
+                assert f"a frame of {len(big)} bytes" in rej.reason and "refused unread" in rej.reason
+            assert len(big) not in decoded
+            src = make_request(2000, 2)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, "ok", src)
+                got = await receiver.receive("ok")
+            assert_same(got.tensors, src)
+        await wait_pools_free(sender, receiver)
+
+
 async def test_a_peer_of_the_previous_protocol_version_is_refused_by_name() -> None:
     """Version 3 bundles messages that version 2 would drop: the two must not talk, and say why."""
     old = PROTOCOL_VERSION - 1

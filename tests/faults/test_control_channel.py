@@ -301,3 +301,35 @@ def test_a_flood_is_handled_a_batch_at_a_time_and_an_oversized_bundle_is_dropped
         chan.close()
         router.close(linger=0)
         ctx.term()
+
+
+def test_a_batch_also_ends_at_its_byte_budget() -> None:
+    """Large frames cost time by their size: a batch of them ends once it received ``_RECV_BATCH_BYTES``, not
+    only after ``_RECV_BATCH`` messages (40 valid 5.7 MB frames held a receiver's loop for 13 s)."""
+    from aioembed.control.channel import _RECV_BATCH_BYTES
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router, dealer = _bare_router_and_dealer(ctx)
+    handled: list[list[bytes]] = []
+    chan = ControlSocket(dealer, handled.append, name="test-dealer", bundles=True)  # no I/O task: _drain by hand
+    big = b"z" * (1 << 20)
+    count = 3 * _RECV_BATCH_BYTES // len(big)
+    try:
+        dealer.send(b"hello")
+        identity, _ = router.recv_multipart()
+        for _ in range(count):
+            router.send_multipart([identity, big])
+        deadline = time.monotonic() + 5
+        batches = []
+        while len(handled) < count and time.monotonic() < deadline:
+            if not dealer.poll(100):
+                continue
+            before = len(handled)
+            chan._drain()
+            batches.append(len(handled) - before)
+        assert len(handled) == count and all(m == [big] for m in handled)
+        assert max(batches) <= _RECV_BATCH_BYTES // len(big), batches  # the budget ends each batch
+    finally:
+        chan.close()
+        router.close(linger=0)
+        ctx.term()

@@ -47,6 +47,9 @@ FrameHandler = Callable[[list[bytes]], None]
 SendErrorHandler = Callable[[Sequence[bytes], zmq.ZMQError], None]
 
 _RECV_BATCH = 256
+_RECV_BATCH_BYTES = 4 << 20
+"""A batch also ends once it received this many bytes: handling a frame costs time by its size (decoding and
+checking 40 valid 5.7 MB STATUS frames in one batch held the loop for 13 s)."""
 _BUNDLE_MAX = 64
 _BUNDLE_BYTES = 1 << 20
 """A bundle holds at most this many messages and (unless a single message is larger) bytes."""
@@ -223,17 +226,19 @@ class ControlSocket:
         return self.received - before
 
     def _drain(self) -> bool:
-        """Receive up to one batch (``_RECV_BATCH`` messages, a bundle counting each of its messages); True if
-        the batch was full (more may be waiting). The I/O task yields between batches, so a peer flooding
-        this socket does not hold the event loop."""
+        """Receive up to one batch (``_RECV_BATCH`` messages, a bundle counting each of its messages, or
+        ``_RECV_BATCH_BYTES``, whichever comes first); True if the batch was full (more may be waiting). The I/O
+        task yields between batches, so a peer flooding this socket does not hold the event loop."""
         sock = self.sock
         budget = _RECV_BATCH
-        while budget > 0:
+        nbytes = 0
+        while budget > 0 and nbytes < _RECV_BATCH_BYTES:
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return False
             budget -= 1
+            nbytes += sum(len(f) for f in frames)
             if not self._bundles:
                 messages = [frames]
             else:

@@ -22,6 +22,7 @@ from aioembed.errors import ProtocolError
 __all__ = [
     "MAX_BLOCKS_PER_MESSAGE",
     "MAX_FRAME_BYTES",
+    "MAX_HELLO_BYTES",
     "MAX_INLINE_BYTES",
     "MAX_PARTS",
     "PROTOCOL_VERSION",
@@ -70,6 +71,10 @@ MAX_TOKENS = 1 << 40
 MAX_ROOM_STR = 256
 MAX_TEXT = 4096
 MAX_DESCRIPTOR = 1 << 20
+MAX_HELLO_BYTES = MAX_DESCRIPTOR + (64 << 10)
+"""The largest HELLO frame: its transport descriptor, 256 regions and a few short strings. A peer without a
+session may send only HELLO or PING, so a larger frame from one is refused unread (decoding and checking a
+valid 5 MB INIT takes about 0.1 s of the event loop)."""
 MAX_METADATA_DEPTH = 16
 
 RoomId: TypeAlias = int | str | tuple[int | str, int]

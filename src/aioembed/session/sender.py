@@ -49,6 +49,7 @@ from aioembed.memory.device_order import fence_after, wait_fence
 from aioembed.memory.staging import StagedRows, StagingArea
 from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
+    MAX_HELLO_BYTES,
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
@@ -880,6 +881,15 @@ class EmbeddingSender:
             log.warning("sender: dropped a %d-frame message", len(frames))
             return
         identity, payload = frames
+        if len(payload) > MAX_HELLO_BYTES and self._peers.at(identity) is None:
+            # Not read: only a HELLO or a PING may come before a session, and neither is this large (a peer
+            # flooding us with large valid frames held the loop 0.1 s per frame while each was decoded).
+            log.warning("sender: a %d-byte frame from %r, which has no session, refused unread", len(payload),
+                        identity)
+            self._send_identity(identity, Reject(
+                reason=f"unknown peer: send HELLO first (a frame of {len(payload)} bytes, more than a HELLO's "
+                       f"{MAX_HELLO_BYTES}, refused unread)", code="unknown_peer"))
+            return
         try:
             msg = decode(payload)
         except ProtocolError as exc:
