@@ -165,6 +165,35 @@ async def test_allocation_timeout_when_pool_stays_full() -> None:
         await wait_pools_free(sender, receiver)
 
 
+async def test_a_first_reservation_stuck_behind_rooms_their_senders_have_not_started_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The head-of-line block: rooms started here hold the pool while their encoder is busy with a room that waits
+    here for memory. Nothing moves until a timeout; the error, and one warning while it waits, say what holds the
+    pool and what to do (README, "Reservations and the order of requests")."""
+    cfg = FAST.replace(pool_tokens=2048, round_timeout=2.0, input_timeout=30.0)
+    async with running(cfg) as (sender, [receiver]):
+        later = [receiver.start(f"later{i}") for i in range(2)]  # the whole pool, for rooms not sent yet
+        await _until(lambda: all(h.status is TransferStatus.WAITING_FOR_INPUT for h in later))
+        outcome: list[BaseException] = []
+        with caplog.at_level("WARNING", logger="aioembed.session.blocks"):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_send_noting, sender, "now", make_request(100, 1), outcome)  # what the encoder sends
+                with pytest.raises(TransferTimeout) as info:
+                    await receiver.receive("now")
+                sender.abort("now")
+        assert info.value.phase == "allocate"
+        assert ("16 of the pool's 16 blocks are first reservations of 2 room(s) whose sender has sent nothing yet"
+                in str(info.value)), info.value
+        notes = [r for r in caplog.records if "waiting for 1024 tokens of pool memory" in r.getMessage()]
+        assert len(notes) == 1 and "first reservations of 2 room(s)" in notes[0].getMessage(), caplog.text
+        assert outcome and isinstance(outcome[0], TransferError)
+        for h in later:
+            h.cancel()
+            await h.wait()
+        await _until(lambda: sender.rooms_in_flight == 0)
+        await wait_pools_free(sender, receiver)
+
+
 async def test_incompatible_layout_is_refused_with_the_difference() -> None:
     other = Layout(embeddings=Field((32,), torch.bfloat16), token_ids=Field((), torch.int32),
                    mrope_positions=Field((3,), torch.int64))

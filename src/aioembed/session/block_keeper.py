@@ -37,6 +37,9 @@ log = logging.getLogger("aioembed.session.blocks")
 
 WAIT_NOTE_AFTER = 1.0
 """Seconds a reservation waits before its ``on_wait`` note is logged."""
+WAIT_NOTE_EVERY = 10.0
+"""At most one such note per this many seconds is a WARNING (a burst of rooms waiting for memory would log one
+each); the others are DEBUG lines, and the next WARNING counts them."""
 
 
 class BlockKeeper:
@@ -55,6 +58,8 @@ class BlockKeeper:
         self.released_total: Counter[str] = Counter()
         """Fenced blocks released, by proof name."""
         self._claims: dict[int, int] = {}  # first grant of a zero-copy room -> blocks its request needs
+        self._noted_at = -WAIT_NOTE_EVERY
+        self._notes_held = 0  # wait notes logged at DEBUG since the last WARNING
 
     def claim(self, grant: int, blocks: int) -> None:
         """A zero-copy room (then its lease) will hold ``blocks`` until released; ``grant`` is its first."""
@@ -91,7 +96,7 @@ class BlockKeeper:
             await anyio.sleep(WAIT_NOTE_AFTER)
             note = on_wait()
             if note:
-                log.warning("%s: room=%r: waiting for %d tokens of pool memory: %s", self.name, room, tokens, note)
+                self._wait_note(room, tokens, note)
 
         got: list[list[int]] = []
         failed: list[Exception] = []
@@ -113,6 +118,16 @@ class BlockKeeper:
         if failed:
             raise failed[0]
         return self.ledger.reserve(room, got[0], round=round)
+
+    def _wait_note(self, room: RoomId, tokens: int, note: str) -> None:
+        now = anyio.current_time()
+        if now - self._noted_at < WAIT_NOTE_EVERY:
+            self._notes_held += 1
+            log.debug("%s: room=%r: waiting for %d tokens of pool memory: %s", self.name, room, tokens, note)
+            return
+        held, self._notes_held, self._noted_at = self._notes_held, 0, now
+        more = f" ({held} more room(s) waited so since the last such warning, logged at DEBUG)" if held else ""
+        log.warning("%s: room=%r: waiting for %d tokens of pool memory: %s%s", self.name, room, tokens, note, more)
 
     def blocks_of(self, grant: int) -> tuple[int, ...]:
         """The block ids of a live grant."""

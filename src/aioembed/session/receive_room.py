@@ -89,6 +89,9 @@ class RoomContext:
     outputs: OutputCache
     rank: int
     forget: Callable[[ReceiveRoomDriver], None]
+    unstarted: Callable[[], tuple[int, int]]
+    """Rooms whose first reservation was announced (INIT) and whose sender has sent nothing of them yet, and the
+    blocks those reservations hold: what a first reservation that has to wait may be waiting behind."""
 
 
 def _ends_room(event: RoomEvent) -> bool:
@@ -761,15 +764,15 @@ class ReceiveRoomDriver:
         if grant is not None:  # free blocks and nobody waiting before us (FIFO kept): no wait, no scope
             self._add_phase("allocate", t0)
             return grant
+        note = self._unstarted_note if first else self._held_chunks_note if self._holds_chunks(first) else None
         try:
             with anyio.CancelScope() as scope:
                 self._wait_scope = scope
                 grant = await self.ctx.keeper.reserve(self.room, tokens, timeout=cfg.round_timeout,
                                                       priority=not first, keep_free=keep, round=round_,
-                                                      on_wait=self._held_chunks_note if self._holds_chunks(first)
-                                                      else None)
+                                                      on_wait=note)
         except AllocationTimeout as exc:
-            held = self._held_chunks_note()
+            held = note() if note is not None else None
             raise TransferTimeout(f"room {self.room!r}: {exc}{'; ' + held if held else ''}", room=self.room,
                                   phase="allocate") from None
         finally:
@@ -843,6 +846,18 @@ class ReceiveRoomDriver:
         """A later round of a zero-copy stream: the caller may hold this room's chunks while it waits (only
         then is a wait worth a task that explains it)."""
         return not first and self.stream is not None and self.zero_copy
+
+    def _unstarted_note(self) -> str | None:
+        """A first reservation waiting: how much of the pool is held by rooms whose senders have not started them
+        (the head-of-line block of README, "Reservations and the order of requests")."""
+        rooms, blocks = self.ctx.unstarted()
+        if not rooms:
+            return None
+        return (f"{blocks} of the pool's {self.ctx.pool.num_blocks} blocks are first reservations of {rooms} room(s) "
+                "whose sender has sent nothing yet: if their encoders are busy with rooms that wait here for memory "
+                "(an encoder that sends in another order, or fewer at once, than rooms are started here), nothing "
+                "moves until timeouts; start a room when its encoder is about to send it, or size pool_tokens for "
+                "the rooms started at once (default_tokens each)")
 
     def _held_chunks_note(self) -> str | None:
         """Zero-copy stream: how much of the pool the caller holds in unreleased chunks of this room."""

@@ -37,7 +37,7 @@ from aioembed.memory.allocator import BlockAllocator
 from aioembed.memory.output_cache import OutputCache
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver
-from aioembed.protocol.messages import RoomId, validate_room
+from aioembed.protocol.messages import RoomId, TransferStatus, validate_room
 from aioembed.protocol.ownership import FenceReason
 from aioembed.session.assembly import Part, RoomAssembly, check_parts, part_output
 from aioembed.session.async_library import KnownAsyncLibrary
@@ -132,7 +132,7 @@ class EmbeddingReceiver:
             self._room_ctx = RoomContext(
                 keeper=self.keeper, pool=self.pool, layout=self.layout, config=cfg, observer=self.observer,
                 copier=RoundCopier(self.pool, threads=cfg.copy_threads), returns=returns, outputs=self.outputs,
-                rank=self.rank, forget=self._forget)
+                rank=self.rank, forget=self._forget, unstarted=self._unstarted_reservations)
             await self._tasks.enter()
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -590,6 +590,18 @@ class EmbeddingReceiver:
         self.keeper.writer_gone(conn.sender_id, lifetime=self._transport.orphan_lifetime)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _unstarted_reservations(self) -> tuple[int, int]:
+        """Rooms whose first reservation their sender has (INIT) but nothing of them came yet, and its blocks."""
+        rooms = blocks = 0
+        size = self.config.block_size
+        for conn in self._conns.values():
+            for driver in conn.rooms.values():
+                m = driver.machine
+                if m.state is TransferStatus.WAITING_FOR_INPUT and m.total is None and m.allocated:
+                    rooms += 1
+                    blocks += -(-m.allocated // size)
+        return rooms, blocks
 
     def _forget(self, room: ReceiveRoomDriver) -> None:
         if self._rooms.get(room.room) is room:
