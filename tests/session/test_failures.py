@@ -69,6 +69,36 @@ async def test_receiver_cancel_before_send_fails_the_later_send_fast() -> None:
         await wait_pools_free(sender, receiver)
 
 
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+async def test_a_room_given_up_before_its_init_fails_the_later_send_fast(how: str) -> None:
+    """A room that ended while it waited for pool memory never sent its INIT: the sender knew nothing of it, and a
+    later send() of it waited input_timeout for an INIT that never came. Now it is told (ABORT, before_init)."""
+    cfg = FAST.replace(pool_tokens=1024, input_timeout=30.0, round_timeout=0.5 if how == "timed out" else 30.0)
+    async with running(cfg) as (sender, [receiver]):
+        hog = receiver.start("hog")  # the whole pool, for a room not sent yet
+        await _until(lambda: hog.status is TransferStatus.WAITING_FOR_INPUT)
+        starved = receiver.start("starved")
+        await anyio.sleep(0.1)  # waiting for memory, no INIT sent
+        assert sender.rooms_in_flight == 1
+        if how == "cancelled":
+            starved.cancel("the client went away")
+        status = await starved.wait()
+        assert status is (TransferStatus.ABORTED if how == "cancelled" else TransferStatus.FAILED)
+        with anyio.fail_after(2.0), pytest.raises(TransferAborted, match="gave it up before asking for it"):
+            await sender.send("starved", make_request(10, 1))
+        assert sender.rooms_in_flight == 1  # only the hog
+        hog.cancel()
+        await hog.wait()
+        await _until(lambda: sender.rooms_in_flight == 0)
+        assert receiver.room_ids_held == {"abort_unanswered": 0, "barrier": 0}
+        src = make_request(50, 2)
+        async with anyio.create_task_group() as tg:  # the id again: a new request, served
+            tg.start_soon(sender.send, "starved", src)
+            got = await receiver.receive("starved")
+        assert_same(got.tensors, src)
+        await wait_pools_free(sender, receiver)
+
+
 async def test_receiver_cancel_mid_room_aborts_the_sender() -> None:
     """The room stalls between rounds (pool full); the receiver cancels; send() ends aborted."""
     async with running(FAST.replace(input_timeout=30.0, round_timeout=30.0)) as (sender, [receiver]):
@@ -168,7 +198,7 @@ async def test_allocation_timeout_when_pool_stays_full() -> None:
 async def test_a_first_reservation_stuck_behind_rooms_their_senders_have_not_started_says_so(
         caplog: pytest.LogCaptureFixture) -> None:
     """The head-of-line block: rooms started here hold the pool while their encoder is busy with a room that waits
-    here for memory. Nothing moves until a timeout; the error, and one warning while it waits, say what holds the
+    here for memory. Nothing moves until a timeout; the error, and one warning as it gives up, say what holds the
     pool and what to do (README, "Reservations and the order of requests")."""
     cfg = FAST.replace(pool_tokens=2048, round_timeout=2.0, input_timeout=30.0)
     async with running(cfg) as (sender, [receiver]):
@@ -184,7 +214,7 @@ async def test_a_first_reservation_stuck_behind_rooms_their_senders_have_not_sta
         assert info.value.phase == "allocate"
         assert ("16 of the pool's 16 blocks are first reservations of 2 room(s) whose sender has sent nothing yet"
                 in str(info.value)), info.value
-        notes = [r for r in caplog.records if "waiting for 1024 tokens of pool memory" in r.getMessage()]
+        notes = [r for r in caplog.records if "gave up waiting for 1024 tokens of pool memory" in r.getMessage()]
         assert len(notes) == 1 and "first reservations of 2 room(s)" in notes[0].getMessage(), caplog.text
         assert outcome and isinstance(outcome[0], TransferError)
         for h in later:

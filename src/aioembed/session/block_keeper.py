@@ -96,7 +96,7 @@ class BlockKeeper:
             await anyio.sleep(WAIT_NOTE_AFTER)
             note = on_wait()
             if note:
-                self._wait_note(room, tokens, note)
+                self.wait_note(room, tokens, note)
 
         got: list[list[int]] = []
         failed: list[Exception] = []
@@ -119,15 +119,18 @@ class BlockKeeper:
             raise failed[0]
         return self.ledger.reserve(room, got[0], round=round)
 
-    def _wait_note(self, room: RoomId, tokens: int, note: str) -> None:
+    def wait_note(self, room: RoomId, tokens: int, note: str, *, timed_out: bool = False) -> None:
+        """Log why ``room`` waits (or waited, ``timed_out``) for ``tokens`` of pool memory: a WARNING at most once
+        per :data:`WAIT_NOTE_EVERY`, DEBUG lines between them (counted in the next WARNING)."""
+        what = "gave up waiting" if timed_out else "waiting"
         now = anyio.current_time()
         if now - self._noted_at < WAIT_NOTE_EVERY:
             self._notes_held += 1
-            log.debug("%s: room=%r: waiting for %d tokens of pool memory: %s", self.name, room, tokens, note)
+            log.debug("%s: room=%r: %s for %d tokens of pool memory: %s", self.name, room, what, tokens, note)
             return
         held, self._notes_held, self._noted_at = self._notes_held, 0, now
-        more = f" ({held} more room(s) waited so since the last such warning, logged at DEBUG)" if held else ""
-        log.warning("%s: room=%r: waiting for %d tokens of pool memory: %s%s", self.name, room, tokens, note, more)
+        more = f" ({held} more such note(s) since the last warning, logged at DEBUG)" if held else ""
+        log.warning("%s: room=%r: %s for %d tokens of pool memory: %s%s", self.name, room, what, tokens, note, more)
 
     def blocks_of(self, grant: int) -> tuple[int, ...]:
         """The block ids of a live grant."""

@@ -134,6 +134,7 @@ class ReceiveRoomDriver:
         self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
         self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
         self._held: RoomEvent | None = None  # taken from the inbox ahead of its turn (see _fold_landed)
+        self._asked_memory = False  # its first reservation was asked for (the sender may be waiting for its INIT)
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._ahead: int | None = None  # grant of the round after it, announced early (before this one's STATUS)
         self._claim: int | None = None  # a zero-copy room's claim on the pool: the grant it is keyed to, once made
@@ -312,6 +313,7 @@ class ReceiveRoomDriver:
                     self._interrupted()
                     continue
             tokens = self._first_tokens()
+            self._asked_memory = True
             grant = await self._reserve(tokens, first=True)
             if grant is None:
                 self._interrupted()
@@ -483,6 +485,13 @@ class ReceiveRoomDriver:
             self.conn.held_ids.abort_sent(self.room, anyio.current_time())
             for grant in announced:
                 keeper.fence(grant, FenceReason.ABORT_UNACKED)
+        elif self.writer is None and self._asked_memory and self.conn.ready and not self._sender_ended:
+            # Ended before its INIT, once it asked for memory (cancelled or timed out waiting for it): the sender
+            # knows nothing of it, and its send() would wait input_timeout for an INIT that never comes. Told, it
+            # fails that at once. (One that ended sooner, waiting for a session or for its id to be released, is
+            # not told: nothing of it may reach the sender ahead of the answers it waits for.)
+            self.conn.send(Abort(room=self.room, reason=plain_text(error), before_init=True))
+            self.conn.held_ids.abort_sent(self.room, anyio.current_time())
         else:
             for grant in announced:
                 keeper.fence(grant, FenceReason.SESSION_DROPPED)
@@ -764,15 +773,19 @@ class ReceiveRoomDriver:
         if grant is not None:  # free blocks and nobody waiting before us (FIFO kept): no wait, no scope
             self._add_phase("allocate", t0)
             return grant
-        note = self._unstarted_note if first else self._held_chunks_note if self._holds_chunks(first) else None
         try:
             with anyio.CancelScope() as scope:
                 self._wait_scope = scope
                 grant = await self.ctx.keeper.reserve(self.room, tokens, timeout=cfg.round_timeout,
                                                       priority=not first, keep_free=keep, round=round_,
-                                                      on_wait=note)
+                                                      on_wait=self._held_chunks_note if self._holds_chunks(first)
+                                                      else None)
         except AllocationTimeout as exc:
-            held = note() if note is not None else None
+            # A first reservation's note is made only now (a task per waiting room to say it sooner cost every
+            # wait a task group): the error names it, and so does one warning per WAIT_NOTE_EVERY.
+            held = self._unstarted_note() if first else self._held_chunks_note()
+            if held and first:
+                self.ctx.keeper.wait_note(self.room, tokens, held, timed_out=True)
             raise TransferTimeout(f"room {self.room!r}: {exc}{'; ' + held if held else ''}", room=self.room,
                                   phase="allocate") from None
         finally:
