@@ -224,6 +224,27 @@ async def test_a_first_reservation_stuck_behind_rooms_their_senders_have_not_sta
         await wait_pools_free(sender, receiver)
 
 
+async def test_a_first_reservation_that_waits_behind_unreleased_leases_says_so() -> None:
+    cfg = FAST.replace(pool_tokens=2048, round_timeout=1.0, input_timeout=30.0)
+    async with running(cfg) as (sender, [receiver]):
+        leases = []
+        for i in range(2):
+            src = make_request(1000, 10 + i)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.send, f"held{i}", src)
+                leases.append(await receiver.receive_leased(f"held{i}"))  # kept, not released: 8 blocks each
+        with pytest.raises(TransferTimeout) as info:
+            await receiver.receive("starved")
+        assert info.value.phase == "allocate"
+        assert "16 of the pool's 16 blocks hold rows that arrived and are not released yet" in str(info.value), \
+            info.value
+        assert "first reservations" not in str(info.value)
+        for lease in leases:
+            lease.release()
+        await _until(lambda: sender.rooms_in_flight == 0)
+        await wait_pools_free(sender, receiver)
+
+
 async def test_incompatible_layout_is_refused_with_the_difference() -> None:
     other = Layout(embeddings=Field((32,), torch.bfloat16), token_ids=Field((), torch.int32),
                    mrope_positions=Field((3,), torch.int64))

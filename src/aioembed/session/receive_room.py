@@ -861,16 +861,28 @@ class ReceiveRoomDriver:
         return not first and self.stream is not None and self.zero_copy
 
     def _unstarted_note(self) -> str | None:
-        """A first reservation waiting: how much of the pool is held by rooms whose senders have not started them
-        (the head-of-line block of README, "Reservations and the order of requests")."""
+        """A first reservation gave up waiting: what holds the pool. Rooms whose senders have not started them
+        (the head-of-line block of README, "Reservations and the order of requests"), rows that arrived and are
+        not released yet (leases), and fenced blocks."""
         rooms, blocks = self.ctx.unstarted()
-        if not rooms:
-            return None
-        return (f"{blocks} of the pool's {self.ctx.pool.num_blocks} blocks are first reservations of {rooms} room(s) "
-                "whose sender has sent nothing yet: if their encoders are busy with rooms that wait here for memory "
-                "(an encoder that sends in another order, or fewer at once, than rooms are started here), nothing "
-                "moves until timeouts; start a room when its encoder is about to send it, or size pool_tokens for "
-                "the rooms started at once (default_tokens each)")
+        keeper, total = self.ctx.keeper, self.ctx.pool.num_blocks
+        readable = sum(len(g.blocks) for g in keeper.ledger.grants(state=GrantState.READABLE))
+        fenced = keeper.allocator.stats.fenced
+        said = []
+        if rooms:
+            said.append(f"{blocks} of the pool's {total} blocks are first reservations of {rooms} room(s) whose "
+                        "sender has sent nothing yet: if their encoders are busy with rooms that wait here for memory "
+                        "(an encoder that sends in another order, or fewer at once, than rooms are started here), "
+                        "nothing moves until timeouts; start a room when its encoder is about to send it, or size "
+                        "pool_tokens for the rooms started at once (default_tokens each)")
+        if readable:
+            said.append(f"{readable} of the pool's {total} blocks hold rows that arrived and are not released yet "
+                        "(leases and zero-copy results not released, or copies under way): release a lease as soon "
+                        "as its rows are used")
+        if fenced:
+            said.append(f"{fenced} of the pool's {total} blocks are fenced (a failed or aborted write may still land "
+                        "there; they come back once that is ruled out)")
+        return "; ".join(said) or None
 
     def _held_chunks_note(self) -> str | None:
         """Zero-copy stream: how much of the pool the caller holds in unreleased chunks of this room."""
