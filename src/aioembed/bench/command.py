@@ -121,7 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gc-freeze", action="store_true",
                         help="both processes call gc.collect(); gc.freeze() once each workload's sender and "
                              "receiver are up, as vLLM and SGLang servers do after start-up, so full collections "
-                             "scan only the objects made since (the README: 'Garbage collection under load')")
+                             "scan only the objects made since (docs/performance-history.md: 'Garbage collection "
+                             "under load')")
     parser.add_argument("--control-floor", action="store_true",
                         help="sizes: also time each raw method framed by the two control messages of aioembed's "
                              "protocol (a request, then done: plain pyzmq to and from a bare peer process); the "
