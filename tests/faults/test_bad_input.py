@@ -62,6 +62,22 @@ async def test_garbage_and_unknown_frames_are_rejected_and_valid_rooms_go_on() -
         await wait_pools_free(sender, receiver)
 
 
+async def test_a_flood_of_bad_frames_is_answered_each_time_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Every junk frame gets its REJECT; the log gets one WARNING (the rest at DEBUG): 200,000 junk frames wrote
+    200,000 lines."""
+    async with running(CFG) as (sender, [receiver]):
+        async with raw_receiver(sender.address, LAYOUT, CFG) as raw:
+            with caplog.at_level("DEBUG", logger="aioembed.session.sender"):
+                for _ in range(50):
+                    raw.send_raw(b"\xc1")
+                for _ in range(50):
+                    rej = await raw.expect(Reject)
+                    assert isinstance(rej, Reject) and rej.code == "bad_frame"
+        bad = [r for r in caplog.records if "bad frame from" in r.getMessage()]
+        assert len(bad) == 50 and [r.levelname for r in bad] == ["WARNING"] + ["DEBUG"] * 49
+        await wait_pools_free(sender, receiver)
+
+
 async def test_a_large_frame_from_a_peer_without_a_session_is_refused_unread(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Only HELLO or PING may come before a session: a larger valid frame (an INIT of a million block ids, 5 MB)

@@ -61,6 +61,7 @@ from aioembed.protocol.ownership import Proof, Writer
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.lease import LeaseReturns
 from aioembed.session.liveness import LoopWatch, PeerClock
+from aioembed.session.log_budget import WarningBudget
 from aioembed.session.room_id_holds import RoomIdHolds
 from aioembed.transports.boundary import GuardedTransport
 
@@ -123,6 +124,7 @@ class SenderConnection:
         self._spawn = spawn
         self.name = f"receiver[{rank}]<-{address}"
         self.rooms: dict[RoomId, ReceiveRoomDriver] = {}
+        self._warnings = WarningBudget(log)  # bad frames from the sender: a flood of them logs one line per window
         self._peer_interval = math.inf
         """The sender's heartbeat_interval (from its WELCOME)."""
         self.held_ids = RoomIdHolds()
@@ -396,13 +398,13 @@ class SenderConnection:
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 1:
-            log.warning("%s: dropped a %d-frame message", self.name, len(frames))
+            self._warnings.warn("frames", "%s: dropped a %d-frame message", self.name, len(frames))
             return
         try:
             msg = decode(frames[0])
         except ProtocolError as exc:
             # Never answer an undecodable frame: two confused peers would bounce errors forever.
-            log.warning("%s: bad frame from the sender (room=%s): %s", self.name, exc.room, exc)
+            self._warnings.warn("bad", "%s: bad frame from the sender (room=%s): %s", self.name, exc.room, exc)
             if exc.peer_version is not None and not self._answered.is_set():
                 self.refused = IncompatiblePeer(f"sender {self.address} speaks protocol version "
                                                 f"{exc.peer_version}: {exc}")
@@ -412,7 +414,7 @@ class SenderConnection:
         self.clock.heard(anyio.current_time())
         handler = self._handlers.get(type(msg))
         if handler is None:
-            log.warning("%s: unexpected %s from the sender, ignored", self.name, msg.TYPE)
+            self._warnings.warn("unexpected", "%s: unexpected %s from the sender, ignored", self.name, msg.TYPE)
         else:
             handler(msg)
 

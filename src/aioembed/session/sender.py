@@ -86,6 +86,7 @@ from aioembed.session.backend import check_backend
 from aioembed.session.copy_out import COPY_INLINE_BYTES
 from aioembed.session.deadlines import DeadlineTimer
 from aioembed.session.liveness import LoopWatch, PeerClock
+from aioembed.session.log_budget import WarningBudget
 from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
 from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.send_room import SendContext, SendRoomDriver
@@ -181,6 +182,7 @@ class EmbeddingSender:
         self._rooms: dict[RoomId, SendRoomDriver] = {}
         # Recently ended rooms, so the other side learns at once (see _Ended).
         self._ended: OrderedDict[RoomId, _Ended] = OrderedDict()
+        self._warnings = WarningBudget(log)  # what peers send that is refused: a flood of it logs one line per window
         self._ledger = WriteLedger()
         self._sources: dict[int, _Source] = {}
         self._unregistering: dict[int, _Unregistration] = {}  # sources whose unregister() has not returned
@@ -878,14 +880,14 @@ class EmbeddingSender:
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
-            log.warning("sender: dropped a %d-frame message", len(frames))
+            self._warnings.warn("frames", "sender: dropped a %d-frame message", len(frames))
             return
         identity, payload = frames
         if len(payload) > MAX_HELLO_BYTES and self._peers.at(identity) is None:
             # Not read: only a HELLO or a PING may come before a session, and neither is this large (a peer
             # flooding us with large valid frames held the loop 0.1 s per frame while each was decoded).
-            log.warning("sender: a %d-byte frame from %r, which has no session, refused unread", len(payload),
-                        identity)
+            self._warnings.warn("unread", "sender: a %d-byte frame from %r, which has no session, refused unread",
+                                len(payload), identity)
             self._send_identity(identity, Reject(
                 reason=f"unknown peer: send HELLO first (a frame of {len(payload)} bytes, more than a HELLO's "
                        f"{MAX_HELLO_BYTES}, refused unread)", code="unknown_peer"))
@@ -893,7 +895,7 @@ class EmbeddingSender:
         try:
             msg = decode(payload)
         except ProtocolError as exc:
-            log.warning("sender: bad frame from %r (room=%s): %s", identity, exc.room, exc)
+            self._warnings.warn("bad", "sender: bad frame from %r (room=%s): %s", identity, exc.room, exc)
             reject = Reject(reason=plain_text(f"bad frame: {exc}"), room=exc.room, code="bad_frame")
             known = self._peers.at(identity)
             if known is not None and exc.room is not None:
@@ -922,12 +924,12 @@ class EmbeddingSender:
         handler = self._handlers.get(type(msg))
         if handler is None:
             if not isinstance(msg, (Pong, AbortAck)):
-                log.warning("sender: unexpected %s from %s, ignored", msg.TYPE, peer)
+                self._warnings.warn("unexpected", "sender: unexpected %s from %s, ignored", msg.TYPE, peer)
             return
         try:
             handler(peer, msg)
         except ProtocolError as exc:
-            log.warning("sender: room=%s: %s from %s refused: %s", exc.room, msg.TYPE, peer, exc)
+            self._warnings.warn("refused", "sender: room=%s: %s from %s refused: %s", exc.room, msg.TYPE, peer, exc)
             # The reason names the refused frame: the receiver's error says which of its frames broke a rule.
             reject = Reject(reason=plain_text(f"{msg.TYPE} refused: {exc}"), room=exc.room)
             if exc.room is None:
