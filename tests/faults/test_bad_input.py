@@ -28,7 +28,7 @@ from aioembed.protocol.messages import (
 )
 from aioembed.testing import MockTransport, WriteFault
 
-from ..session.conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
+from ..session.conftest import LAYOUT, assert_same, make_request, room_goes_through, running, wait_pools_free
 from .rawpeer import pool_guard, raw_receiver, raw_sender, welcomed_receiver
 
 pytestmark = pytest.mark.anyio
@@ -53,12 +53,7 @@ async def test_garbage_and_unknown_frames_are_rejected_and_valid_rooms_go_on() -
             raw.send(Init(room=1, blocks=(0,), allocated_tokens=128, expected_ranks=1))
             rej = await raw.expect(Reject)
             assert isinstance(rej, Reject) and rej.code == "unknown_peer"
-            # meanwhile a real room works
-            src = make_request(2000, 1)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sender.send, "ok", src)
-                got = await receiver.receive("ok")
-            assert_same(got.tensors, src)
+            await room_goes_through(sender, receiver, "ok", 2000, seed=1)  # meanwhile a real room works
         await wait_pools_free(sender, receiver)
 
 
@@ -103,11 +98,7 @@ async def test_a_large_frame_from_a_peer_without_a_session_is_refused_unread(
                 assert isinstance(rej, Reject) and rej.code == "unknown_peer", rej
                 assert f"a frame of {len(big)} bytes" in rej.reason and "refused unread" in rej.reason
             assert len(big) not in decoded
-            src = make_request(2000, 2)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sender.send, "ok", src)
-                got = await receiver.receive("ok")
-            assert_same(got.tensors, src)
+            await room_goes_through(sender, receiver, "ok", 2000, seed=2)
         await wait_pools_free(sender, receiver)
 
 

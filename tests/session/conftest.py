@@ -40,6 +40,16 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
 
 
+async def room_goes_through(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str, num_tokens: int,
+                            seed: int) -> None:
+    """One room sent and received, its rows checked bit for bit: the pair still works (after a fault, say)."""
+    src = make_request(num_tokens, seed)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender.send, room, src)
+        got = await receiver.receive(room)
+    assert_same(got.tensors, src)
+
+
 def _pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver) -> bool:
     regions = getattr(sender._transport, "regions", None)
     return (all(r.allocator.stats.free == r.allocator.stats.total and r.rooms_in_flight == 0 for r in receivers)

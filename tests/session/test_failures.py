@@ -31,7 +31,7 @@ from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.sender import STOP_GRACE
 from aioembed.testing import MockTransport, WriteFault
 
-from .conftest import LAYOUT, assert_same, make_request, running, wait_pools_free
+from .conftest import LAYOUT, assert_same, make_request, room_goes_through, running, wait_pools_free
 
 pytestmark = pytest.mark.anyio
 
@@ -91,11 +91,7 @@ async def test_a_room_given_up_before_its_init_fails_the_later_send_fast(how: st
         await hog.wait()
         await _until(lambda: sender.rooms_in_flight == 0)
         await _until(lambda: receiver.room_ids_held == {"abort_unanswered": 0, "barrier": 0})  # the answers came
-        src = make_request(50, 2)
-        async with anyio.create_task_group() as tg:  # the id again: a new request, served
-            tg.start_soon(sender.send, "starved", src)
-            got = await receiver.receive("starved")
-        assert_same(got.tensors, src)
+        await room_goes_through(sender, receiver, "starved", 50, seed=2)  # the id again: a new request, served
         await wait_pools_free(sender, receiver)
 
 
