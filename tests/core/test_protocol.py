@@ -145,7 +145,6 @@ SAMPLES: list[Any] = [
            metadata={"grid": [1, 2, [3, 4.5]], "ok": True, "raw": b"\xff", "nested": {"a": None}}),
     Status(room="x", state="FAILED", total_tokens=0, sent_tokens=0, round=0, error="boom"),
     Abort(room=INT64_MAX, reason="client went away"),
-    Abort(room="r", reason="gave up waiting for pool memory", before_init=True),
     AbortAck(room=INT64_MIN),
     Ping(nonce=0),
     Pong(nonce=INT64_MAX, peer_id="p"),

@@ -50,12 +50,11 @@ __all__ = [
     "validate_room",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 5
 """2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership). 3: a ZeroMQ message
 may bundle several frames, one message each (:mod:`aioembed.control.channel`). 4: TOTAL, and a RESUME
 accepted while the round before it is being written (the next round announced early). 5: a round's small
-fields carried inside its STATUS (``HELLO.status_inline_bytes``, ``STATUS.inline``). 6: ``ABORT.before_init``,
-a room the receiver gave up before its INIT (its sender's later ``send()`` of it fails at once)."""
+fields carried inside its STATUS (``HELLO.status_inline_bytes``, ``STATUS.inline``)."""
 MAX_FRAME_BYTES = 16 << 20
 """Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCK_SIZE = 1 << 20
@@ -412,10 +411,6 @@ class Abort(_Base):
     TYPE: ClassVar[str] = "ABORT"
     room: RoomId
     reason: str
-    before_init: bool = False
-    """Receiver -> sender: the room ended here before its INIT went out (cancelled, or timed out, while it waited
-    for pool memory): the sender holds nothing of it, and a ``send()`` of it that comes later fails at once
-    instead of waiting ``input_timeout`` for an INIT that will not come."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,7 +546,7 @@ Status.SCHEMA = {
     "inline": _inline,
 }
 Total.SCHEMA = {"room": _ROOM, "total_tokens": _int(1, MAX_TOKENS)}
-Abort.SCHEMA = {"room": _ROOM, "reason": _str(MAX_TEXT), "before_init": _bool}
+Abort.SCHEMA = {"room": _ROOM, "reason": _str(MAX_TEXT)}
 AbortAck.SCHEMA = {"room": _ROOM}
 FenceRelease.SCHEMA = {"room": _ROOM}
 Drained.SCHEMA = {"below_epoch": _EPOCH}

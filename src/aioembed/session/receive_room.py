@@ -134,7 +134,6 @@ class ReceiveRoomDriver:
         self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
         self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
         self._held: RoomEvent | None = None  # taken from the inbox ahead of its turn (see _fold_landed)
-        self._asked_memory = False  # its first reservation was asked for (the sender may be waiting for its INIT)
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._ahead: int | None = None  # grant of the round after it, announced early (before this one's STATUS)
         self._claim: int | None = None  # a zero-copy room's claim on the pool: the grant it is keyed to, once made
@@ -313,7 +312,6 @@ class ReceiveRoomDriver:
                     self._interrupted()
                     continue
             tokens = self._first_tokens()
-            self._asked_memory = True
             grant = await self._reserve(tokens, first=True)
             if grant is None:
                 self._interrupted()
@@ -485,13 +483,6 @@ class ReceiveRoomDriver:
             self.conn.held_ids.abort_sent(self.room, anyio.current_time())
             for grant in announced:
                 keeper.fence(grant, FenceReason.ABORT_UNACKED)
-        elif self.writer is None and self._asked_memory and self.conn.ready and not self._sender_ended:
-            # Ended before its INIT, once it asked for memory (cancelled or timed out waiting for it): the sender
-            # knows nothing of it, and its send() would wait input_timeout for an INIT that never comes. Told, it
-            # fails that at once. (One that ended sooner, waiting for a session or for its id to be released, is
-            # not told: nothing of it may reach the sender ahead of the answers it waits for.)
-            self.conn.send(Abort(room=self.room, reason=plain_text(error), before_init=True))
-            self.conn.held_ids.abort_sent(self.room, anyio.current_time())
         else:
             for grant in announced:
                 keeper.fence(grant, FenceReason.SESSION_DROPPED)

@@ -1082,8 +1082,6 @@ class EmbeddingSender:
     def _on_abort(self, peer: PeerSession, msg: Abort) -> None:
         r = self._rooms.get(msg.room)
         if r is None or r.rank_peer.get(peer.rank) is not peer:
-            if msg.before_init and (r is None or peer.rank not in r.rank_peer):
-                self._given_up_before_init(r, peer, msg)
             self._answer_ended(peer, msg.room, AbortAck(room=msg.room))
             return
         log.info("sender: room=%r: aborted by %s: %s", msg.room, peer, msg.reason)
@@ -1096,18 +1094,6 @@ class EmbeddingSender:
         r.abort_from.add(peer.rank)
         # acknowledged once no write of the room is in flight
         self._room_ended_by_receiver(r, peer, f"aborted by {peer}: {msg.reason}", tombstone=msg.reason, aborted=True)
-
-    def _given_up_before_init(self, r: SendRoomDriver | None, peer: PeerSession, msg: Abort) -> None:
-        """A rank gave room ``msg.room`` up before it asked for it (its first reservation never came): a ``send()``
-        of it fails now, or at once when it comes, not at ``input_timeout``; ranks that asked are told. That
-        receiver's next INIT of the id is a new request."""
-        why = f"{peer} gave it up before asking for it: {msg.reason}"
-        log.info("sender: room=%r: %s", msg.room, why)
-        if r is not None:
-            self._room_ended_by_receiver(r, peer, why, tombstone=why, aborted=True)
-        elif self._tombstone(msg.room) is None:  # an end already remembered stands
-            self._remember_ended(msg.room, "receiver", why, exempt=(peer.key.receiver,), ranks=(peer.rank,),
-                                 aborted=True)
 
     def _on_reject(self, peer: PeerSession, msg: Reject) -> None:
         log.warning("sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
