@@ -125,7 +125,9 @@ class RegionSet:
     kept merged so that a span crossing two abutting registrations still counts as covered.
     The merged spans are updated where a registration changes them, not rebuilt: a sender registers
     and unregisters its caller's tensors for every ``send()``, and re-sorting every region at each
-    change made a burst of outstanding sends quadratic (10,000 of them: 167 rooms/s against 1,332).
+    change made a burst of outstanding sends quadratic (10,000 of them: 167 rooms/s against 1,332). A removal still
+    re-merges the one merged span it was in, which for regions that abut or nest (slices of one batched output)
+    is all of them: 10,000 such regions added and removed take 5.4 s (20 s before).
     """
 
     __slots__ = ("_counts", "_ends", "_span_regions", "_spans", "_starts", "_total")

@@ -197,11 +197,39 @@ async def test_a_peer_that_outlived_its_link_has_its_connections_closed_at_a_lat
             assert await _until(lambda: not _to(first_ports), 5), (
                 f"connections to the peer that outlived its link still open after a later link closed: "
                 f"{_to(first_ports)}")
-            assert list(t._lingering) == [other.session]
             assert "ESTABLISHED" in _to(second_ports)  # a live peer keeps its lanes for a later link
             again = await t.connect(bytes.fromhex(str(info["descriptor"])))
-            assert not t._lingering  # its lanes are a link's again
-            await again.aclose()
+            assert other.session not in t._lingering  # its lanes are a link's again
+            await again.aclose()  # the look at this close forgets the first peer, whose reads failed
+            assert list(t._lingering) == [other.session]
+
+
+@needs_proc
+async def test_a_lingering_peer_that_froze_neither_holds_later_closes_nor_piles_up_reads() -> None:
+    """Reads to a frozen peer end only at the engine's progress timeout: a close waits for its own peer's reads, not
+    a lingering one's, and a lingering peer whose last reads have not ended gets no new ones."""
+    src = torch.zeros(SIZE, dtype=torch.uint8)
+    async with await MooncakeTransport.open(OPTIONS) as t:
+        await t.register([MemoryRegion(src.data_ptr(), SIZE)])
+        with _owner() as (frozen, finfo, _fports), _owner() as (_live, linfo, _lports):
+            first = await t.connect(bytes.fromhex(str(finfo["descriptor"])))
+            await first.write([WriteOp(src.data_ptr(), int(str(finfo["addr"])), SIZE)])
+            await first.aclose()  # it answers: lingering
+            assert list(t._lingering) == [first.session]
+            os.kill(frozen.pid, signal.SIGSTOP)
+            await anyio.to_thread.run_sync(wait_stopped, frozen.pid)
+            pending = []
+            for _ in range(4):
+                link = await t.connect(bytes.fromhex(str(linfo["descriptor"])))
+                await link.write([WriteOp(src.data_ptr(), int(str(linfo["addr"])), SIZE)])
+                started = time.monotonic()
+                await link.aclose()
+                assert time.monotonic() - started < _RELEASE_WAIT / 2, "a close waited for a frozen lingering peer"
+                pending.append(sum(1 for r in t._lingering[first.session][1] if r.status == 0))
+            from aioembed_mooncake._engine import tcp_lanes_per_peer
+
+            assert max(pending) <= tcp_lanes_per_peer(), pending  # one look's reads at most, not one per close
+            os.kill(frozen.pid, signal.SIGCONT)
 
 
 @needs_proc

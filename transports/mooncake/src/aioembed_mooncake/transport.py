@@ -273,12 +273,13 @@ class MooncakeTransport(Transport):
         self._releases: set[PendingTransfer] = set()
         """Reads of :meth:`_release_connections` not seen ending yet (the endpoint's ``aclose()`` does not wait
         for them)."""
-        self._lingering: dict[str, int] = {}
-        """Peer session -> a byte of its pool, for peers whose last link closed while they still answered the
-        release reads: the engine keeps its lanes to them (a later link reuses them), and they would end in
-        CLOSE-WAIT for good once that peer's process exits (a language-model rank that idled out of this
-        encoder and was redeployed later). Each later link close reads from them again, until a read fails:
-        the engine then closes those lanes, and the peer is forgotten."""
+        self._lingering: dict[str, tuple[int, list[PendingTransfer]]] = {}
+        """Peer session -> (a byte of its pool, its release reads of the last look), for peers whose last link
+        closed while they still answered the release reads: the engine keeps its lanes to them (a later link
+        reuses them), and they would end in CLOSE-WAIT for good once that peer's process exits (a language-model
+        rank that idled out of this encoder and was redeployed later). Each later link close reads from them
+        again, unless their last reads have not ended (a frozen peer: nothing piles up), until a read fails: the
+        engine then closes those lanes, and the peer is forgotten."""
         self._links: set[MooncakeLink] = set()
         self._inflight = 0
         self._idle = anyio.Event()
@@ -534,15 +535,23 @@ class MooncakeTransport(Transport):
         milliseconds and the engine closes it; one more than there are lanes fails at its reconnect (refused).
         On a live peer they succeed and the lanes stay (a later link reuses them): the peer is kept in
         :attr:`_lingering`, and read from again at each later link close, until its reads fail. On a frozen one
-        they fail at the engine's progress timeout, closing those lanes too (kept meanwhile: it may thaw).
-        The link's close waits for them at most ``_RELEASE_WAIT`` (seen ending, they give back their engine
-        ids); the endpoint's ``aclose()`` leaves what is left to the engine."""
+        they fail at the engine's progress timeout, closing those lanes too (kept meanwhile: it may thaw; no new
+        reads go to it while its last ones have not ended). The link's close waits for its own peer's reads at
+        most ``_RELEASE_WAIT`` (seen ending, they give back their engine ids), not for the lingering peers'; the
+        endpoint's ``aclose()`` leaves what is left to the engine."""
         n = self._tcp_lanes
         if n <= 0 or self.closed:
             return
         linked = {other.session for other in self._links}
-        targets = {s: a for s, a in self._lingering.items() if s not in linked}
-        if link._probe_address is not None and link.session not in linked:
+        targets: dict[str, int] = {}
+        for session, (address, last) in list(self._lingering.items()):
+            if session in linked or any(t.status not in (DONE, PENDING) for t in last):
+                del self._lingering[session]  # a link's again, or a read failed: the engine closed its lanes
+            elif all(t.status == DONE for t in last):  # it answered the last look (or had none): look again
+                targets[session] = address
+        own = link._probe_address is not None and link.session not in linked
+        if own:
+            assert link._probe_address is not None
             targets[link.session] = link._probe_address
         if not targets:
             return
@@ -570,20 +579,25 @@ class MooncakeTransport(Transport):
                 t.on_done = functools.partial(self._releases.discard, t)
             self._releases.update(submitted)
             self._poller.add(submitted)
+            for session, address in targets.items():
+                reads = out.get(session, [])
+                if reads and not any(o.session == session for o in self._links):
+                    self._lingering[session] = (address, reads)  # looked at again at the next link close
+                else:
+                    self._lingering.pop(session, None)  # refused at submit, or linked meanwhile
         log.debug("mooncake transport: link to %s closed; one-byte reads release the engine's connections to %s",
                   link.session, {session: len(reads) for session, reads in out.items()})
+        if not own:
+            return
         # Seen ending, they give back their engine ids and the lanes are closed now: nothing else may poll this
         # endpoint for a long time (no write goes on). A dead peer fails them in milliseconds, a live one
-        # answers them; a frozen one only at the engine's progress timeout, which nobody waits for.
+        # answers them; a frozen one only at the engine's progress timeout, which nobody waits for. Only this
+        # link's own reads are waited for: a lingering peer that froze would hold every later close.
+        mine = out.get(link.session, [])
         with anyio.move_on_after(_RELEASE_WAIT):
-            await self._poller.watch(lambda: all(t.status != PENDING for t in submitted), max_delay=_SETTLE_POLL_MAX)
-        for session, address in targets.items():
-            reads = out.get(session, [])
-            if not reads or any(t.status not in (DONE, PENDING) for t in reads) \
-                    or any(o.session == session for o in self._links):
-                self._lingering.pop(session, None)  # refused, or failed (the engine closed its lanes), or linked
-            else:  # it answered every read (its lanes stay open), or has not yet (frozen): look again next time
-                self._lingering[session] = address
+            await self._poller.watch(lambda: all(t.status != PENDING for t in mine), max_delay=_SETTLE_POLL_MAX)
+        if any(t.status not in (DONE, PENDING) for t in mine):
+            self._lingering.pop(link.session, None)  # dead: the engine closed its lanes
 
     # -- writes (called by links) --------------------------------------------------------
 
