@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -361,6 +362,21 @@ def loop_stops(*sides: ProcessSide) -> str:
     return "\n".join(_titled(side, tail) for side, tail in tails if "Timeout (" in tail)
 
 
+async def _open_process(cmd: Sequence[str], env: dict[str, str], stderr: Any) -> anyio.abc.Process:
+    """``anyio.open_process`` with no garbage collection across the fork. uvloop's spawn runs Python's after-fork
+    hooks in the child (CPython's own spawn does not), and a collection there, in a copy of a process whose native
+    engines have threads of their own, crashed the child before its exec (SIGSEGV "Garbage-collecting" in
+    ``threading._after_fork``, once in a CI run of the restart suite on uvloop). The child inherits the disabled
+    collector and execs at once."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return await anyio.open_process(cmd, env=env, stderr=stderr)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @asynccontextmanager
 async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
     """Start a side in a new Python process; killed on exit if still running."""
@@ -373,7 +389,7 @@ async def spawn(spec: SideSpec) -> AsyncIterator[ProcessSide]:
     passthrough = bool(spec.env.get("AIOEMBED_TEST_STDERR"))
     with (contextlib.nullcontext() if passthrough
           else tempfile.NamedTemporaryFile(prefix="aioembed-side-", suffix=".stderr")) as err:
-        process = await anyio.open_process(cmd, env=env, stderr=err)
+        process = await _open_process(cmd, env, err)
         side = ProcessSide(process, None if err is None else err.name, name=f"{spec.role}[{spec.rank}]",
                            backend=spec.backend)
         try:
@@ -397,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--spec", required=True, help="SideSpec as JSON")
     args = parser.parse_args(argv)
     spec = SideSpec.from_json(args.spec)
+    # A native crash (SIGSEGV in an engine) writes every thread's stack to the kept stderr: a side that died with
+    # code -11 before its ready line left an empty stderr, and nothing to go on.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {spec.role}[{spec.rank}] %(name)s %(levelname)s %(message)s")
     try:
