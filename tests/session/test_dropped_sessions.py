@@ -12,7 +12,7 @@ import pytest
 
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig
 
-from .conftest import LAYOUT, assert_same, make_request
+from .conftest import LAYOUT, room_goes_through
 
 pytestmark = pytest.mark.anyio
 
@@ -26,11 +26,7 @@ async def test_a_session_that_ended_leaves_nothing_reachable() -> None:
         for i in range(2):
             async with EmbeddingReceiver(LAYOUT, CFG, connect=s.address) as r:
                 await r.wait_connected()
-                src = make_request(300, i)
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(s.send, f"room{i}", src)
-                    got = await r.receive(f"room{i}")
-                assert_same(got.tensors, src)
+                await room_goes_through(s, r, f"room{i}", 300, seed=i)
                 (session,) = s._peers.sessions()
                 gone.append((weakref.ref(session), weakref.ref(session.link)))
                 del session

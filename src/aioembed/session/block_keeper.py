@@ -30,6 +30,7 @@ from aioembed.protocol.ownership import (
 )
 from aioembed.session.deadlines import DeadlineTimer
 from aioembed.session.fence_log import FenceLog
+from aioembed.session.log_budget import WarningBudget
 
 __all__ = ["WAIT_NOTE_AFTER", "BlockKeeper"]
 
@@ -37,9 +38,6 @@ log = logging.getLogger("aioembed.session.blocks")
 
 WAIT_NOTE_AFTER = 1.0
 """Seconds a reservation waits before its ``on_wait`` note is logged."""
-WAIT_NOTE_EVERY = 10.0
-"""At most one such note per this many seconds is a WARNING (a burst of rooms waiting for memory would log one
-each); the others are DEBUG lines, and the next WARNING counts them."""
 
 
 class BlockKeeper:
@@ -58,8 +56,7 @@ class BlockKeeper:
         self.released_total: Counter[str] = Counter()
         """Fenced blocks released, by proof name."""
         self._claims: dict[int, int] = {}  # first grant of a zero-copy room -> blocks its request needs
-        self._noted_at = -WAIT_NOTE_EVERY
-        self._notes_held = 0  # wait notes logged at DEBUG since the last WARNING
+        self._wait_notes = WarningBudget(log)  # a burst of rooms waiting for memory would log a WARNING each
 
     def claim(self, grant: int, blocks: int) -> None:
         """A zero-copy room (then its lease) will hold ``blocks`` until released; ``grant`` is its first."""
@@ -120,17 +117,10 @@ class BlockKeeper:
         return self.ledger.reserve(room, got[0], round=round)
 
     def wait_note(self, room: RoomId, tokens: int, note: str, *, timed_out: bool = False) -> None:
-        """Log why ``room`` waits (or waited, ``timed_out``) for ``tokens`` of pool memory: a WARNING at most once
-        per :data:`WAIT_NOTE_EVERY`, DEBUG lines between them (counted in the next WARNING)."""
-        what = "gave up waiting" if timed_out else "waiting"
-        now = anyio.current_time()
-        if now - self._noted_at < WAIT_NOTE_EVERY:
-            self._notes_held += 1
-            log.debug("%s: room=%r: %s for %d tokens of pool memory: %s", self.name, room, what, tokens, note)
-            return
-        held, self._notes_held, self._noted_at = self._notes_held, 0, now
-        more = f" ({held} more such note(s) since the last warning, logged at DEBUG)" if held else ""
-        log.warning("%s: room=%r: %s for %d tokens of pool memory: %s%s", self.name, room, what, tokens, note, more)
+        """Log why ``room`` waits (or waited, ``timed_out``) for ``tokens`` of pool memory: one WARNING per
+        :data:`~aioembed.session.log_budget.WINDOW` for all rooms, DEBUG lines between them."""
+        self._wait_notes.warn("pool memory", "%s: room=%r: %s for %d tokens of pool memory: %s", self.name, room,
+                              "gave up waiting" if timed_out else "waiting", tokens, note)
 
     def blocks_of(self, grant: int) -> tuple[int, ...]:
         """The block ids of a live grant."""

@@ -773,8 +773,8 @@ class ReceiveRoomDriver:
                                                       else None)
         except AllocationTimeout as exc:
             # A first reservation's note is made only now (a task per waiting room to say it sooner cost every
-            # wait a task group): the error names it, and so does one warning per WAIT_NOTE_EVERY.
-            held = self._unstarted_note() if first else self._held_chunks_note()
+            # wait a task group): the error names it, and so does a warning (BlockKeeper.wait_note).
+            held = self._pool_holders_note() if first else self._held_chunks_note()
             if held and first:
                 self.ctx.keeper.wait_note(self.room, tokens, held, timed_out=True)
             raise TransferTimeout(f"room {self.room!r}: {exc}{'; ' + held if held else ''}", room=self.room,
@@ -851,7 +851,7 @@ class ReceiveRoomDriver:
         then is a wait worth a task that explains it)."""
         return not first and self.stream is not None and self.zero_copy
 
-    def _unstarted_note(self) -> str | None:
+    def _pool_holders_note(self) -> str | None:
         """A first reservation gave up waiting: what holds the pool. Rooms whose senders have not started them
         (the head-of-line block of README, "Reservations and the order of requests"), rows that arrived and are
         not released yet (leases), and fenced blocks."""

@@ -150,7 +150,6 @@ class ManySendersSuite:
             await side.ready(self.start_timeout)
         return senders, receivers, addresses
 
-
     def _plans(self, seed: int, max_tokens: int) -> list[RoomPlan]:
         plans = plan_rooms(rooms=self.rooms, senders=3, receivers=2, seed=seed, min_tokens=200,
                            max_tokens=max_tokens)

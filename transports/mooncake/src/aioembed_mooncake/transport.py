@@ -545,14 +545,13 @@ class MooncakeTransport(Transport):
         linked = {other.session for other in self._links}
         targets: dict[str, int] = {}
         for session, (address, last) in list(self._lingering.items()):
-            if session in linked or any(t.status not in (DONE, PENDING) for t in last):
+            if session in linked or _any_failed(last):
                 del self._lingering[session]  # a link's again, or a read failed: the engine closed its lanes
-            elif all(t.status == DONE for t in last):  # it answered the last look (or had none): look again
+            elif all(t.status == DONE for t in last):  # it answered the last look: look again
                 targets[session] = address
-        own = link._probe_address is not None and link.session not in linked
-        if own:
-            assert link._probe_address is not None
+        if link._probe_address is not None and link.session not in linked:
             targets[link.session] = link._probe_address
+        own = link.session in targets  # never a lingering one: a session is lingering only while unlinked
         if not targets:
             return
         engine = self._check_open()
@@ -596,7 +595,7 @@ class MooncakeTransport(Transport):
         mine = out.get(link.session, [])
         with anyio.move_on_after(_RELEASE_WAIT):
             await self._poller.watch(lambda: all(t.status != PENDING for t in mine), max_delay=_SETTLE_POLL_MAX)
-        if any(t.status not in (DONE, PENDING) for t in mine):
+        if _any_failed(mine):
             self._lingering.pop(link.session, None)  # dead: the engine closed its lanes
 
     # -- writes (called by links) --------------------------------------------------------
@@ -789,6 +788,11 @@ def _region(item: Any) -> MemoryRegion:
             and all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
         raise ValueError(f"bad region entry {item!r}")
     return MemoryRegion(int(item[0]), int(item[1]))
+
+
+def _any_failed(reads: Sequence[PendingTransfer]) -> bool:
+    """A release read ended in failure: the engine closed the lane it ran on."""
+    return any(t.status not in (DONE, PENDING) for t in reads)
 
 
 class MooncakeLink(Link):
