@@ -81,13 +81,18 @@ def test_bench_quick_json(tmp_path: Path) -> None:
 def test_bench_json_to_stdout_and_selection() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", RUN, "bench", "--quick", "--workloads", "sizes,resume", "--sizes", "16,256",
-         "--repeat", "1", "--hidden", "64", "--json", "-"],
+         "--resume-tokens", "640", "--repeat", "1", "--hidden", "64", "--json", "-"],
         capture_output=True, text=True, timeout=90, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # stdout is the JSON alone: tables and progress go to stderr
     assert list(result["workloads"]) == ["sizes", "resume"]
     assert [p["tokens"] for p in result["workloads"]["sizes"]["points"]] == [16, 256]
+    resume = result["workloads"]["resume"]
+    assert [p["tokens"] for p in resume["points"]] == [640, 640]
+    assert [p["expected_tokens"] for p in resume["points"]] == [None, 640]
+    assert resume["config"]["default_tokens"] == 384 and resume["config"]["pool_tokens"] == 640
+    assert [set(p["rounds"]) for p in resume["points"]] == [{2}, {1}]  # the default reservation resumes once
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_error(tmp_path: Path) -> None:

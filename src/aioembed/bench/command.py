@@ -103,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of each idle CPU measurement (default 10, quick 1.5)")
     parser.add_argument("--idle-rooms", type=int, default=1000, help="pending rooms of the idle workload")
     parser.add_argument("--memory-tokens", type=int, default=50000, help="request size of the memory workload")
+    parser.add_argument("--resume-tokens", type=int, default=16384,
+                        help="request size of the resume workload (default 16384): half of it is the default "
+                             "reservation (two rounds) against the whole length as expected_tokens (one round, "
+                             "the raw baseline's one write of known size)")
     parser.add_argument("--stream-tokens", type=int, default=None,
                         help="request size of the streaming workload (default 100000, quick 20000)")
     parser.add_argument("--senders", type=int, default=4, help="encoders of the many-senders workload (default 4)")
@@ -138,10 +142,10 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     repeat = args.repeat if args.repeat is not None else (3 if quick else 7)
     if repeat < 1:
         raise ConfigError(f"--repeat={repeat} must be >= 1")
-    if min(args.hidden, args.idle_rooms, args.memory_tokens, args.trace_concurrency, args.senders,
-           args.senders_tokens, args.stream_tokens or 1) < 1:
-        raise ConfigError("--hidden, --idle-rooms, --memory-tokens, --trace-concurrency, --senders, "
-                          "--senders-tokens and --stream-tokens must be >= 1")
+    if min(args.hidden, args.idle_rooms, args.memory_tokens, args.resume_tokens, args.trace_concurrency,
+           args.senders, args.senders_tokens, args.stream_tokens or 1) < 1:
+        raise ConfigError("--hidden, --idle-rooms, --memory-tokens, --resume-tokens, --trace-concurrency, "
+                          "--senders, --senders-tokens and --stream-tokens must be >= 1")
     idle_s = args.idle_seconds if args.idle_seconds is not None else (1.5 if quick else 10.0)
     if not (idle_s > 0 and math.isfinite(idle_s)):
         raise ConfigError(f"--idle-seconds={idle_s} must be > 0")
@@ -163,6 +167,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         idle_rooms=args.idle_rooms,
         idle_seconds=idle_s,
         memory_tokens=args.memory_tokens,
+        resume_tokens=args.resume_tokens,
         senders=args.senders,
         senders_tokens=args.senders_tokens,
         stream_tokens=args.stream_tokens if args.stream_tokens is not None else (20000 if quick else 100000),
