@@ -104,9 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-rooms", type=int, default=1000, help="pending rooms of the idle workload")
     parser.add_argument("--memory-tokens", type=int, default=50000, help="request size of the memory workload")
     parser.add_argument("--resume-tokens", type=int, default=16384,
-                        help="request size of the resume workload (default 16384): half of it is the default "
-                             "reservation (two rounds) against the whole length as expected_tokens (one round, "
-                             "the raw baseline's one write of known size)")
+                        help="request size of the resume workload (default 16384): half of it (rounded up to "
+                             "128-token blocks) is the default reservation (two rounds), against the whole length "
+                             "as expected_tokens (one round, as the raw baseline's one write of known size)")
     parser.add_argument("--stream-tokens", type=int, default=None,
                         help="request size of the streaming workload (default 100000, quick 20000)")
     parser.add_argument("--senders", type=int, default=4, help="encoders of the many-senders workload (default 4)")
