@@ -332,7 +332,8 @@ def _run(args: argparse.Namespace, stdout: TextIO) -> int:
                            " (--process-model one)"))
     notes: list[str] = [
         process_note,
-        "variants of a point run alternately (order rotated each repetition) after one untimed warm-up each; "
+        "variants of a point run alternately after one untimed warm-up each, in a carry-over-balanced order (each "
+        "variant in each position and right after every other one equally often over a cycle); "
         "spread = [min-max] of the timed repetitions",
         "aioembed MB/s = request bytes / (time from receiver start() + sender send() until both return, the rows "
         "in a freshly allocated output); ratio = aioembed median MB/s / raw median MB/s",

@@ -18,10 +18,10 @@ Receive modes: ``leased`` (``receive_leased()``, released after the clock stops)
 process, outside its timing: in W1 and W2 with the receiver in a child process, only once *both* sides
 are done (the child holds the rows until then); in W3 as each room's rows are in hand, so there the
 checks share the cores with the rooms still in flight and count in the requests/s. The raw baseline
-checks one write at its setup. Variants run interleaved (order rotated each repetition, after an
-untimed warm-up). W3 runs a series of rooms that both processes walk in the same order: latency is
-from the later of a room's two starts (``send()`` called, receive started) to both sides done, so no
-harness round trip is inside it. Raw W3 moves the same 64 tokens one transfer after another.
+checks one write at its setup. Variants run interleaved (a carry-over-balanced order, after an
+untimed warm-up: :mod:`aioembed.bench.run_order`). W3 runs a series of rooms that both processes walk in
+the same order: latency is from the later of a room's two starts (``send()`` called, receive started) to
+both sides done, so no harness round trip is inside it. Raw W3 moves the same 64 tokens one transfer after another.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from aioembed.bench.run_order import balanced_orders
 from aioembed.bench.stats import ratio, summarize
 
 if TYPE_CHECKING:
@@ -50,11 +51,6 @@ def _goal(goal: str, threshold: str, measured: float | None, met: bool | None, n
     return {"target": goal, "threshold": threshold, "measured": measured, "met": met, "note": note}
 
 
-def _rotations(variants: Sequence[str], reps: int) -> list[list[str]]:
-    k = len(variants)
-    return [[variants[(i + j) % k] for j in range(k)] for i in range(reps)]
-
-
 async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mapping[str, torch.Tensor], *,
                        n: int, reps: int, variants: Sequence[tuple[str, str, int | None]]) -> dict[str, list[float]]:
     """Seconds per transfer of ``src`` (``n`` rows, ``m.source(n)``'s) for each ``(name, mode, expected_tokens)``
@@ -63,7 +59,7 @@ async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, s
     names = [v[0] for v in variants] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     by_name = {v[0]: v for v in variants}
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for rep, order in enumerate(_rotations(names, reps + 1)):
+    for rep, order in enumerate(balanced_orders(names, reps + 1)):
         for name in order:
             if name.startswith("raw:"):
                 assert baseline is not None
@@ -142,7 +138,7 @@ async def _w3(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mappi
     modes = dict(MODES)
     lat: dict[str, list[float]] = {name: [] for name in names}
     rate: dict[str, list[float]] = {name: [] for name in names}
-    for rep, order in enumerate(_rotations(names, reps + 1)):
+    for rep, order in enumerate(balanced_orders(names, reps + 1)):
         for name in order:
             if name.startswith("raw:"):
                 assert baseline is not None

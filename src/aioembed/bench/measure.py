@@ -1,7 +1,9 @@
 """The measurements: each workload runs aioembed and the raw baseline side by side, alternating.
 
-Every measured point runs its variants round-robin (the order rotates each repetition, after
-one untimed warm-up of each), so slow drifts of a noisy machine hit all variants alike:
+Every measured point runs its variants interleaved, after one untimed warm-up of each, in a
+carry-over-balanced order (:mod:`aioembed.bench.run_order`: over a cycle, each variant runs in each
+position and directly after every other one equally often), so slow drifts of a noisy machine, and what
+one variant leaves behind for the next, hit all variants alike:
 
 * ``aioembed``: the receiver's copying ``receive()`` and the sender's ``send()`` started
   together; timed until both have returned (the rows are then in a fresh output tensor);
@@ -44,6 +46,7 @@ import torch
 from aioembed.bench.baselines import RawBaseline
 from aioembed.bench.control_floor import ControlFloor
 from aioembed.bench.event_channel import last_event, parse_event
+from aioembed.bench.run_order import balanced_orders
 from aioembed.bench.start_line import reach, start_at
 from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
@@ -185,12 +188,6 @@ class _Series:
         self.samples.setdefault(variant, []).append(seconds)
         if rounds is not None:
             self.rounds.setdefault(variant, []).append(rounds)
-
-
-def _rotations(variants: Sequence[str], reps: int) -> Iterator[list[str]]:
-    k = len(variants)
-    for i in range(reps):
-        yield [variants[(i + j) % k] for j in range(k)]
 
 
 def summarize_point(
@@ -794,7 +791,7 @@ class Measurer:
                 nbytes = n * bpt
                 reps = opts.repeat if nbytes >= 8_000_000 else opts.repeat * 4
                 series = _Series()
-                for rep, order in enumerate(_rotations(variants, reps + 1)):
+                for rep, order in enumerate(balanced_orders(variants, reps + 1)):
                     for v in order:
                         dt, rounds = await self._run_variant(pair, baseline, v, data=data, n=n, expected=None)
                         if rep > 0:  # repetition 0 is the warm-up
@@ -847,7 +844,7 @@ class Measurer:
                 variants += ["zero_copy_two_rounds", "zero_copy_one_round"]
             if baseline is not None:
                 variants += [f"raw:{m}" for m in baseline.methods]
-            for rep, order in enumerate(_rotations(variants, opts.repeat * 2 + 1)):
+            for rep, order in enumerate(balanced_orders(variants, opts.repeat * 2 + 1)):
                 for v in order:
                     expected = n if v.endswith("one_round") else None
                     dt, rounds = await self._run_variant(pair, baseline, v, data=src, n=n, expected=expected)
@@ -922,7 +919,7 @@ class Measurer:
         zlat: list[float] = []
         rounds: list[int] = []
         variants = self._variants(baseline, "aioembed")
-        for rep, order in enumerate(_rotations(variants, reps + 1)):
+        for rep, order in enumerate(balanced_orders(variants, reps + 1)):
             warm = rep == 0
             for v in order:
                 if v.startswith("raw:"):
@@ -1017,7 +1014,7 @@ class Measurer:
         async with self._session(cfg) as pair, self._baseline(cfg, src, n) as baseline:
             if baseline is not None:
                 variants += [f"raw:{m}" for m in baseline.methods]
-            for rep, order in enumerate(_rotations(variants, max(2, opts.repeat // 2) + 1)):
+            for rep, order in enumerate(balanced_orders(variants, max(2, opts.repeat // 2) + 1)):
                 for v in order:
                     expected = n if v.endswith("expected") else None
                     if v.startswith("stream"):
