@@ -118,6 +118,9 @@ def test_bench_rejects_bad_options() -> None:
     proc = subprocess.run([sys.executable, "-c", RUN, "bench", "--workloads", "resume", "--resume-tokens", "0"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "--resume-tokens" in proc.stderr and "must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-c", RUN, "bench", "--workloads", "resume", "--resume-tokens", "128"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "--resume-tokens=128 must be more than 128" in proc.stderr
 
 
 WITHOUT_RICH = "import sys; sys.modules['rich'] = None; from aioembed.cli import main; main()"

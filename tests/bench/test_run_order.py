@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -24,6 +25,15 @@ def test_each_cycle_balances_positions_and_neighbours(k: int) -> None:
     # Every variant directly follows every other one, equally often: the carry-over of one never lands on one other.
     assert len(after) == k * (k - 1)
     assert set(after.values()) <= {per_square}
+
+
+@pytest.mark.parametrize("k", range(3, 12))
+def test_no_variant_runs_twice_in_a_row_across_repetitions(k: int) -> None:
+    """A repetition starts right after the one before it: a row that began with the variant the previous row
+    ended with would run it twice in a row (three variants did, before the rows were chained)."""
+    rows = balanced_orders([f"v{i}" for i in range(k)], 2 * cycle_length(k) + 1)
+    runs = [v for row in rows for v in row]
+    assert all(a != b for a, b in itertools.pairwise(runs))
 
 
 def test_the_cycle_is_k_rows_for_an_even_count_and_2k_for_an_odd_one() -> None:

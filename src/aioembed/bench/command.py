@@ -104,8 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-rooms", type=int, default=1000, help="pending rooms of the idle workload")
     parser.add_argument("--memory-tokens", type=int, default=50000, help="request size of the memory workload")
     parser.add_argument("--resume-tokens", type=int, default=16384,
-                        help="request size of the resume workload (default 16384): half of it (rounded up to "
-                             "128-token blocks) is the default reservation (two rounds), against the whole length "
+                        help="request size of the resume workload (default 16384; more than 128): N//2 rounded up "
+                             "to 128-token blocks is the default reservation (two rounds), against the whole length "
                              "as expected_tokens (one round, as the raw baseline's one write of known size)")
     parser.add_argument("--stream-tokens", type=int, default=None,
                         help="request size of the streaming workload (default 100000, quick 20000)")
@@ -146,6 +146,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
            args.senders, args.senders_tokens, args.stream_tokens or 1) < 1:
         raise ConfigError("--hidden, --idle-rooms, --memory-tokens, --resume-tokens, --trace-concurrency, "
                           "--senders, --senders-tokens and --stream-tokens must be >= 1")
+    if args.resume_tokens <= 128:
+        raise ConfigError(f"--resume-tokens={args.resume_tokens} must be more than 128: the resume workload reserves "
+                          "N//2 tokens rounded up to 128-token blocks first, which must be less than the request")
     idle_s = args.idle_seconds if args.idle_seconds is not None else (1.5 if quick else 10.0)
     if not (idle_s > 0 and math.isfinite(idle_s)):
         raise ConfigError(f"--idle-seconds={idle_s} must be > 0")
@@ -332,9 +335,9 @@ def _run(args: argparse.Namespace, stdout: TextIO) -> int:
                            " (--process-model one)"))
     notes: list[str] = [
         process_note,
-        "variants of a point run alternately after one untimed warm-up each, in a carry-over-balanced order (each "
-        "variant in each position and right after every other one equally often over a cycle); "
-        "spread = [min-max] of the timed repetitions",
+        "variants of a point run interleaved after one untimed warm-up each, in a carry-over-balanced order (a "
+        "Williams design: within each cycle of N or 2N repetitions for N variants, each runs in each position and "
+        "right after every other one equally often); spread = [min-max] of the timed repetitions",
         "aioembed MB/s = request bytes / (time from receiver start() + sender send() until both return, the rows "
         "in a freshly allocated output); ratio = aioembed median MB/s / raw median MB/s",
         "the copying receive() moves every byte twice (transport write into the pool, copy-out into the output) "

@@ -4,10 +4,13 @@ A variant can leave the machine in a state that slows the next one: a copying ``
 471 MB output leaves page faults and memory traffic behind, a thread pool its spinning workers. With the order
 merely rotated each repetition (``A B C D``, ``B C D A``, ...), every variant but the first of a row follows the
 same one every time, so that carry-over lands on one variant only (NIXL over TCP, 65536 tokens: the zero-copy
-room that always followed the copying one measured 0.90 of raw, 0.92-0.95 without it; see the NIXL plugin's
-performance history). A Williams design is a Latin square whose rows also balance the neighbours: over one cycle
-each variant runs once in each position and directly after every other variant equally often (once per cycle
-for an even number of variants, twice for an odd one, whose cycle is twice as long).
+room measured 0.90 of raw with the copying room in the sequence, 0.92-0.95 with it left out; see the NIXL plugin's
+performance history). A Williams design is a Latin square whose rows also balance the neighbours: within the
+rows of one cycle, each variant runs once in each position per square and directly after every other variant
+equally often (once per cycle for an even number of variants, twice for an odd one, whose cycle has two
+squares). The rows are chained so that no repetition starts with the variant the previous one ended with (for
+three or more variants). What the rows cannot balance: the pair across each row boundary, and a number of timed
+repetitions that is not a multiple of the cycle; even then no variant follows the same one every time.
 """
 
 from __future__ import annotations
@@ -29,13 +32,36 @@ def _williams_rows(k: int) -> list[list[int]]:
     rows = [[(b + r) % k for b in base] for r in range(k)]
     if k % 2 == 1 and k > 1:  # odd: the mirrored square supplies the pairs the first one repeats
         rows += [row[::-1] for row in rows]
-    return rows
+    return _chained(rows)
+
+
+def _chained(rows: list[list[int]]) -> list[list[int]]:
+    """``rows`` reordered (the first kept first) so that no row starts with the index the one before it ends with,
+    the last row included (the cycle repeats); ``rows`` as they are if no such order exists (two variants)."""
+    n = len(rows)
+    order, used = [0], [True] + [False] * (n - 1)
+
+    def extend() -> bool:
+        if len(order) == n:
+            return rows[order[-1]][-1] != rows[0][0]
+        end = rows[order[-1]][-1]
+        for i in range(1, n):
+            if not used[i] and rows[i][0] != end:
+                used[i] = True
+                order.append(i)
+                if extend():
+                    return True
+                order.pop()
+                used[i] = False
+        return False
+
+    return [rows[i] for i in order] if extend() else rows
 
 
 def balanced_orders(variants: Sequence[str], reps: int) -> list[list[str]]:
-    """``reps`` orders of ``variants``, cycling through a Williams design (see the module doc): over each full
-    cycle (:func:`cycle_length` rows) every variant runs once per position per square and directly after every
-    other variant equally often. Deterministic, so a run can be repeated."""
+    """``reps`` orders of ``variants``, cycling through a Williams design (see the module doc): within the rows of
+    each full cycle (:func:`cycle_length` rows) every variant runs once per position per square and directly after
+    every other variant equally often. Deterministic, so a run can be repeated."""
     k = len(variants)
     if k == 0:
         return [[] for _ in range(reps)]
