@@ -1,9 +1,9 @@
 """The measurements: each workload runs aioembed and the raw baseline side by side, alternating.
 
 Every measured point runs its variants interleaved, after one untimed warm-up of each, in a
-carry-over-balanced order (:mod:`aioembed.bench.run_order`: over a cycle, each variant runs in each
-position and directly after every other one equally often), so slow drifts of a noisy machine, and what
-one variant leaves behind for the next, hit all variants alike:
+carry-over-balanced order (:mod:`aioembed.bench.run_order`: within the repetitions of a cycle, each
+variant runs in each position and directly after every other one equally often), so slow drifts of a noisy
+machine, and what one variant leaves behind for the next, hit all variants alike:
 
 * ``aioembed``: the receiver's copying ``receive()`` and the sender's ``send()`` started
   together; timed until both have returned (the rows are then in a fresh output tensor);

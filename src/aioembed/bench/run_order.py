@@ -30,7 +30,7 @@ def _williams_rows(k: int) -> list[list[int]]:
     # so the rows made by adding r to every entry have each ordered pair of neighbours once.
     base = [0 if i == 0 else (i + 1) // 2 if i % 2 == 1 else k - i // 2 for i in range(k)]
     rows = [[(b + r) % k for b in base] for r in range(k)]
-    if k % 2 == 1 and k > 1:  # odd: the mirrored square supplies the pairs the first one repeats
+    if cycle_length(k) > k:  # odd: the mirrored square supplies the pairs the first one repeats
         rows += [row[::-1] for row in rows]
     return _chained(rows)
 

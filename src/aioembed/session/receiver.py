@@ -594,13 +594,12 @@ class EmbeddingReceiver:
     def _unstarted_reservations(self) -> tuple[int, int]:
         """Rooms whose first reservation their sender has (INIT) but nothing of them came yet, and its blocks."""
         rooms = blocks = 0
-        size = self.config.block_size
         for conn in self._conns.values():
             for driver in conn.rooms.values():
                 m = driver.machine
                 if m.state is TransferStatus.WAITING_FOR_INPUT and m.total is None and m.allocated:
                     rooms += 1
-                    blocks += -(-m.allocated // size)
+                    blocks += self.allocator.blocks_for(m.allocated)
         return rooms, blocks
 
     def _forget(self, room: ReceiveRoomDriver) -> None:
