@@ -66,9 +66,13 @@ class FakeEngine:
         self.ends: dict[int, tuple[float, int]] = {}
         self.checks: list[tuple[int, float]] = []
 
-    def submit(self, batch: int, length: int, seconds: float, status: int = DONE) -> PendingTransfer:
+    def submit(self, batch: int, length: int, seconds: float, status: int = DONE,
+               lane: str | None = None) -> PendingTransfer:
         self.ends[batch] = (time.perf_counter() + seconds, status)
-        return PendingTransfer(batch, length)
+        return PendingTransfer(batch, length, lane)
+
+    def checked(self, batch: int) -> int:
+        return sum(1 for b, _ in self.checks if b == batch)
 
     def check(self, batch: int) -> int:
         now = time.perf_counter()
@@ -131,6 +135,21 @@ async def test_around_the_expected_end_the_loop_looks_on_every_turn(monkeypatch:
     assert [at for batch, at in engine.checks if batch == 9 and at >= t.spin_from], "it looked in the window"
 
 
+async def test_a_loop_turn_spent_looking_gives_up_the_core_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The threads that end a transfer (the engine's, ZeroMQ's) wait for a core the turning loop holds on a small
+    host: each turn that looks again without sleeping yields first; a sleeping one does not need to."""
+    yields: list[float] = []
+    monkeypatch.setattr(transfers, "_sched_yield", lambda: yields.append(time.perf_counter()))
+    engine, sleeps = FakeEngine(), SleepLog(monkeypatch)
+    poller = TransferPoller(engine.check)
+    t = engine.submit(1, 4096, 0.020)  # nothing learned: a fresh window of turns, then sleeps
+    poller.add([t])
+    assert await poller.wait([t]) is True
+    assert yields, "the turns right after the submit yielded"
+    assert all(at < t.submitted + transfers._POLL_FRESH + 5e-3 for at in yields)  # none in the sleeps (20 ms)
+    assert sleeps.calls and all(at >= t.submitted + transfers._POLL_FRESH for at, _ in sleeps.calls)
+
+
 async def test_only_completed_transfers_teach_the_forecast() -> None:
     engine = FakeEngine()
     poller = TransferPoller(engine.check)
@@ -186,6 +205,78 @@ async def test_watch_polls_what_a_writer_gave_up_on_while_nobody_leads() -> None
     with anyio.fail_after(5):
         await poller.watch(lambda: t.status != PENDING)
     assert t.status == DONE and poller.pending == 0
+
+
+async def test_a_poll_checks_a_peers_transfers_oldest_first_up_to_the_first_pending(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine ends one peer's transfers in submit order, so a poll stops at the first still pending: with
+    32 in flight every poll checked all 32 (52 engine calls per transfer in a W3 run, 6.6 after)."""
+    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)  # no periodic sweep in this test
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    head = engine.submit(1, 4096, 3600.0, lane="a")
+    behind = [engine.submit(b, 4096, 3600.0, lane="a") for b in range(2, 33)]
+    other = engine.submit(100, 4096, 3600.0, lane="b")
+    unordered = engine.submit(200, 1, 3600.0)  # a release read: no lane, looked at on every poll
+    poller.add([head, *behind, other, unordered])
+    poller._sweep_at = time.perf_counter() + 3600.0
+    for _ in range(5):
+        poller._poll()
+    assert engine.checked(1) == 5 and engine.checked(100) == 5 and engine.checked(200) == 5
+    assert all(engine.checked(t.batch) == 0 for t in behind)
+    assert all(t.pending_at >= head.pending_at for t in behind)  # counted as seen pending with their head
+    # The head ends: the same poll goes on down its peer's queue.
+    engine.ends[1] = (0.0, DONE)
+    engine.ends[2] = (0.0, DONE)
+    moved, _, _ = poller._poll()
+    assert moved and head.status == DONE and behind[0].status == DONE
+    assert engine.checked(3) == 1 and engine.checked(4) == 0
+    assert poller.pending == 32
+
+
+async def test_a_transfer_that_ends_before_an_earlier_one_of_its_peer_is_seen_within_a_sweep() -> None:
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    head = engine.submit(1, 4096, 3600.0, lane="a")  # stuck (a write that gave up on it left it behind)
+    late = engine.submit(2, 4096, 0.002, lane="a")
+    poller.add([head, late])
+    started = time.perf_counter()
+    with anyio.fail_after(5):
+        assert await poller.wait([late]) is True
+    assert late.status == DONE and head.status == PENDING
+    assert time.perf_counter() - started < 0.002 + transfers._SWEEP_EVERY + 0.050  # 50 ms: a slow CI host
+    poller.forget([head])
+
+
+async def test_a_stuck_transfer_of_one_peer_does_not_slow_the_polls_of_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    stuck = engine.submit(1, 4096, 3600.0, lane="dead")
+    ok = engine.submit(2, 4096, 0.002, lane="alive")
+    poller.add([stuck, ok])
+    poller._sweep_at = time.perf_counter() + 3600.0
+    with anyio.fail_after(5):
+        assert await poller.wait([ok]) is True
+    assert ok.status == DONE and stuck.status == PENDING
+    poller.forget([stuck])
+
+
+async def test_a_waiter_at_its_deadline_looks_at_its_own_transfers_before_giving_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its transfer ended behind a pending one of its peer, which polls skip: the deadline must not call a write
+    that landed stuck (the room would be fenced for nothing)."""
+    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    head = engine.submit(1, 4096, 3600.0, lane="a")
+    mine = engine.submit(2, 4096, 0.001, lane="a")
+    poller.add([head, mine])
+    poller._sweep_at = time.perf_counter() + 3600.0
+    assert await poller.wait([mine], deadline=anyio.current_time() + 0.020) is True
+    assert mine.status == DONE and engine.checked(2) == 1  # seen once: by the look at the deadline
+    poller.forget([head])
 
 
 # -- credits --------------------------------------------------------------------------------------

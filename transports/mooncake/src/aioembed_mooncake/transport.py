@@ -745,7 +745,7 @@ class MooncakeTransport(Transport):
                 batch = int(submit(link.session, src, dst, n))
                 if batch == 0:
                     break
-                out.append(PendingTransfer(batch, n))
+                out.append(PendingTransfer(batch, n, link.session))
 
         try:
             if link._warm:
