@@ -17,6 +17,7 @@ import pytest
 from aioembed.bench.baselines import LoopbackBaseline
 from aioembed.bench.command import SCHEMA, choose_baseline
 from aioembed.bench.measure import WORKLOADS, BenchOptions
+from aioembed.bench.workloads import ROOM_OFFSETS, room_offset
 from aioembed.config import TransferConfig
 
 RUN = "from aioembed.cli import main; main()"
@@ -194,13 +195,14 @@ async def test_an_unknown_receive_mode_is_refused_not_measured_as_another() -> N
     assert [check_receive_mode(m) for m in RECEIVE_MODES] == list(RECEIVE_MODES)
     base = TransferConfig(transport="loopback")
     m = Measurer(BenchOptions(base_config=base), None, lambda s: None)
-    src = m.source(8)
+    src = m.source(8 + ROOM_OFFSETS)
     async with m._session(base.replace(pool_tokens=1024, default_tokens=128)) as pair:
         with pytest.raises(ValueError, match="unknown receive mode 'leased'; known: copy, out, lease"):
-            await pair.series(["r0"], src, expected=8, mode="leased", concurrency=1, check=None)
+            await pair.series(["r0"], src, tokens=8, expected=8, mode="leased", concurrency=1, check=None)
         with pytest.raises(ValueError, match="unknown receive mode 'leased'"):
-            await pair.one("r1", src, expected=8, mode="leased", check=None)
-        times, _ = await pair.series(["r2"], src, expected=8, mode="lease", concurrency=1, check=[m.opts.seed, 8])
+            await pair.one("r1", src, tokens=8, expected=8, mode="leased", check=None)
+        times, _ = await pair.series(["r2"], src, tokens=8, expected=8, mode="lease", concurrency=1,
+                                     check=[m.opts.seed, 8 + ROOM_OFFSETS])
         assert len(times) == 1
 
 
@@ -210,7 +212,7 @@ async def test_registered_sources_send_the_goals_rows_from_the_registered_buffer
 
     base = TransferConfig(transport="loopback")
     m = Measurer(BenchOptions(base_config=base, registered_sources=True), None, lambda s: None)
-    src = m.source(64)
+    src = m.source(64 + ROOM_OFFSETS)
     async with m._session(base.replace(pool_tokens=1024, default_tokens=128)) as pair:
         await m.register_sources(pair, src)
         sender = pair.senders[0]
@@ -220,8 +222,8 @@ async def test_registered_sources_send_the_goals_rows_from_the_registered_buffer
         staged: list[int] = []
         stage = staging.stage
         staging.stage = lambda tensors, n: staged.append(n) or stage(tensors, n)  # type: ignore[method-assign]
-        times, _ = await pair.series([f"r{i}" for i in range(8)], src, expected=64, mode="lease", concurrency=4,
-                                     check=[m.opts.seed, 64])
+        times, _ = await pair.series([f"r{i}" for i in range(8)], src, tokens=64, expected=64, mode="lease",
+                                     concurrency=4, check=[m.opts.seed, 64 + ROOM_OFFSETS])
         assert len(times) == 8 and staged == []  # every row checked bit for bit, none staged
 
 
@@ -259,13 +261,13 @@ async def test_gc_freeze_leaves_the_session_out_of_collections_while_it_runs() -
     before = gc.get_freeze_count()
     for freeze in (False, True):
         m = Measurer(BenchOptions(base_config=base, gc_freeze=freeze), None, lambda s: None)
-        src = m.source(8)
+        src = m.source(8 + ROOM_OFFSETS)
         async with m._session(base.replace(pool_tokens=1024, default_tokens=128)) as pair:
             frozen = gc.get_freeze_count()
             # Everything alive once the session is up (the session too) is frozen, only with gc_freeze.
             assert (frozen > before) is freeze
-            times, _ = await pair.series(["r0", "r1"], src, expected=8, mode="lease", concurrency=2,
-                                         check=[m.opts.seed, 8])
+            times, _ = await pair.series(["r0", "r1"], src, tokens=8, expected=8, mode="lease", concurrency=2,
+                                         check=[m.opts.seed, 8 + ROOM_OFFSETS])
             assert len(times) == 2
         assert gc.get_freeze_count() == before  # unfrozen with the session
 
@@ -280,7 +282,7 @@ async def test_rooms_in_flight_receive_out_into_buffers_of_their_own() -> None:
 
     base = TransferConfig(transport="loopback")
     m = Measurer(BenchOptions(base_config=base), None, lambda s: None)
-    src = m.source(8)
+    src = m.source(8 + ROOM_OFFSETS)
     async with m._session(base.replace(pool_tokens=1024, default_tokens=128)) as pair:
         receiver = pair.receiver  # type: ignore[attr-defined]
         assert isinstance(receiver, EmbeddingReceiver)
@@ -299,10 +301,52 @@ async def test_rooms_in_flight_receive_out_into_buffers_of_their_own() -> None:
                 rooms.remove(room)
 
         receiver.receive = recording  # type: ignore[method-assign]
-        times, _ = await pair.series([f"r{i}" for i in range(16)], src, expected=8, mode="out", concurrency=4,
-                                     check=[m.opts.seed, 8])
+        times, _ = await pair.series([f"r{i}" for i in range(16)], src, tokens=8, expected=8, mode="out",
+                                     concurrency=4, check=[m.opts.seed, 8 + ROOM_OFFSETS])
         assert len(times) == 16 and shared == []
         assert len(pair._out) == 4  # type: ignore[attr-defined]  # one per worker, reused by its rooms
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["lease", "out"])
+async def test_a_write_that_landed_nowhere_fails_the_rooms_check(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every room used to send the same rows, so a room whose write never reached the pool found the rows of the
+    room before it in the same block and passed the bit-for-bit check (a bench would have timed a write that
+    moved nothing). Now each room's rows are shifted by its id, and the skipped write is caught."""
+    from aioembed.bench import workloads
+    from aioembed.bench.measure import Measurer, PeerProcessError
+    from aioembed.transports.loopback import LoopbackLink
+
+    base = TransferConfig(transport="loopback")
+    m = Measurer(BenchOptions(base_config=base), None, lambda s: None)
+    src = m.source(64 + ROOM_OFFSETS)
+    check = [m.opts.seed, 64 + ROOM_OFFSETS]
+    assert room_offset("r0") != room_offset("r1")
+    write = LoopbackLink.write
+    skip = [False]
+
+    async def maybe_nowhere(self: LoopbackLink, ops: Any) -> None:
+        if not skip[0]:
+            await write(self, ops)
+
+    monkeypatch.setattr(LoopbackLink, "write", maybe_nowhere)
+    for shifted in (True, False):
+        if not shifted:  # as before: every room sends rows [0, 64)
+            monkeypatch.setattr(workloads, "room_offset", lambda room: 0)
+        skip[0] = False
+        # A pool of one block: each room reuses the block of the room before it.
+        async with m._session(base.replace(pool_tokens=128, default_tokens=128)) as pair:
+            times, _ = await pair.series(["r0"], src, tokens=64, expected=64, mode=mode, concurrency=1, check=check)
+            assert len(times) == 1
+            skip[0] = True  # r1's write lands nowhere
+            if not shifted:
+                times, _ = await pair.series(["r1"], src, tokens=64, expected=64, mode=mode, concurrency=1,
+                                             check=check)
+                assert len(times) == 1  # the blind spot: r0's identical rows passed for r1's
+                continue
+            with pytest.raises(BaseExceptionGroup) as failed:
+                await pair.series(["r1"], src, tokens=64, expected=64, mode=mode, concurrency=1, check=check)
+            assert failed.group_contains(PeerProcessError, match="room 'r1': the rows differ from the source")
 
 
 def test_the_receiving_child_keeps_out_buffers_per_worker() -> None:

@@ -13,11 +13,14 @@ from aioembed.bench.workloads import (
     IMAGE_TOKENS,
     MULTI_IMAGE_COUNT,
     REQUEST_MIXES,
+    ROOM_OFFSETS,
     TRACE_KINDS,
     VIDEO_TOKENS,
     concurrency_sizes,
     generate_trace,
     make_source,
+    room_offset,
+    room_rows,
     trace_summary,
 )
 from aioembed.samples import standard_layout
@@ -96,6 +99,41 @@ def test_make_source_matches_layout() -> None:
     assert all(bool((src[n].view(-1).view(__import__("torch").uint8)
                      == again[n].view(-1).view(__import__("torch").uint8)).all()) for n in src)
     assert standard_layout().bytes_per_token == 3584 * 2 + 4 + 3 * 8
+
+
+def test_rooms_send_rows_shifted_by_their_id_and_no_two_offsets_send_alike_rows() -> None:
+    import torch
+
+    layout = standard_layout()  # 7168-byte embedding rows: with a 64 KiB tile they repeated every 64 rows
+    src = make_source(layout, 64 + ROOM_OFFSETS, seed=5)
+    rooms = [f"bench-w3-{i}" for i in range(4000)]
+    offsets = [room_offset(r) for r in rooms]
+    assert offsets == [room_offset(r) for r in rooms]  # the same on both sides: from the id alone
+    assert all(0 <= o < ROOM_OFFSETS for o in offsets) and len(set(offsets)) == ROOM_OFFSETS
+    rows = room_rows(src, "bench-w3-7", 64)
+    o = room_offset("bench-w3-7")
+    assert all(t.data_ptr() == src[n][o:].data_ptr() and t.shape[0] == 64 for n, t in rows.items())
+    # Every field's rows differ from those at every other offset.
+    for name, t in src.items():
+        flat = t.reshape(t.shape[0], -1).view(torch.uint8) if t.dim() > 1 else t.view(torch.uint8).reshape(-1, 4)
+        assert torch.unique(flat[:ROOM_OFFSETS], dim=0).shape[0] == ROOM_OFFSETS, name
+    assert o + 64 > 100
+    with pytest.raises(ValueError, match=r"past its 100 rows \(a source for rooms of 64 tokens needs 64 \+"):
+        room_rows(make_source(layout, 100, seed=5), "bench-w3-7", 64)
+
+
+def test_the_receiving_child_checks_a_rooms_rows_at_its_own_offset() -> None:
+    from aioembed.bench.peer import _Checker
+
+    layout = standard_layout(64)
+    src = make_source(layout, 8 + ROOM_OFFSETS, seed=2)
+    check = [2, 8 + ROOM_OFFSETS]
+    a, b = "room-a", "room-b"
+    assert room_offset(a) != room_offset(b)
+    checker = _Checker(layout)
+    assert checker.same(check, room_rows(src, a, 8), a)
+    assert not checker.same(check, room_rows(src, a, 8), b)  # room a's rows left in a block that b never got
+    assert not checker.same(check, {n: t[:8] for n, t in src.items()}, a)
 
 
 def test_make_source_places_the_rows_on_the_device_it_is_given() -> None:

@@ -17,8 +17,10 @@ Receive modes: ``leased`` (``receive_leased()``, released after the clock stops)
 (``receive()`` into a fresh output). Every aioembed transfer is checked bit for bit against the source in the receiving
 process, outside its timing: in W1 and W2 with the receiver in a child process, only once *both* sides
 are done (the child holds the rows until then); in W3 as each room's rows are in hand, so there the
-checks share the cores with the rooms still in flight and count in the requests/s. The raw baseline
-checks one write at its setup. Variants run interleaved (a carry-over-balanced order, after an
+checks share the cores with the rooms still in flight and count in the requests/s. Each room sends its
+rows shifted by an offset drawn from its id (:func:`~aioembed.bench.workloads.room_rows`), so rooms that reuse
+a pool block do not find an earlier room's identical rows there: a write that landed nowhere fails the check.
+The raw baseline checks one write at its setup. Variants run interleaved (a carry-over-balanced order, after an
 untimed warm-up: :mod:`aioembed.bench.run_order`). W3 runs a series of rooms that both processes walk in
 the same order: latency is from the later of a room's two starts (``send()`` called, receive started) to
 both sides done, so no harness round trip is inside it. Raw W3 moves the same 64 tokens one transfer after another.
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from aioembed.bench.run_order import balanced_orders
 from aioembed.bench.stats import ratio, summarize
+from aioembed.bench.workloads import ROOM_OFFSETS
 
 if TYPE_CHECKING:
     import torch
@@ -53,9 +56,9 @@ def _goal(goal: str, threshold: str, measured: float | None, met: bool | None, n
 
 async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mapping[str, torch.Tensor], *,
                        n: int, reps: int, variants: Sequence[tuple[str, str, int | None]]) -> dict[str, list[float]]:
-    """Seconds per transfer of ``src`` (``n`` rows, ``m.source(n)``'s) for each ``(name, mode, expected_tokens)``
-    variant and each raw method."""
-    check = [m.opts.seed, n]
+    """Seconds per transfer of ``n`` rows of ``src`` (``m.source(n + ROOM_OFFSETS)``, shifted by the room) for each
+    ``(name, mode, expected_tokens)`` variant and each raw method."""
+    check = [m.opts.seed, _rows(src)]
     names = [v[0] for v in variants] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     by_name = {v[0]: v for v in variants}
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -68,10 +71,15 @@ async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, s
                 dt = time.perf_counter() - t0
             else:
                 _, mode, expected = by_name[name]
-                dt, _rounds = await pair.one(m._next_room("g"), src, expected=expected, mode=mode, check=check)
+                dt, _rounds = await pair.one(m._next_room("g"), src, tokens=n, expected=expected, mode=mode,
+                                             check=check)
             if rep > 0:  # repetition 0 is the warm-up
                 samples[name].append(dt)
     return samples
+
+
+def _rows(src: Mapping[str, torch.Tensor]) -> int:
+    return int(next(iter(src.values())).shape[0])
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -133,7 +141,7 @@ async def _w2(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mappi
 async def _w3(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mapping[str, torch.Tensor], reps: int, *,
               concurrency: int, rooms: int) -> dict[str, Any]:
     n = W3_TOKENS
-    check = [m.opts.seed, n]
+    check = [m.opts.seed, _rows(src)]
     names = [name for name, _ in MODES] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     modes = dict(MODES)
     lat: dict[str, list[float]] = {name: [] for name in names}
@@ -151,7 +159,7 @@ async def _w3(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mappi
                 makespan = time.perf_counter() - t_all
             else:
                 ids = [m._next_room("w3") for _ in range(rooms)]
-                times, makespan = await pair.series(ids, src, expected=n, mode=modes[name],
+                times, makespan = await pair.series(ids, src, tokens=n, expected=n, mode=modes[name],
                                                     concurrency=concurrency, check=check)
             if rep > 0:
                 lat[name].extend(times)
@@ -194,10 +202,10 @@ async def run_goals(m: Measurer) -> dict[str, Any]:
     reps_w3 = 1 if opts.quick else opts.repeat
     rooms1, rooms32 = (40, 96) if opts.quick else (200, 512)
     top = max(W1_TOKENS, W2_TOKENS)
-    src = m.source(top)
-    # What each workload sends, made once (a registered source must be what send() is given).
-    w1_src, small = m.source(W1_TOKENS), m.source(W3_TOKENS)
-    w2_src = src if top == W2_TOKENS else m.source(W2_TOKENS)
+    src = m.source(top)  # the raw baseline's (it moves rows [0, n) every time)
+    # What each workload sends, made once (a registered source must be what send() is given), with room for
+    # each room's shift (room_rows).
+    w1_src, w2_src, small = (m.source(n + ROOM_OFFSETS) for n in (W1_TOKENS, W2_TOKENS, W3_TOKENS))
     points: list[dict[str, Any]] = []
     goals: list[dict[str, Any]] = []
     async with m._session(cfg) as pair, m._baseline(cfg, src, top) as baseline:
@@ -223,9 +231,9 @@ async def run_goals(m: Measurer) -> dict[str, Any]:
             "the speed goals: W1 8192 tokens one at a time (GB/s per receive mode); W2 20000 tokens in rounds "
             "(8192-token default) vs one round (expected_tokens); W3 64-token requests one at a time and 32 in "
             "flight (expected_tokens=64); modes leased = receive_leased(), out = receive(out=reused buffers, "
-            "one set per room in flight), "
-            "receive = receive() into a fresh output; every aioembed transfer checked bit for bit after its "
-            "clock stopped; raw = the transport's raw baseline on the same bytes, interleaved"
+            "one set per room in flight), receive = receive() into a fresh output; every aioembed transfer (its "
+            "rows shifted by an offset drawn from the room id) checked bit for bit after its clock stopped; raw = "
+            "the transport's raw baseline moving as many rows of the same layout, interleaved"
         ),
         "config": {"transport": cfg.transport, "transport_options": dict(cfg.transport_options),
                    "block_size": cfg.block_size, "default_tokens": cfg.default_tokens,

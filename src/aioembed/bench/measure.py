@@ -57,6 +57,7 @@ from aioembed.bench.workloads import (
     concurrency_sizes,
     generate_trace,
     make_source,
+    room_rows,
     trace_summary,
 )
 from aioembed.config import TransferConfig
@@ -262,19 +263,20 @@ class _Pair(ABC):
         """One zero-copy transfer (``receive_leased()``), timed until the lease is in hand."""
 
     @abstractmethod
-    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
-                  check: list[int] | None) -> tuple[float, int]:
-        """One transfer received as ``mode`` says (``copy``: ``receive()``, ``out``: ``receive(out=...)``
-        into reused buffers, one set per room in flight, ``lease``: ``receive_leased()``); the rows are checked
-        against the source (``check = [seed, top]``, see :func:`make_source`) after the clock stopped. (seconds,
-        rounds)."""
+    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
+                  mode: str, check: list[int] | None) -> tuple[float, int]:
+        """One transfer of ``tokens`` rows of ``data``, shifted by the room (:func:`room_rows`), received as ``mode``
+        says (``copy``: ``receive()``, ``out``: ``receive(out=...)`` into reused buffers, one set per room in flight,
+        ``lease``: ``receive_leased()``); the rows are checked against the source (``check = [seed, top]``: ``data``
+        is ``make_source(layout, top, seed)``) after the clock stopped. (seconds, rounds)."""
 
     @abstractmethod
-    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
-                     mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:
-        """``rooms`` in order, ``concurrency`` at a time on both sides, each side starting a room as soon as
-        one of its workers is free: (per-room latency from the later of its two starts to both sides done,
-        makespan). Rows checked as in :meth:`one`."""
+    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, tokens: int,
+                     expected: int | None, mode: str, concurrency: int,
+                     check: list[int] | None) -> tuple[list[float], float]:
+        """``rooms`` in order (each as in :meth:`one`), ``concurrency`` at a time on both sides, each side starting a
+        room as soon as one of its workers is free: (per-room latency from the later of its two starts to both
+        sides done, makespan). Rows checked as in :meth:`one`."""
 
     @abstractmethod
     async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
@@ -338,32 +340,35 @@ class _LocalPair(_Pair):
             raise PeerProcessError(f"room {room!r}: the rows differ from the source")
         return t, rounds
 
-    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
-                  check: list[int] | None) -> tuple[float, int]:
+    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
+                  mode: str, check: list[int] | None) -> tuple[float, int]:
         check_receive_mode(mode)
         sender = self.senders[0]
+        rows = room_rows(data, room, tokens)
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, room, data)
-            t, rounds = await self._receive(room, data, expected, mode, bool(check))
+            tg.start_soon(sender.send, room, rows)
+            t, rounds = await self._receive(room, rows, expected, mode, bool(check))
         return t - t0, rounds
 
-    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
-                     mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:
+    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, tokens: int,
+                     expected: int | None, mode: str, concurrency: int,
+                     check: list[int] | None) -> tuple[list[float], float]:
         check_receive_mode(mode)
         n = len(rooms)
         starts, ends, send_starts, send_ends = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         recv_it, send_it = iter(enumerate(rooms)), iter(enumerate(rooms))
+        rows = [room_rows(data, room, tokens) for room in rooms]
 
         async def receiving(slot: int) -> None:
             for i, room in recv_it:
                 starts[i] = time.perf_counter()
-                ends[i], _ = await self._receive(room, data, expected, mode, bool(check), slot=slot)
+                ends[i], _ = await self._receive(room, rows[i], expected, mode, bool(check), slot=slot)
 
         async def sending() -> None:
             for i, room in send_it:
                 send_starts[i] = time.perf_counter()
-                await self.senders[0].send(room, data)
+                await self.senders[0].send(room, rows[i])
                 send_ends[i] = time.perf_counter()
 
         async with anyio.create_task_group() as tg:
@@ -508,18 +513,17 @@ class _RemotePair(_Pair):
             raise PeerProcessError(f"{cmd['op']} failed in the receiver child process: {ev['error']}")
         return ev
 
-    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, expected: int | None, mode: str,
-                  check: list[int] | None) -> tuple[float, int]:
+    async def one(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
+                  mode: str, check: list[int] | None) -> tuple[float, int]:
         """The child holds the rows until both sides are done, then checks them: a check that ran as soon as
         the rows were in hand would share the cores with this process's ``send()`` still finishing (and
         on 2 cores measurably slow it: W1 ``out=`` 36.7 -> 41.5 ms)."""
         check_receive_mode(mode)
-        n = next(iter(data.values())).shape[0]
         cid = next(self._ids)
         try:
-            sent, ev = await self._send_beside(room, data, {"op": "recv", "expected": expected, "mode": mode,
-                                                            "check": check, "out_tokens": n, "hold": bool(check)},
-                                               cid=cid)
+            sent, ev = await self._send_beside(room, room_rows(data, room, tokens),
+                                               {"op": "recv", "expected": expected, "mode": mode, "check": check,
+                                                "out_tokens": tokens, "hold": bool(check)}, cid=cid)
         except BaseException:
             if check:
                 await self._let_go(cid)
@@ -538,17 +542,19 @@ class _RemotePair(_Pair):
             except PeerProcessError as exc:  # nothing was held (the receive failed too), or the rows differ
                 log.debug("bench child, after a failed transfer: %s", exc)
 
-    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, expected: int | None,
-                     mode: str, concurrency: int, check: list[int] | None) -> tuple[list[float], float]:
+    async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, tokens: int,
+                     expected: int | None, mode: str, concurrency: int,
+                     check: list[int] | None) -> tuple[list[float], float]:
         check_receive_mode(mode)
         n = len(rooms)
         send_starts, send_ends = [0.0] * n, [0.0] * n
         it = iter(enumerate(rooms))
+        rows = [room_rows(data, room, tokens) for room in rooms]
 
         async def worker() -> None:
             for i, room in it:
                 send_starts[i] = time.monotonic()
-                await self.senders[0].send(room, data)
+                await self.senders[0].send(room, rows[i])
                 send_ends[i] = time.monotonic()
 
         async def sending() -> None:
@@ -556,7 +562,6 @@ class _RemotePair(_Pair):
                 for _ in range(min(concurrency, n)):
                     tg.start_soon(worker)
 
-        tokens = next(iter(data.values())).shape[0]
         ev = await self._ask({"op": "series", "rooms": list(rooms), "concurrency": concurrency, "expected": expected,
                               "mode": mode, "check": check, "out_tokens": tokens}, sending)
         return _series_times([float(x) for x in ev["starts"]], [float(x) for x in ev["ends"]], send_starts, send_ends)

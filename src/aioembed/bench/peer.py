@@ -12,9 +12,9 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
   parent calls ``send()``; at once if absent or passed), start the room from the sender at ``a`` (default
   ``connect``) with ``receive()`` (``mode`` copy), ``receive(out=...)`` into reused buffers of ``k`` rows,
   one set per room in flight (out) or ``receive_leased()`` (lease); the ``out=`` buffers and the reference
-  rows live on the pool's device; with ``check``, the rows are compared with the source the parent made
-  (``make_source(layout, top, seed)``, regenerated here on the pool's device) once they are in hand (``T``
-  taken); stdout
+  rows live on the pool's device; with ``check``, the rows are compared with the rows the parent sent of the
+  source it made (``room_rows(make_source(layout, top, seed), r, n)``, regenerated here on the pool's device)
+  once they are in hand (``T`` taken); stdout
   ``{"event": "done", "id": i, "t0": T0, "t": T, "rounds": k}`` when the rows are in hand (``T0``: when
   the receive was called), where ``T`` is ``time.monotonic()`` at that moment (one system-wide clock on
   Linux, so the parent times the transfer from its own start to ``max(send returned, T)``); a lease is
@@ -53,7 +53,7 @@ import torch
 from aioembed.bench.event_channel import claim_stdout
 from aioembed.bench.event_channel import emit as _emit
 from aioembed.bench.start_line import reach
-from aioembed.bench.workloads import OutBuffers, check_receive_mode, make_source
+from aioembed.bench.workloads import OutBuffers, check_receive_mode, make_source, room_rows
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
 from aioembed.samples import same_rows, standard_layout
@@ -73,8 +73,10 @@ class _Checker:
         self._sources: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.out = OutBuffers(layout, device)
 
-    def same(self, check: list[int] | None, rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> bool:
-        """True if ``rows`` are rows ``[0, n)`` of the source ``check = [seed, top]`` (or nothing to check)."""
+    def same(self, check: list[int] | None, rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+             room: str) -> bool:
+        """True if ``rows`` are the ``n`` rows that ``room`` sends of the source ``check = [seed, top]``
+        (:func:`~aioembed.bench.workloads.room_rows`), or nothing to check."""
         if not check:
             return True
         seed, top = int(check[0]), int(check[1])
@@ -85,7 +87,7 @@ class _Checker:
             src = self._sources[seed, top] = make_source(self.layout, top, seed=seed, device=self.device)
         first = next(iter(rows.values()))
         n = int(first.shape[0]) if isinstance(first, torch.Tensor) else sum(int(p.shape[0]) for p in first)
-        return same_rows(rows, {k: v[:n] for k, v in src.items()})
+        return same_rows(rows, room_rows(src, room, n))
 
 
 async def _start(cmd: dict[str, Any]) -> float:
@@ -109,7 +111,7 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
 
         def release() -> None:
             try:
-                ok = checker.same(check, lease.views)  # in the pool, before the release
+                ok = checker.same(check, lease.views, room)  # in the pool, before the release
             finally:
                 lease.release()
             if not ok:
@@ -121,7 +123,7 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
     t = time.monotonic()
 
     def drop() -> None:
-        if not checker.same(check, got.tensors):
+        if not checker.same(check, got.tensors, room):
             raise RuntimeError(f"room {room!r}: the rows differ from the source")
 
     return t, got.rounds, drop

@@ -23,7 +23,8 @@ seeded with ``seed`` only, so a seed fixes the whole trace on every platform and
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,6 +76,7 @@ __all__ = [
     "QUICK_SIZES",
     "RECEIVE_MODES",
     "REQUEST_MIXES",
+    "ROOM_OFFSETS",
     "TRACE_KINDS",
     "VIDEO_TOKENS",
     "TraceRequest",
@@ -82,6 +84,8 @@ __all__ = [
     "concurrency_sizes",
     "generate_trace",
     "make_source",
+    "room_offset",
+    "room_rows",
     "trace_summary",
 ]
 
@@ -105,17 +109,50 @@ def make_source(layout: Layout, num_tokens: int, seed: int = 0,
     """Source rows for ``num_tokens`` tokens on ``device``, every page touched, cheap to make.
 
     Contents are pseudo-random bytes from one small random block tiled over the tensor (random
-    per byte would cost seconds for 65536 tokens; the copies do not look at the values). They do not
-    depend on ``device``, so a checker can regenerate them on whichever device holds the rows it checks.
+    per byte would cost seconds for 65536 tokens; the copies do not look at the values). The block's
+    length is a prime (65521 bytes), so no two of a field's first 65521 rows are alike (with a power of
+    two, a 7168-byte row repeated every 64 rows) and :func:`room_rows` at different offsets differ. They
+    do not depend on ``device``, so a checker can regenerate them on whichever device holds the rows it
+    checks.
     """
     g = torch.Generator().manual_seed(seed)
-    block = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
+    block = torch.randint(0, 256, (_TILE_BYTES,), dtype=torch.uint8, generator=g)
     out: dict[str, torch.Tensor] = {}
     for name, f in layout.items():
         nbytes = num_tokens * f.row_bytes
         raw = block.repeat(-(-nbytes // block.numel()))[:nbytes]
         out[name] = raw.view(f.dtype).reshape(num_tokens, *f.shape).to(device)
     return out
+
+
+_TILE_BYTES = 65521
+"""The largest prime below 2**16: the period of :func:`make_source`'s bytes."""
+
+ROOM_OFFSETS = 1024
+"""A checked room sends rows shifted by one of this many offsets into its source (see :func:`room_rows`): a
+source for rooms of up to ``n`` tokens has ``n + ROOM_OFFSETS`` rows."""
+
+
+def room_offset(room: str) -> int:
+    """The row at which ``room``'s rows start in its source (the same on both sides: from the room id)."""
+    return zlib.crc32(room.encode()) % ROOM_OFFSETS
+
+
+def room_rows(source: Mapping[str, torch.Tensor], room: str, num_tokens: int) -> dict[str, torch.Tensor]:
+    """Rows ``[o, o + num_tokens)`` of every field of ``source`` (views), ``o = room_offset(room)``: what the bench
+    sends as ``room`` and what the receiving side compares its rows with.
+
+    Every room of a point used to send the same rows, so a pool block that a write never reached still held
+    an earlier room's identical rows and passed the bit-for-bit check: a write that landed nowhere would have
+    measured as a fast one. Shifted by the room, two rooms' rows are alike only when their offsets are (1 in
+    :data:`ROOM_OFFSETS`), so such a write fails its room's check."""
+    offset = room_offset(room)
+    for name, t in source.items():
+        if offset + num_tokens > t.shape[0]:
+            raise ValueError(f"room {room!r}: rows [{offset}, {offset + num_tokens}) of field {name!r} are past its "
+                             f"{t.shape[0]} rows (a source for rooms of {num_tokens} tokens needs "
+                             f"{num_tokens} + ROOM_OFFSETS = {num_tokens + ROOM_OFFSETS})")
+    return {name: t[offset:offset + num_tokens] for name, t in source.items()}
 
 
 def concurrency_sizes(mix: str, count: int, seed: int) -> list[int]:

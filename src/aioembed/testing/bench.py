@@ -20,6 +20,7 @@ import anyio
 import pytest
 
 from aioembed.bench.measure import BenchOptions, Measurer, PeerProcessError
+from aioembed.bench.workloads import ROOM_OFFSETS
 from aioembed.config import TransferConfig
 
 __all__ = ["check_rows_after_the_clock", "run_quick_bench"]
@@ -78,21 +79,25 @@ def check_rows_after_the_clock(transport: str, options: Mapping[str, Any]) -> No
         cfg = base.replace(block_size=128, default_tokens=512, pool_tokens=n, max_round_tokens=None,
                            resume_reserve_tokens=0, round_timeout=10.0)
         m = Measurer(BenchOptions(base_config=base, process_model="two"), None, lambda _step: None)
-        src = m.source(n)
-        good = [m.opts.seed, n]
+        src = m.source(n + ROOM_OFFSETS)
+        good = [m.opts.seed, n + ROOM_OFFSETS]
         async with m._session(cfg) as pair:
             for mode in ("lease", "out", "copy", "lease"):
-                seconds, rounds = await pair.one(m._next_room("t"), src, expected=None, mode=mode, check=good)
+                seconds, rounds = await pair.one(m._next_room("t"), src, tokens=n, expected=None, mode=mode,
+                                                 check=good)
                 assert seconds > 0 and rounds == 2, (mode, seconds, rounds)
-            seconds, rounds = await pair.one(m._next_room("unchecked"), src, expected=n, mode="lease", check=None)
+            seconds, rounds = await pair.one(m._next_room("unchecked"), src, tokens=n, expected=n, mode="lease",
+                                             check=None)
             assert seconds > 0 and rounds == 1
             for mode in ("lease", "out", "copy"):
                 room = m._next_room("bad")
                 with pytest.raises(PeerProcessError, match=re.escape(
                         f"check failed in the receiver child process: RuntimeError: room {room!r}: the rows "
                         "differ from the source")):
-                    await pair.one(room, src, expected=None, mode=mode, check=[m.opts.seed + 1, n])
-                seconds, rounds = await pair.one(m._next_room("after"), src, expected=n, mode="lease", check=good)
+                    await pair.one(room, src, tokens=n, expected=None, mode=mode,
+                                   check=[m.opts.seed + 1, n + ROOM_OFFSETS])
+                seconds, rounds = await pair.one(m._next_room("after"), src, tokens=n, expected=n, mode="lease",
+                                                 check=good)
                 assert seconds > 0 and rounds == 1
             with pytest.raises(PeerProcessError, match="no room held for command 1000000000"):
                 await pair._ask({"op": "check", "of": 10**9})  # type: ignore[attr-defined]
