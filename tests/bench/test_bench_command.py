@@ -332,7 +332,7 @@ async def test_a_write_that_landed_nowhere_fails_the_rooms_check(mode: str, monk
     monkeypatch.setattr(LoopbackLink, "write", maybe_nowhere)
     for shifted in (True, False):
         if not shifted:  # as before: every room sends rows [0, 64)
-            monkeypatch.setattr(workloads, "room_offset", lambda room: 0)
+            monkeypatch.setattr(workloads, "ROOM_OFFSETS", 1)
         skip[0] = False
         # A pool of one block: each room reuses the block of the room before it.
         async with m._session(base.replace(pool_tokens=128, default_tokens=128)) as pair:

@@ -57,7 +57,9 @@ from aioembed.bench.workloads import (
     concurrency_sizes,
     generate_trace,
     make_source,
+    room_offset,
     room_rows,
+    rows_by_offset,
     trace_summary,
 )
 from aioembed.config import TransferConfig
@@ -358,17 +360,18 @@ class _LocalPair(_Pair):
         n = len(rooms)
         starts, ends, send_starts, send_ends = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         recv_it, send_it = iter(enumerate(rooms)), iter(enumerate(rooms))
-        rows = [room_rows(data, room, tokens) for room in rooms]
+        by_offset = rows_by_offset(data, tokens)
 
         async def receiving(slot: int) -> None:
             for i, room in recv_it:
                 starts[i] = time.perf_counter()
-                ends[i], _ = await self._receive(room, rows[i], expected, mode, bool(check), slot=slot)
+                ends[i], _ = await self._receive(room, by_offset[room_offset(room)], expected, mode, bool(check),
+                                                 slot=slot)
 
         async def sending() -> None:
             for i, room in send_it:
                 send_starts[i] = time.perf_counter()
-                await self.senders[0].send(room, rows[i])
+                await self.senders[0].send(room, by_offset[room_offset(room)])
                 send_ends[i] = time.perf_counter()
 
         async with anyio.create_task_group() as tg:
@@ -549,12 +552,12 @@ class _RemotePair(_Pair):
         n = len(rooms)
         send_starts, send_ends = [0.0] * n, [0.0] * n
         it = iter(enumerate(rooms))
-        rows = [room_rows(data, room, tokens) for room in rooms]
+        by_offset = rows_by_offset(data, tokens)
 
         async def worker() -> None:
             for i, room in it:
                 send_starts[i] = time.monotonic()
-                await self.senders[0].send(room, rows[i])
+                await self.senders[0].send(room, by_offset[room_offset(room)])
                 send_ends[i] = time.monotonic()
 
         async def sending() -> None:

@@ -53,7 +53,7 @@ import torch
 from aioembed.bench.event_channel import claim_stdout
 from aioembed.bench.event_channel import emit as _emit
 from aioembed.bench.start_line import reach
-from aioembed.bench.workloads import OutBuffers, check_receive_mode, make_source, room_rows
+from aioembed.bench.workloads import OutBuffers, check_receive_mode, make_source, room_offset, rows_by_offset
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
 from aioembed.samples import same_rows, standard_layout
@@ -70,7 +70,7 @@ class _Checker:
     def __init__(self, layout: Layout, device: str = "cpu") -> None:
         self.layout = layout
         self.device = device
-        self._sources: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._rows: dict[tuple[int, int, int], list[dict[str, torch.Tensor]]] = {}
         self.out = OutBuffers(layout, device)
 
     def same(self, check: list[int] | None, rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
@@ -80,14 +80,15 @@ class _Checker:
         if not check:
             return True
         seed, top = int(check[0]), int(check[1])
-        src = self._sources.get((seed, top))
-        if src is None:
-            # Made on the pool's device: a GPU's rows are compared there, not copied out to CPU threads that
-            # spin afterwards on the cores the next transfer needs.
-            src = self._sources[seed, top] = make_source(self.layout, top, seed=seed, device=self.device)
         first = next(iter(rows.values()))
         n = int(first.shape[0]) if isinstance(first, torch.Tensor) else sum(int(p.shape[0]) for p in first)
-        return same_rows(rows, room_rows(src, room, n))
+        by_offset = self._rows.get((seed, top, n))
+        if by_offset is None:
+            # Made on the pool's device: a GPU's rows are compared there, not copied out to CPU threads that
+            # spin afterwards on the cores the next transfer needs.
+            src = make_source(self.layout, top, seed=seed, device=self.device)
+            by_offset = self._rows[seed, top, n] = rows_by_offset(src, n)
+        return same_rows(rows, by_offset[room_offset(room)])
 
 
 async def _start(cmd: dict[str, Any]) -> float:
