@@ -234,6 +234,27 @@ async def test_a_poll_checks_a_peers_transfers_oldest_first_up_to_the_first_pend
     assert poller.pending == 32
 
 
+async def test_the_windows_of_transfers_behind_a_pending_head_still_say_when_to_look(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not asked about, a transfer behind its peer's pending head still counts for when to look: with the heads'
+    windows only, a late head (its window passed) let the loop sleep 1 ms through the windows behind it."""
+    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    head = engine.submit(1, 4096, 3600.0, lane="a")
+    behind = engine.submit(2, 4096, 3600.0, lane="a")
+    poller.add([head, behind])
+    poller._sweep_at = time.perf_counter() + 3600.0
+    now = time.perf_counter()
+    head.spin_from, head.spin_until = now - 0.010, now - 0.005  # late: its window has passed
+    behind.spin_from, behind.spin_until = now - 0.001, now + 3600.0  # in its window now
+    moved, due, _ = poller._poll()
+    assert not moved and due and engine.checked(1) == 1 and engine.checked(2) == 0
+    behind.spin_from, behind.spin_until = now + 3600.0, now + 3601.0  # its window opens later
+    moved, due, opens = poller._poll()
+    assert not moved and not due and opens == behind.spin_from
+
+
 async def test_a_transfer_that_ends_before_an_earlier_one_of_its_peer_is_seen_within_a_sweep() -> None:
     engine = FakeEngine()
     poller = TransferPoller(engine.check)

@@ -15,14 +15,16 @@ class from the transfers seen so far. Elsewhere it sleeps, backing off from 50 u
 of those turns it gives up the core (``sched_yield``, a microsecond when nothing else waits): the
 threads that make the transfer end (the engine's, ZeroMQ's I/O threads, the peer process on a small
 host) were otherwise held off until the scheduler preempted the turning loop. With 32 transfers in
-flight on 2 vCPUs that raised the requests/s by 4-17 % in each of 8 alternating pairs of runs.
+flight on 2 vCPUs that raised the requests/s by 0-17 % (+7 % in the median pair) in 8 alternating pairs
+of runs.
 
 What to look at: the engine ends one peer's transfers in the order they were submitted (in a W3 run,
 32 in flight to one peer, 50 of 6660 ended while an earlier one was still pending), and with many in flight
-each poll used to check every one of them: 52 engine calls per transfer, a tenth of the sender's loop. So
-a poll checks a peer's transfers oldest first and stops at the first one still pending; what is behind it
-counts as pending too. Every ``_SWEEP_EVERY`` a poll checks everything, so one that ended out of order is
-seen within that, and a waiter whose deadline passed looks at its own transfers before it gives up.
+each poll used to check every one of them: 52 engine calls per transfer. So a poll asks the engine about a
+peer's transfers oldest first and stops at the first one still pending; what is behind it counts as pending
+too (its expected-end window still counts for when to look). Every ``_SWEEP_EVERY`` a poll checks
+everything, so one that ended out of order is seen within that, and a waiter whose deadline passed looks
+at its own transfers before it gives up.
 
 Per link, :class:`Credits` bound the transfers in flight (the engine's per-peer queue is finite),
 so a stalled peer holds its own link's credits and nothing else: writes to healthy peers go on.
@@ -156,12 +158,13 @@ class TransferPoller:
             lane = t.lane
             if lane is not None and lane in behind and not sweep:
                 t.pending_at = now  # behind a pending one of its peer: pending too (unless it ended out of order)
-                continue
-            if self._finished(t, now):
+            elif self._finished(t, now):
                 finished.append(t)
                 continue
-            if lane is not None:
+            elif lane is not None:
                 behind.add(lane)
+            # Every pending transfer's window counts, looked at or not: a late head is about to end, and those
+            # behind it in their windows say so (with the heads' windows only, the loop slept 1 ms through them).
             if t.spin_from <= now < t.spin_until:
                 due = True
             elif now < t.spin_from and (opens is None or t.spin_from < opens):
