@@ -106,6 +106,9 @@ MULTI_IMAGE_COUNT = (2, 6)
 VIDEO_TOKENS = (10_000, 50_000)
 
 
+_TILE_BYTES = 65521
+"""The largest prime below 2**16: the period of :func:`make_source`'s bytes."""
+
 def make_source(layout: Layout, num_tokens: int, seed: int = 0,
                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Source rows for ``num_tokens`` tokens on ``device``, every page touched, cheap to make.
@@ -127,14 +130,11 @@ def make_source(layout: Layout, num_tokens: int, seed: int = 0,
     return out
 
 
-_TILE_BYTES = 65521
-"""The largest prime below 2**16: the period of :func:`make_source`'s bytes."""
-
 ROOM_OFFSETS = 8
 """A checked room sends rows shifted by one of this many offsets into its source (see :func:`room_rows`): a
 source for rooms of up to ``n`` tokens has ``n + ROOM_OFFSETS`` rows. Few, so that a small room's source rows
 stay in a core's cache from room to room as the raw baseline's do: with 1024 offsets (64-token rooms spread over
-7.8 MB of source) W3 x32 over Mooncake ran 7-10 % slower in each of 4 alternating pairs of runs, from cache
+7.8 MB of source) W3 x32 over Mooncake ran 6-11 % slower in each of 4 alternating pairs of runs, from cache
 misses in the sender's reads and the receiving side's check."""
 
 

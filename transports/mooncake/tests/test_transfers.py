@@ -207,19 +207,26 @@ async def test_watch_polls_what_a_writer_gave_up_on_while_nobody_leads() -> None
     assert t.status == DONE and poller.pending == 0
 
 
+def without_sweeps(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
+                   pending: list[PendingTransfer]) -> TransferPoller:
+    """A poller holding ``pending`` whose polls never check everything (only a waiter's look at its deadline does)."""
+    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)
+    poller = TransferPoller(engine.check)
+    poller.add(pending)
+    poller._sweep_at = time.perf_counter() + 3600.0
+    return poller
+
+
 async def test_a_poll_checks_a_peers_transfers_oldest_first_up_to_the_first_pending(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine ends one peer's transfers in submit order, so a poll stops at the first still pending: with
     32 in flight every poll checked all 32 (52 engine calls per transfer in a W3 run, 6.6 after)."""
-    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)  # no periodic sweep in this test
     engine = FakeEngine()
-    poller = TransferPoller(engine.check)
     head = engine.submit(1, 4096, 3600.0, lane="a")
     behind = [engine.submit(b, 4096, 3600.0, lane="a") for b in range(2, 33)]
     other = engine.submit(100, 4096, 3600.0, lane="b")
     unordered = engine.submit(200, 1, 3600.0)  # a release read: no lane, looked at on every poll
-    poller.add([head, *behind, other, unordered])
-    poller._sweep_at = time.perf_counter() + 3600.0
+    poller = without_sweeps(engine, monkeypatch, [head, *behind, other, unordered])
     for _ in range(5):
         poller._poll()
     assert engine.checked(1) == 5 and engine.checked(100) == 5 and engine.checked(200) == 5
@@ -237,14 +244,11 @@ async def test_a_poll_checks_a_peers_transfers_oldest_first_up_to_the_first_pend
 async def test_the_windows_of_transfers_behind_a_pending_head_still_say_when_to_look(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Not asked about, a transfer behind its peer's pending head still counts for when to look: with the heads'
-    windows only, a late head (its window passed) let the loop sleep 1 ms through the windows behind it."""
-    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)
+    windows only, a late head (its window passed) let the loop sleep through the windows behind it."""
     engine = FakeEngine()
-    poller = TransferPoller(engine.check)
     head = engine.submit(1, 4096, 3600.0, lane="a")
     behind = engine.submit(2, 4096, 3600.0, lane="a")
-    poller.add([head, behind])
-    poller._sweep_at = time.perf_counter() + 3600.0
+    poller = without_sweeps(engine, monkeypatch, [head, behind])
     now = time.perf_counter()
     head.spin_from, head.spin_until = now - 0.010, now - 0.005  # late: its window has passed
     behind.spin_from, behind.spin_until = now - 0.001, now + 3600.0  # in its window now
@@ -271,13 +275,10 @@ async def test_a_transfer_that_ends_before_an_earlier_one_of_its_peer_is_seen_wi
 
 async def test_a_stuck_transfer_of_one_peer_does_not_slow_the_polls_of_another(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)
     engine = FakeEngine()
-    poller = TransferPoller(engine.check)
     stuck = engine.submit(1, 4096, 3600.0, lane="dead")
     ok = engine.submit(2, 4096, 0.002, lane="alive")
-    poller.add([stuck, ok])
-    poller._sweep_at = time.perf_counter() + 3600.0
+    poller = without_sweeps(engine, monkeypatch, [stuck, ok])
     with anyio.fail_after(5):
         assert await poller.wait([ok]) is True
     assert ok.status == DONE and stuck.status == PENDING
@@ -288,13 +289,10 @@ async def test_a_waiter_at_its_deadline_looks_at_its_own_transfers_before_giving
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Its transfer ended behind a pending one of its peer, which polls skip: the deadline must not call a write
     that landed stuck (the room would be fenced for nothing)."""
-    monkeypatch.setattr(transfers, "_SWEEP_EVERY", 3600.0)
     engine = FakeEngine()
-    poller = TransferPoller(engine.check)
     head = engine.submit(1, 4096, 3600.0, lane="a")
     mine = engine.submit(2, 4096, 0.001, lane="a")
-    poller.add([head, mine])
-    poller._sweep_at = time.perf_counter() + 3600.0
+    poller = without_sweeps(engine, monkeypatch, [head, mine])
     assert await poller.wait([mine], deadline=anyio.current_time() + 0.020) is True
     assert mine.status == DONE and engine.checked(2) == 1  # seen once: by the look at the deadline
     poller.forget([head])

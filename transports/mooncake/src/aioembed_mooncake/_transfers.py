@@ -164,7 +164,7 @@ class TransferPoller:
             elif lane is not None:
                 behind.add(lane)
             # Every pending transfer's window counts, looked at or not: a late head is about to end, and those
-            # behind it in their windows say so (with the heads' windows only, the loop slept 1 ms through them).
+            # behind it in their windows say so (with the heads' windows only, the loop could sleep through them).
             if t.spin_from <= now < t.spin_until:
                 due = True
             elif now < t.spin_from and (opens is None or t.spin_from < opens):
