@@ -349,6 +349,34 @@ async def test_a_write_that_landed_nowhere_fails_the_rooms_check(mode: str, monk
             assert failed.group_contains(PeerProcessError, match="room 'r1': the rows differ from the source")
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("workload", ["sizes", "resume"])
+async def test_the_sizes_and_resume_rooms_are_checked_too(workload: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their rooms (the NIXL plugin's 0.9 goal is read off them) were timed and never compared with what was sent:
+    writes that landed nowhere would have measured as fast ones. Every write after the first lands nowhere here."""
+    from aioembed.bench.measure import Measurer, PeerProcessError
+    from aioembed.transports.loopback import LoopbackLink
+
+    opts = BenchOptions(base_config=TransferConfig(transport="loopback"), repeat=1, hidden=64, sizes=(512,),
+                        resume_tokens=512)
+    m = Measurer(opts, None, lambda s: None)
+    ok = await (m.run_sizes() if workload == "sizes" else m.run_resume())
+    assert "checked bit for bit" in ok["description"]
+    write = LoopbackLink.write
+    writes = 0
+
+    async def first_only(self: LoopbackLink, ops: Any) -> None:
+        nonlocal writes
+        writes += 1
+        if writes == 1:
+            await write(self, ops)
+
+    monkeypatch.setattr(LoopbackLink, "write", first_only)
+    with pytest.raises(BaseExceptionGroup) as failed:
+        await (m.run_sizes() if workload == "sizes" else m.run_resume())
+    assert failed.group_contains(PeerProcessError, match="the rows differ from the source")
+
+
 def test_the_receiving_child_keeps_out_buffers_per_worker() -> None:
     from aioembed.bench.peer import _Checker
     from aioembed.samples import standard_layout

@@ -51,6 +51,7 @@ from aioembed.bench.start_line import reach, start_at
 from aioembed.bench.stats import mbps, ratio, summarize
 from aioembed.bench.workloads import (
     REQUEST_MIXES,
+    ROOM_OFFSETS,
     TRACE_KINDS,
     OutBuffers,
     check_receive_mode,
@@ -786,7 +787,8 @@ class Measurer:
     async def run_sizes(self) -> dict[str, Any]:
         opts, cfg = self.opts, self.sizes_config()
         top = max(opts.sizes)
-        src = self.source(top)
+        src = self.source(top + ROOM_OFFSETS)  # rooms send rows shifted by their id (room_rows), raw rows [0, n)
+        check = [opts.seed, top + ROOM_OFFSETS]
         bpt = self.layout.bytes_per_token
         points = []
         async with (self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline,
@@ -795,13 +797,13 @@ class Measurer:
             variants = self._variants(baseline, "aioembed")
             for n in opts.sizes:
                 self.tick(f"sizes: {n} tokens")
-                data = self._slice(src, n)
                 nbytes = n * bpt
                 reps = opts.repeat if nbytes >= 8_000_000 else opts.repeat * 4
                 series = _Series()
                 for rep, order in enumerate(balanced_orders(variants, reps + 1)):
                     for v in order:
-                        dt, rounds = await self._run_variant(pair, baseline, v, data=data, n=n, expected=None)
+                        dt, rounds = await self._run_variant(pair, baseline, v, data=src, n=n, expected=None,
+                                                             check=check)
                         if rep > 0:  # repetition 0 is the warm-up
                             series.add(v, dt, rounds)
                 points.append(summarize_point(
@@ -812,14 +814,19 @@ class Measurer:
                 self.tick("")
         return {
             "description": "one request at a time, sizes in tokens; the receiver does not know the length "
-                           "(default reservation), so requests above default_tokens resume",
+                           "(default reservation), so requests above default_tokens resume; every aioembed "
+                           "room's rows (shifted by an offset drawn from the room id) checked bit for bit after "
+                           "its clock stopped",
             "config": config_dict(cfg),
             "points": points,
         }
 
     async def _run_variant(self, pair: _Pair, baseline: RawBaseline | None,
                            variant: str, *, data: Mapping[str, torch.Tensor], n: int,
-                           expected: int | None) -> tuple[float, int | None]:
+                           expected: int | None, check: list[int] | None = None) -> tuple[float, int | None]:
+        """One sample of ``variant``. With ``check`` (``[seed, rows of data]``), an aioembed room sends ``n`` rows of
+        ``data`` shifted by its id and they are checked bit for bit after the clock stopped (:meth:`_Pair.one`);
+        without, it sends ``data`` as it is, unchecked."""
         if variant.startswith("raw:"):
             assert baseline is not None
             t0 = time.perf_counter()
@@ -829,7 +836,11 @@ class Measurer:
             assert baseline is not None and self._floor is not None
             method = variant[6:]
             return await self._floor.time(lambda: baseline.transfer(method, n)), None
-        if variant == "zero_copy" or variant.startswith("zero_copy"):
+        lease = variant == "zero_copy" or variant.startswith("zero_copy")
+        if check is not None:
+            return await pair.one(self._next_room("z" if lease else "c"), data, tokens=n, expected=expected,
+                                  mode="lease" if lease else "copy", check=check)
+        if lease:
             return await self._lease(pair, data, expected)
         return await self._copy(pair, data, expected)
 
@@ -842,7 +853,8 @@ class Measurer:
         # No resume reserve: the pool is exactly the request, so the expected_tokens run fits in one round.
         cfg = opts.base_config.replace(block_size=128, default_tokens=default, pool_tokens=_round_up(n, 128),
                                        max_round_tokens=None, resume_reserve_tokens=0)
-        src = self.source(n)
+        src = self.source(n + ROOM_OFFSETS)  # rooms send rows shifted by their id (room_rows), raw rows [0, n)
+        check = [opts.seed, n + ROOM_OFFSETS]
         nbytes = n * self.layout.bytes_per_token
         self.tick(f"resume: {n} tokens")
         series = _Series()
@@ -855,7 +867,8 @@ class Measurer:
             for rep, order in enumerate(balanced_orders(variants, opts.repeat * 2 + 1)):
                 for v in order:
                     expected = n if v.endswith("one_round") else None
-                    dt, rounds = await self._run_variant(pair, baseline, v, data=src, n=n, expected=expected)
+                    dt, rounds = await self._run_variant(pair, baseline, v, data=src, n=n, expected=expected,
+                                                         check=check)
                     if rep > 0:
                         series.add(v, dt, rounds)
         raw_methods = self._raw_methods(baseline)
@@ -881,7 +894,9 @@ class Measurer:
         self.tick("")
         return {
             "description": f"{n} tokens with default_tokens={default} (two rounds) vs the same request with "
-                           f"expected_tokens={n} (one round); two_over_one = median time ratio",
+                           f"expected_tokens={n} (one round); two_over_one = median time ratio; every aioembed "
+                           f"room's rows (shifted by an offset drawn from the room id) checked bit for bit after its "
+                           f"clock stopped",
             "config": config_dict(cfg),
             "points": points,
             "summary": summary,

@@ -70,6 +70,7 @@ class _Checker:
     def __init__(self, layout: Layout, device: str = "cpu") -> None:
         self.layout = layout
         self.device = device
+        self._sources: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._rows: dict[tuple[int, int, int], list[dict[str, torch.Tensor]]] = {}
         self.out = OutBuffers(layout, device)
 
@@ -84,10 +85,12 @@ class _Checker:
         n = int(first.shape[0]) if isinstance(first, torch.Tensor) else sum(int(p.shape[0]) for p in first)
         by_offset = self._rows.get((seed, top, n))
         if by_offset is None:
-            # Made on the pool's device: a GPU's rows are compared there, not copied out to CPU threads that
-            # spin afterwards on the cores the next transfer needs.
-            src = make_source(self.layout, top, seed=seed, device=self.device)
-            by_offset = self._rows[seed, top, n] = rows_by_offset(src, n)
+            src = self._sources.get((seed, top))
+            if src is None:
+                # Made on the pool's device: a GPU's rows are compared there, not copied out to CPU threads that
+                # spin afterwards on the cores the next transfer needs.
+                src = self._sources[seed, top] = make_source(self.layout, top, seed=seed, device=self.device)
+            by_offset = self._rows[seed, top, n] = rows_by_offset(src, n)  # views: one source per (seed, top)
         return same_rows(rows, by_offset[room_offset(room)])
 
 
