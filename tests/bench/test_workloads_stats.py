@@ -131,9 +131,11 @@ def test_the_receiving_child_checks_a_rooms_rows_at_its_own_offset() -> None:
     a, b = "room-a", "room-b"
     assert room_offset(a) != room_offset(b)
     checker = _Checker(layout)
-    assert checker.same(check, room_rows(src, a, 8), a)
-    assert not checker.same(check, room_rows(src, a, 8), b)  # room a's rows left in a block that b never got
-    assert not checker.same(check, {n: t[:8] for n, t in src.items()}, a)
+    assert checker.same(check, room_rows(src, a, 8), a, 8)
+    assert not checker.same(check, room_rows(src, a, 8), b, 8)  # room a's rows left in a block that b never got
+    assert not checker.same(check, {n: t[:8] for n, t in src.items()}, a, 8)
+    assert not checker.same(check, room_rows(src, a, 7), a, 8)  # a room that came back short
+    assert checker.same(None, room_rows(src, a, 7), a, 8)  # nothing to check
 
 
 def test_make_source_places_the_rows_on_the_device_it_is_given() -> None:

@@ -75,14 +75,12 @@ class _Checker:
         self.out = OutBuffers(layout, device)
 
     def same(self, check: list[int] | None, rows: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
-             room: str) -> bool:
+             room: str, n: int) -> bool:
         """True if ``rows`` are the ``n`` rows that ``room`` sends of the source ``check = [seed, top]``
-        (:func:`~aioembed.bench.workloads.room_rows`), or nothing to check."""
+        (:func:`~aioembed.bench.workloads.room_rows`; fewer rows are not), or nothing to check."""
         if not check:
             return True
         seed, top = int(check[0]), int(check[1])
-        first = next(iter(rows.values()))
-        n = int(first.shape[0]) if isinstance(first, torch.Tensor) else sum(int(p.shape[0]) for p in first)
         by_offset = self._rows.get((seed, top, n))
         if by_offset is None:
             src = self._sources.get((seed, top))
@@ -109,13 +107,14 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
     expected, sender = cmd.get("expected"), cmd.get("sender")
     mode = check_receive_mode(cmd.get("mode") or ("lease" if cmd.get("lease") else "copy"))
     check = cmd.get("check")
+    sent = int(cmd.get("out_tokens") or 0)  # the rows the parent sends (with ``check``)
     if mode == "lease":
         lease = await receiver.receive_leased(room, expected_tokens=expected, sender=sender)
         t = time.monotonic()
 
         def release() -> None:
             try:
-                ok = checker.same(check, lease.views, room)  # in the pool, before the release
+                ok = checker.same(check, lease.views, room, sent)  # in the pool, before the release
             finally:
                 lease.release()
             if not ok:
@@ -127,7 +126,7 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
     t = time.monotonic()
 
     def drop() -> None:
-        if not checker.same(check, got.tensors, room):
+        if not checker.same(check, got.tensors, room, sent):
             raise RuntimeError(f"room {room!r}: the rows differ from the source")
 
     return t, got.rounds, drop

@@ -115,8 +115,9 @@ def make_source(layout: Layout, num_tokens: int, seed: int = 0,
 
     Contents are pseudo-random bytes from one small random block tiled over the tensor (random
     per byte would cost seconds for 65536 tokens; the copies do not look at the values). The block's
-    length is a prime (65521 bytes), so no two of a field's first 65521 rows are alike (with a power of
-    two, a 7168-byte row repeated every 64 rows) and the rows of :func:`room_rows` at two offsets differ. They
+    length is a prime (65521 bytes), so a field's rows do not repeat with a short period (with a power of two, a
+    7168-byte row repeated every 64 rows; a 4-byte row may still equal another by chance) and the rows of
+    :func:`room_rows` at two offsets differ. They
     do not depend on ``device``, so a checker can regenerate them on whichever device holds the rows it
     checks.
     """

@@ -16,15 +16,19 @@ of those turns it gives up the core (``sched_yield``, a microsecond when nothing
 threads that make the transfer end (the engine's, ZeroMQ's I/O threads, the peer process on a small
 host) were otherwise held off until the scheduler preempted the turning loop. With 32 transfers in
 flight on 2 vCPUs that raised the requests/s by 0-17 % (+7 % in the median pair) in 8 alternating pairs
-of runs.
+of runs, on a VM running nothing else; on a host whose cores are all busy, a yield may hand the core to
+another process for a scheduler slice (not measured).
 
-What to look at: the engine ends one peer's transfers in the order they were submitted (in a W3 run,
-32 in flight to one peer, 50 of 6660 ended while an earlier one was still pending), and with many in flight
-each poll used to check every one of them: 52 engine calls per transfer. So a poll asks the engine about a
-peer's transfers oldest first and stops at the first one still pending; what is behind it counts as pending
-too (its expected-end window still counts for when to look). Every ``_SWEEP_EVERY`` a poll checks
-everything, so one that ended out of order is seen within that, and a waiter whose deadline passed looks
-at its own transfers before it gives up.
+What to look at: with many in flight each poll used to ask the engine about every pending transfer (52
+calls per transfer with 32 in flight). A heuristic, not a property of the engine: transfers of one size
+class to one peer end about in the order they were submitted (in a W3 run, 32 of one size in flight to one
+peer, 50 of 6660 ended while an earlier one was still pending; the engine spreads a peer's transfers over
+several TCP connections, so a small transfer behind a large one can end first, which is why the size class
+is part of the key). So each transfer carries a *queue* key (peer, size class), and a poll asks about each
+queue's transfers oldest first and stops at the first one still pending; what is behind it counts as
+pending too (its expected-end window still counts for when to look). Every ``_SWEEP_EVERY`` a poll asks
+about everything, so one that ended out of order is seen about that much later at most, and a waiter whose
+deadline passed asks about its own transfers before it gives up.
 
 Per link, :class:`Credits` bound the transfers in flight (the engine's per-peer queue is finite),
 so a stalled peer holds its own link's credits and nothing else: writes to healthy peers go on.
@@ -36,11 +40,12 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 
 import anyio
 
-__all__ = ["DONE", "PENDING", "CompletionForecast", "Credits", "CreditsClosed", "PendingTransfer", "TransferPoller"]
+__all__ = ["DONE", "PENDING", "CompletionForecast", "Credits", "CreditsClosed", "PendingTransfer", "TransferPoller",
+           "queue_key"]
 
 _POLL_FIRST = 0.00005
 _POLL_MAX = 0.002
@@ -55,12 +60,18 @@ again (it is late: the forecast learns from it). Small transfers end either insi
 0.7-1 ms after it (handed to an engine thread on an idle vCPU), and the forecast averages the two: with
 less slack the late kind was seen only after the selector's 1 ms sleeps, about 1.9 ms after its submit."""
 _SWEEP_EVERY = 0.001
-"""Seconds between polls that check every pending transfer, not only the oldest pending of each peer: the
-most a transfer that ended before an earlier one of its peer waits to be seen."""
+"""Seconds between polls that ask about every pending transfer, not only the oldest pending of each queue: about
+the most a transfer that ended before an earlier one of its queue waits to be seen (the sweep is the first poll
+after it is due)."""
 
 DONE, PENDING = 1, 0
 
 _sched_yield = getattr(os, "sched_yield", None)  # POSIX only, as the engine is
+
+
+def queue_key(peer: str, nbytes: int) -> tuple[str, int]:
+    """The :attr:`PendingTransfer.queue` of a write of ``nbytes`` to ``peer``: one queue per peer and size class."""
+    return peer, CompletionForecast.size_class(nbytes)
 
 
 class CompletionForecast:
@@ -70,7 +81,9 @@ class CompletionForecast:
     A poll sees *that* a transfer ended, not when: it ended after the last poll that saw it pending
     and before the one that saw it done. A narrow interval counts by its middle; a wide one (the loop
     slept) by its start, so the forecast errs early, which costs a few idle loop turns, never late,
-    which would cost latency (and would feed on itself: a late look measures a longer time)."""
+    which would cost latency (and would feed on itself: a late look measures a longer time). The one
+    exception: a transfer behind a pending one of its queue counts as seen pending without being asked
+    about, so one that ended out of order (rare) teaches a time up to a sweep late."""
 
     ALPHA = 0.25
 
@@ -98,13 +111,14 @@ class CompletionForecast:
 class PendingTransfer:
     """One submitted transfer: its engine id, and its final status once known."""
 
-    __slots__ = ("batch", "lane", "length", "on_done", "pending_at", "spin_from", "spin_until", "status", "submitted")
+    __slots__ = ("batch", "length", "on_done", "pending_at", "queue", "spin_from", "spin_until", "status", "submitted")
 
-    def __init__(self, batch: int, length: int, lane: str | None = None) -> None:
+    def __init__(self, batch: int, length: int, queue: Hashable | None = None) -> None:
         self.batch = batch
         self.length = length
-        self.lane = lane
-        """The peer whose transfers the engine ends in submit order (its session), or None: checked at every poll."""
+        self.queue = queue
+        """Transfers with the same key are taken to end in submit order (see the module docstring): a writer's
+        (peer session, size class), from :func:`queue_key`. None: asked about at every poll."""
         self.status = PENDING
         self.on_done: Callable[[], None] | None = None
         """Called once it ends, when its writer stopped waiting for it (e.g. to return a credit)."""
@@ -144,7 +158,7 @@ class TransferPoller:
             self._pending[t.batch] = t
 
     def _poll(self, *, sweep: bool = False) -> tuple[bool, bool, float | None]:
-        """Check the pending transfers once, each peer's oldest first up to the first still pending (all of them
+        """Check the pending transfers once, each queue's oldest first up to the first still pending (all of them
         with ``sweep`` or when a sweep is due): (whether any finished, whether one still pending is in its
         expected-end window now, when the next such window opens)."""
         self.polls += 1
@@ -152,17 +166,19 @@ class TransferPoller:
         if sweep or now >= self._sweep_at:
             sweep, self._sweep_at = True, now + _SWEEP_EVERY
         finished: list[PendingTransfer] = []
-        behind: set[str] = set()  # peers with a transfer seen pending in this poll
+        behind: set[Hashable] = set()  # queues with a transfer seen pending in this poll
         due, opens = False, None
         for t in self._pending.values():
-            lane = t.lane
-            if lane is not None and lane in behind and not sweep:
-                t.pending_at = now  # behind a pending one of its peer: pending too (unless it ended out of order)
+            queue = t.queue
+            if queue is not None and queue in behind and not sweep:
+                # Behind a pending one of its queue: pending too. Had it ended out of order, the forecast learns
+                # from it up to a sweep late (the rare case; its docstring's "errs early" holds otherwise).
+                t.pending_at = now
             elif self._finished(t, now):
                 finished.append(t)
                 continue
-            elif lane is not None:
-                behind.add(lane)
+            elif queue is not None:
+                behind.add(queue)
             # Every pending transfer's window counts, looked at or not: a late head is about to end, and those
             # behind it in their windows say so (with the heads' windows only, the loop could sleep through them).
             if t.spin_from <= now < t.spin_until:
@@ -190,7 +206,7 @@ class TransferPoller:
         wait on what ending transfers give back (a link's credits, the end of a failed write's leftovers)
         and hold no transfer of their own to lead for: without them, transfers a writer gave up on were
         polled only while another write waited. One watcher polls at a time, and none while a waiter
-        leads (it polls everything); the others look again after each poll that ended something, or
+        leads (it polls for everyone); the others look again after each poll that ended something, or
         every ``max_delay``. Cancellable."""
         delay = _POLL_FIRST
         while not until():
@@ -220,7 +236,7 @@ class TransferPoller:
         with anyio.CancelScope(shield=True):
             while any(t.status == PENDING for t in transfers):
                 if deadline is not None and anyio.current_time() >= deadline:
-                    self.poll_now()  # polls skip what is behind a pending transfer of its peer: look at all once
+                    self.poll_now()  # polls skip what is behind a pending transfer of its queue: ask about all once
                     return all(t.status != PENDING for t in transfers)
                 if self._leading:
                     progress = self._progress

@@ -51,7 +51,15 @@ from aioembed_mooncake._engine import (
     start_engine,
 )
 from aioembed_mooncake._regions import EngineRegistrations, Piece, PieceIndex
-from aioembed_mooncake._transfers import DONE, PENDING, Credits, CreditsClosed, PendingTransfer, TransferPoller
+from aioembed_mooncake._transfers import (
+    DONE,
+    PENDING,
+    Credits,
+    CreditsClosed,
+    PendingTransfer,
+    TransferPoller,
+    queue_key,
+)
 
 __all__ = ["DESCRIPTOR_VERSION", "MooncakeLink", "MooncakeTransport", "default_hostname"]
 
@@ -745,7 +753,7 @@ class MooncakeTransport(Transport):
                 batch = int(submit(link.session, src, dst, n))
                 if batch == 0:
                     break
-                out.append(PendingTransfer(batch, n, link.session))
+                out.append(PendingTransfer(batch, n, queue_key(link.session, n)))
 
         try:
             if link._warm:
