@@ -58,7 +58,7 @@ async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, s
                        n: int, reps: int, variants: Sequence[tuple[str, str, int | None]]) -> dict[str, list[float]]:
     """Seconds per transfer of ``n`` rows of ``src`` (``m.source(n + ROOM_OFFSETS)``, shifted by the room) for each
     ``(name, mode, expected_tokens)`` variant and each raw method."""
-    check = [m.opts.seed, _rows(src)]
+    check = m.check_of(src)
     names = [v[0] for v in variants] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     by_name = {v[0]: v for v in variants}
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -76,10 +76,6 @@ async def _timed_point(m: Measurer, pair: _Pair, baseline: RawBaseline | None, s
             if rep > 0:  # repetition 0 is the warm-up
                 samples[name].append(dt)
     return samples
-
-
-def _rows(src: Mapping[str, torch.Tensor]) -> int:
-    return int(next(iter(src.values())).shape[0])
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -141,7 +137,7 @@ async def _w2(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mappi
 async def _w3(m: Measurer, pair: _Pair, baseline: RawBaseline | None, src: Mapping[str, torch.Tensor], reps: int, *,
               concurrency: int, rooms: int) -> dict[str, Any]:
     n = W3_TOKENS
-    check = [m.opts.seed, _rows(src)]
+    check = m.check_of(src)
     names = [name for name, _ in MODES] + ([f"raw:{x}" for x in baseline.methods] if baseline else [])
     modes = dict(MODES)
     lat: dict[str, list[float]] = {name: [] for name in names}

@@ -631,6 +631,11 @@ class Measurer:
         encoder and a language model on GPUs move them (a raw baseline gets the same tensors)."""
         return make_source(self.layout, num_tokens, seed=self.opts.seed, device=self.opts.base_config.device)
 
+    def check_of(self, source: Mapping[str, torch.Tensor]) -> list[int]:
+        """The ``check`` of rooms whose rows come from ``source`` (one of :meth:`source`'s): ``[seed, its rows]``,
+        what the receiving side regenerates it from."""
+        return [self.opts.seed, self.layout.validate(source)]
+
     async def register_sources(self, pair: _Pair, *sources: Mapping[str, torch.Tensor]) -> None:
         """With ``registered_sources``: register ``sources`` once with every sender of ``pair`` (kept until the
         session closes)."""
@@ -788,7 +793,7 @@ class Measurer:
         opts, cfg = self.opts, self.sizes_config()
         top = max(opts.sizes)
         src = self.source(top + ROOM_OFFSETS)  # rooms send rows shifted by their id (room_rows), raw rows [0, n)
-        check = [opts.seed, top + ROOM_OFFSETS]
+        check = self.check_of(src)
         bpt = self.layout.bytes_per_token
         points = []
         async with (self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline,
@@ -854,7 +859,7 @@ class Measurer:
         cfg = opts.base_config.replace(block_size=128, default_tokens=default, pool_tokens=_round_up(n, 128),
                                        max_round_tokens=None, resume_reserve_tokens=0)
         src = self.source(n + ROOM_OFFSETS)  # rooms send rows shifted by their id (room_rows), raw rows [0, n)
-        check = [opts.seed, n + ROOM_OFFSETS]
+        check = self.check_of(src)
         nbytes = n * self.layout.bytes_per_token
         self.tick(f"resume: {n} tokens")
         series = _Series()

@@ -86,7 +86,6 @@ __all__ = [
     "make_source",
     "room_offset",
     "room_rows",
-    "room_rows_at",
     "rows_by_offset",
     "trace_summary",
 ]
@@ -150,7 +149,7 @@ def rows_by_offset(source: Mapping[str, torch.Tensor], num_tokens: int) -> list[
     makes: tensor views are objects the garbage collector tracks, and what a series keeps alive while its rooms
     run is promoted towards the full collections (80-90 ms each here) that set W3 x32's p99 when one falls
     inside it."""
-    return [room_rows_at(source, offset, num_tokens) for offset in range(ROOM_OFFSETS)]
+    return [_rows_at(source, offset, num_tokens) for offset in range(ROOM_OFFSETS)]
 
 
 def room_rows(source: Mapping[str, torch.Tensor], room: str, num_tokens: int) -> dict[str, torch.Tensor]:
@@ -162,10 +161,10 @@ def room_rows(source: Mapping[str, torch.Tensor], room: str, num_tokens: int) ->
     measured as a fast one. Shifted by the room, two rooms' rows are alike only when their offsets are (1 in
     :data:`ROOM_OFFSETS`), so such a write fails its room's check 7 times in 8: a bug that skips writes fails
     the first few rooms it touches."""
-    return room_rows_at(source, room_offset(room), num_tokens)
+    return _rows_at(source, room_offset(room), num_tokens)
 
 
-def room_rows_at(source: Mapping[str, torch.Tensor], offset: int, num_tokens: int) -> dict[str, torch.Tensor]:
+def _rows_at(source: Mapping[str, torch.Tensor], offset: int, num_tokens: int) -> dict[str, torch.Tensor]:
     """Rows ``[offset, offset + num_tokens)`` of every field of ``source`` (views)."""
     for name, t in source.items():
         if offset + num_tokens > t.shape[0]:
