@@ -59,7 +59,7 @@ class Layout(Mapping[str, Field]):
     fingerprint, so two processes must declare fields in the same order.
     """
 
-    __slots__ = ("_fields", "_fingerprint")
+    __slots__ = ("_bytes_per_token", "_fields", "_fingerprint")
 
     def __init__(self, **fields: Field) -> None:
         if not fields:
@@ -75,6 +75,7 @@ class Layout(Mapping[str, Field]):
             for name, f in self._fields.items()
         )
         self._fingerprint = "v1-" + hashlib.sha256(canon.encode()).hexdigest()[:32]
+        self._bytes_per_token = sum(f.row_bytes for f in self._fields.values())
 
     def __getitem__(self, name: str) -> Field:
         return self._fields[name]
@@ -102,8 +103,8 @@ class Layout(Mapping[str, Field]):
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of all fields for one token."""
-        return sum(f.row_bytes for f in self._fields.values())
+        """Bytes of all fields for one token (a layout never changes: summed once, read several times per room)."""
+        return self._bytes_per_token
 
     def validate(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Check ``tensors`` against the layout and return their common token count.

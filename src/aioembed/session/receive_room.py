@@ -57,6 +57,7 @@ from aioembed.session.connection import LossKind, RoomEvent, SenderConnection, S
 from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
+from aioembed.session.room_deadlines import RoomDeadlines
 from aioembed.session.stream import Chunk, LeasedChunk, StreamItem
 
 __all__ = ["ReceiveRoomDriver", "RoomContext", "short_fields"]
@@ -87,6 +88,8 @@ class RoomContext:
     copier: RoundCopier
     returns: LeaseReturns
     outputs: OutputCache
+    deadlines: RoomDeadlines
+    """Every room's deadlines (the room's and its waits'), kept by one task of the receiver's."""
     rank: int
     forget: Callable[[ReceiveRoomDriver], None]
     unstarted: Callable[[], tuple[int, int]]
@@ -191,8 +194,9 @@ class ReceiveRoomDriver:
         error: TransferError | None = None
         scope = self.handle._scope
         assert scope is not None
+        deadlines = self.ctx.deadlines
         self._room_deadline = anyio.current_time() + cfg.room_timeout
-        scope.deadline = self._room_deadline
+        deadlines.set(self, self._room_deadline, scope.cancel)
         try:
             with scope:
                 await self.open()
@@ -210,6 +214,7 @@ class ReceiveRoomDriver:
             log.exception("receiver[%d]: room=%r: internal error", self.ctx.rank, self.room)
             error = TransferFailed(f"room {self.room!r}: internal error: {exc!r}", room=self.room)
         finally:  # synchronous: a cancellation cannot cut it short
+            deadlines.drop(self)
             if result is None and error is None:
                 error = TransferAborted(f"room {self.room!r}: {self.handle._cancel_reason or cancelled}",
                                         room=self.room)
@@ -347,14 +352,17 @@ class ReceiveRoomDriver:
         try:
             event = self._take_event()
         except anyio.WouldBlock:
-            cfg, scope = self.ctx.config, self.handle._scope
+            cfg, scope, deadlines = self.ctx.config, self.handle._scope, self.ctx.deadlines
             assert scope is not None
             waiting = self.machine.state is TransferStatus.WAITING_FOR_INPUT
             phase, timeout = ("input", cfg.input_timeout) if waiting else ("round", cfg.round_timeout)
             self._phase = (phase, timeout)
-            scope.deadline = min(self._room_deadline, anyio.current_time() + timeout)
-            event = await self._inbox.receive()
-            scope.deadline, self._phase = self._room_deadline, None
+            deadlines.set(self.handle, anyio.current_time() + timeout, scope.cancel)  # the room's own is the driver's
+            try:
+                event = await self._inbox.receive()
+            finally:
+                deadlines.drop(self.handle)
+            self._phase = None
         self._add_phase("wait", t0)
         if isinstance(event, SessionLost):
             return await self._on_session_lost(event)

@@ -48,6 +48,7 @@ from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext, short_fields
+from aioembed.session.room_deadlines import RoomDeadlines
 from aioembed.session.stream import Chunk, LeasedChunk, RoomStream, StreamItem
 from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import Transport
@@ -99,6 +100,10 @@ class EmbeddingReceiver:
         self.receiver_id = uuid.uuid4().hex
         cfg = self.config
         self.pool = BlockPool(layout, num_blocks=cfg.pool_blocks, block_size=cfg.block_size, device=cfg.device)
+        self._field_names = frozenset(layout)
+        self._pool_spans = tuple((r.device, r.address, r.end, f"the receiver's pool ({name!r})")
+                                 for name, r in zip(layout, self.pool.regions(), strict=True))
+        """What an ``out=`` may not overlap (checked on every request that passes one; the pool never moves)."""
         self.allocator = BlockAllocator(num_blocks=cfg.pool_blocks, block_size=cfg.block_size)
         self.keeper = BlockKeeper(self.allocator, name=f"receiver[{rank}]", observer=self.observer,
                                   stall_tolerance=min(0.5, cfg.heartbeat_interval / 2))
@@ -111,6 +116,7 @@ class EmbeddingReceiver:
         self._epochs = itertools.count(1)  # handshake epochs, growing across connections (see SenderConnection)
         self._rooms: dict[RoomId, ReceiveRoomDriver | RoomAssembly] = {}
         self._room_ctx: RoomContext | None = None
+        self._deadlines = RoomDeadlines()
         self._tasks = BackgroundTasks(f"receiver[{rank}]", log)
         self._spawn = self._tasks.spawn
         self._closing = False
@@ -132,13 +138,14 @@ class EmbeddingReceiver:
             self._room_ctx = RoomContext(
                 keeper=self.keeper, pool=self.pool, layout=self.layout, config=cfg, observer=self.observer,
                 copier=RoundCopier(self.pool, threads=cfg.copy_threads), returns=returns, outputs=self.outputs,
-                rank=self.rank, forget=self._forget, unstarted=self._unstarted_reservations)
+                deadlines=self._deadlines, rank=self.rank, forget=self._forget, unstarted=self._unstarted_reservations)
             await self._tasks.enter()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown()
             raise
         self._spawn(self.keeper.run_timers)
+        self._spawn(self._deadlines.run)
         if self.connect_to is not None:
             self._connection(self.connect_to)
         return self
@@ -618,29 +625,29 @@ class EmbeddingReceiver:
             return
         if zero_copy:
             raise InvalidRequest("out= and zero_copy=True exclude each other")
-        if set(out) != set(self.layout):
+        if out.keys() != self._field_names:
             raise InvalidRequest(f"out= needs exactly the fields {list(self.layout)}, got {list(out)}")
         pool = self.pool.device
-        spans: list[tuple[str, int, int, str]] = []  # (device, start, end, what): nothing may overlap
+        spans = list(self._pool_spans)  # (device, start, end, what): nothing may overlap
         for name, f in self.layout.items():
             t = out[name]
             if not isinstance(t, torch.Tensor):
                 raise InvalidRequest(f"out[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-            if not (t.device == pool or t.device.type == "cpu"):
-                raise InvalidRequest(f"out[{name!r}] is on {t.device}; the pool is on {pool}: pass tensors on "
+            device = t.device
+            on_cpu = device.type == "cpu"
+            if not (on_cpu or device == pool):
+                raise InvalidRequest(f"out[{name!r}] is on {device}; the pool is on {pool}: pass tensors on "
                                      f"{pool} or on the CPU")
-            if pool.type == "cpu" and t.device.type != "cpu":
-                raise InvalidRequest(f"out[{name!r}] is on {t.device}; a CPU pool copies into CPU tensors")
             if (t.dtype != f.dtype or t.dim() != 1 + len(f.shape) or tuple(t.shape[1:]) != f.shape
                     or not t.is_contiguous()):
                 shape = str(("n", *f.shape)).replace("'", "")
                 raise InvalidRequest(f"out[{name!r}] must be contiguous {f.dtype} of shape {shape}, got {t.dtype} "
                                      f"{tuple(t.shape)}")
-            if t.numel():
-                spans.append((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(),
+            n = t.numel()
+            if n:
+                start = t.data_ptr()
+                spans.append(("cpu" if on_cpu else str(device), start, start + n * t.element_size(),
                               f"out[{name!r}]"))
-        spans += [(r.device, r.address, r.end, f"the receiver's pool ({name!r})")
-                  for name, r in zip(self.layout, self.pool.regions(), strict=True)]
         spans.sort()
         for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in itertools.pairwise(spans):
             if dev_a == dev_b and start_b < end_a:

@@ -42,6 +42,7 @@ from aioembed.protocol.messages import AbortAck, Message, RoomId, Status, Transf
 from aioembed.protocol.ownership import WriteLedger, WriteOutcome, WriterAction
 from aioembed.protocol.room import RankPhase, SenderRoomState, WriteTask
 from aioembed.session.peer_sessions import PeerSession
+from aioembed.session.room_deadlines import RoomDeadlines
 from aioembed.transports.base import WriteOp
 from aioembed.transports.boundary import GuardedTransport
 
@@ -70,6 +71,8 @@ class SendContext:
     """Why the last handshake with a receiver failed, if one did (named when a room times out)."""
     spawn: Callable[..., object]
     """Start a task owned by the sender (cancelled when it closes)."""
+    deadlines: RoomDeadlines
+    """Every room's deadlines (the room's, and each wait's), kept by one task of the sender's."""
 
 
 class SendRoomDriver:
@@ -148,7 +151,9 @@ class SendRoomDriver:
         error: TransferError | None = None
         # room_timeout bounds the whole room, a write that never ends included (it is cancelled; one that may
         # still land is fenced at its rank): the loop below looks at deadlines only between writes.
-        self._scope = anyio.CancelScope(deadline=self.created + self.ctx.config.room_timeout)
+        self._scope = anyio.CancelScope()
+        deadlines = self.ctx.deadlines
+        deadlines.set(self, self.created + self.ctx.config.room_timeout, self._scope.cancel)
         try:
             with self._scope:
                 # One rank (the usual case) is written from this task. Only once several ranks are to be
@@ -163,6 +168,7 @@ class SendRoomDriver:
                 error = self._timed_out("room")
                 m.fail(str(error))
         finally:
+            deadlines.drop(self)
             self._scope = None
             # Every write of this room is over here (the task group has exited, or the one write was
             # awaited), so telling the ranks that the room ended is safe: they may free their blocks,
@@ -192,8 +198,12 @@ class SendRoomDriver:
             if m.state.terminal:
                 return True, None
             deadline, phase = self.next_deadline()
-            with anyio.CancelScope(deadline=deadline):
-                await self.wake.wait()
+            wake = self.wake
+            self.ctx.deadlines.set(wake, deadline, wake.set)  # the room's own deadline is keyed by this driver
+            try:
+                await wake.wait()
+            finally:
+                self.ctx.deadlines.drop(wake)
             self.wake = anyio.Event()
             if not m.state.terminal and anyio.current_time() >= deadline:
                 error = self._timed_out(phase)

@@ -89,6 +89,7 @@ from aioembed.session.liveness import LoopWatch, PeerClock
 from aioembed.session.log_budget import WarningBudget
 from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
 from aioembed.session.receiver import CLOSE_GRACE
+from aioembed.session.room_deadlines import RoomDeadlines
 from aioembed.session.send_room import SendContext, SendRoomDriver
 from aioembed.session.source_buffers import RegisteredSources, SourceBufferIndex, check_source_tensors
 from aioembed.session.tasks import BackgroundTasks
@@ -203,6 +204,7 @@ class EmbeddingSender:
         self._chan: ControlSocket | None = None
         self._room_ctx: SendContext | None = None
         self._tasks = BackgroundTasks("sender", log)
+        self._deadlines = RoomDeadlines()
         self._spawn = self._tasks.spawn
         self._closing = False
         self._closed = anyio.Event()
@@ -235,7 +237,7 @@ class EmbeddingSender:
             self._room_ctx = SendContext(config=cfg, layout=self.layout, ledger=self._ledger,
                                          transport=self._transport, observer=self.observer, send=self._send_to,
                                          apply=self._apply, last_refusal=lambda: self._last_refusal,
-                                         spawn=self._spawn)
+                                         spawn=self._spawn, deadlines=self._deadlines)
             await self._tasks.enter()
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -244,6 +246,7 @@ class EmbeddingSender:
         self._spawn(self._chan.run)
         self._spawn(self._liveness_loop)
         self._spawn(self._timer.run)
+        self._spawn(self._deadlines.run)
         log.info("sender: listening on %s (transport %s, id %s)", self.address, self._transport.name,
                  self.sender_id[:8])
         return self

@@ -3,7 +3,9 @@ that ends each transfer at a chosen time; one test writes through a real engine,
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -194,6 +196,43 @@ async def test_a_deadline_leaves_the_transfer_pending_for_a_later_drain() -> Non
     assert t.status == PENDING and poller.pending == 1
     await poller.drain()
     assert t.status == DONE and poller.pending == 0
+
+
+async def test_a_waiter_behind_the_leader_gives_up_at_its_own_deadline_without_a_timer_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader polls for everyone and wakes a waiter whose deadline passed (a waiter has no timer of its own:
+    one per write was made, cancelled and left in the loop's heap). The leader's own transfer goes on."""
+    engine = FakeEngine()
+    poller = TransferPoller(engine.check)
+    lead = engine.submit(1, 4096, 0.080)
+    late = engine.submit(2, 4096, 3600.0)
+    poller.add([lead, late])
+    room_deadlines: list[float] = []
+    real_scope = anyio.CancelScope
+
+    def scope(*args: Any, **kwargs: Any) -> anyio.CancelScope:
+        room_deadlines.append(kwargs.get("deadline", math.inf))
+        return real_scope(*args, **kwargs)
+
+    monkeypatch.setattr(transfers.anyio, "CancelScope", scope)
+    gave_up: list[float] = []
+
+    async def leader() -> None:
+        assert await poller.wait([lead]) is True
+
+    async def waiter(deadline: float) -> None:
+        assert await poller.wait([late], deadline=deadline) is False
+        gave_up.append(anyio.current_time() - deadline)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(leader)
+        await anyio.sleep(0.001)  # the leader leads
+        deadline = anyio.current_time() + 0.020
+        tg.start_soon(waiter, deadline)
+    assert lead.status == DONE and late.status == PENDING
+    assert gave_up and 0 <= gave_up[0] < 0.015  # at its deadline, not at the end of the leader's transfer
+    assert deadline not in room_deadlines  # woken by the leader's loop, whose own sleeps are cut short for it
+    poller.forget([late])
 
 
 async def test_watch_polls_what_a_writer_gave_up_on_while_nobody_leads() -> None:

@@ -140,6 +140,7 @@ class TransferPoller:
         self._leading = False
         self._watching = False
         self._progress = anyio.Event()  # set (and replaced) after every poll that finished something
+        self._waiter_deadline = math.inf  # the earliest deadline of a waiter the leader polls for (anyio's clock)
         self._sweep_at = 0.0
         self.polls = 0
 
@@ -232,16 +233,22 @@ class TransferPoller:
     async def wait(self, transfers: Sequence[PendingTransfer], deadline: float | None = None) -> bool:
         """Return True once every transfer has a final status, or False at ``deadline`` (the rest stay
         pending here, polled by later waiters, :meth:`watch` and :meth:`drain`). Not cancellable: the engine
-        cannot cancel a transfer, so its memory may not be released before it ends or the caller gives up."""
+        cannot cancel a transfer, so its memory may not be released before it ends or the caller gives up.
+
+        A waiter behind the leader has no timer: the leader's loop wakes it at its deadline (up to one of the
+        loop's sleeps late, 2 ms at most, when the leader was asleep as the waiter came)."""
         with anyio.CancelScope(shield=True):
             while any(t.status == PENDING for t in transfers):
                 if deadline is not None and anyio.current_time() >= deadline:
                     self.poll_now()  # polls skip what is behind a pending transfer of its queue: ask about all once
                     return all(t.status != PENDING for t in transfers)
                 if self._leading:
-                    progress = self._progress
-                    with anyio.CancelScope(deadline=math.inf if deadline is None else deadline):
-                        await progress.wait()  # the leader polls for everyone; look again after it moved
+                    # The leader polls for everyone and wakes the waiters after each poll that ended something,
+                    # and at the earliest waiter's deadline (not a timer per waiter: one per write was made and
+                    # cancelled, and stayed in the loop's heap until cleaned).
+                    if deadline is not None:
+                        self._waiter_deadline = min(self._waiter_deadline, deadline)
+                    await self._progress.wait()
                     continue
                 self._leading = True
                 try:
@@ -262,8 +269,12 @@ class TransferPoller:
                 fresh_until = time.perf_counter() + _POLL_FRESH
             if all(t.status != PENDING for t in mine):
                 return
-            if deadline is not None and anyio.current_time() >= deadline:
-                return
+            if deadline is not None or self._waiter_deadline != math.inf:
+                clock = anyio.current_time()
+                if deadline is not None and clock >= deadline:
+                    return
+                if clock >= self._waiter_deadline:
+                    self._wake()  # a waiter's deadline passed: it looks at its transfers and gives up
             now = time.perf_counter()
             if due or now < fresh_until:
                 # A completion is likely within microseconds: look again on the loop's next turn (other
@@ -273,7 +284,10 @@ class TransferPoller:
                     _sched_yield()
                 await anyio.lowlevel.checkpoint()
                 continue
-            await anyio.sleep(delay if opens is None else max(0.0, min(delay, opens - now)))
+            sleep = delay if opens is None else max(0.0, min(delay, opens - now))
+            if self._waiter_deadline != math.inf:
+                sleep = max(0.0, min(sleep, self._waiter_deadline - anyio.current_time()))
+            await anyio.sleep(sleep)
             delay = min(_POLL_MAX, delay * 2)  # the back-off grows with sleeps only, not with loop turns
 
     def poll_now(self) -> None:
@@ -285,6 +299,7 @@ class TransferPoller:
     def _wake(self) -> None:
         self._progress.set()
         self._progress = anyio.Event()
+        self._waiter_deadline = math.inf  # every waiter looks again, and says its deadline again if it waits on
 
     def close(self) -> None:
         """Let go of the engine (``check`` is its bound method, which keeps it alive): once the endpoint drained
