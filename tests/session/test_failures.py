@@ -308,6 +308,8 @@ async def test_bad_out_buffers_are_refused_before_anything_moves() -> None:
             (dict(good(), mrope_positions=shared.view(64, 3), token_ids=shared.view(torch.int32)[:64]),
              r"out\['(token_ids|mrope_positions)'\] and out\['(token_ids|mrope_positions)'\] share memory"),
             ({k: pool[k][:64] for k in LAYOUT}, "the receiver's pool"),
+            ([good()[k] for k in LAYOUT], "out= must map each field name to a tensor, got list"),  # type: ignore[list-item]
+            ({k: good()[k] for k in ("embeddings", "token_ids")}, "out= needs exactly the fields"),
         ]
         for out, match in cases:
             with pytest.raises(InvalidRequest, match=match):

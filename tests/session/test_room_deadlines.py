@@ -137,6 +137,28 @@ async def test_an_action_that_raises_is_logged_and_the_other_deadlines_still_com
     assert "'broken': its action failed" in caplog.text and "a bug in an action" in caplog.text
 
 
+async def test_an_action_that_moves_or_drops_another_due_deadline_is_heeded() -> None:
+    """Deadlines that came due together are called in turn; one that an earlier action dropped is not called,
+    one it moved later is called at its new time."""
+    log: list[tuple[str, float]] = []
+    async with kept() as deadlines:
+        now = anyio.current_time()
+
+        def first() -> None:
+            log.append(("first", anyio.current_time()))
+            deadlines.drop("dropped")
+            deadlines.set("moved", anyio.current_time() + 0.03, recorder(log, "moved"))
+
+        deadlines.set("first", now + 0.01, first)
+        deadlines.set("dropped", now + 0.01, recorder(log, "dropped"))
+        deadlines.set("moved", now + 0.01, recorder(log, "moved early"))
+        with anyio.fail_after(5):
+            while len(log) < 2:
+                await anyio.sleep(0.01)
+    assert [name for name, _ in log] == ["first", "moved"]
+    assert log[1][1] >= log[0][1] + 0.03
+
+
 async def test_a_room_makes_no_event_loop_timer_of_its_own(anyio_backend: Any) -> None:
     """Each room used to make and cancel three or four loop timers (its deadlines, each wait's), microseconds of
     the loop per small request. Counted on asyncio's own loop, where timers can be counted."""

@@ -183,11 +183,12 @@ class ReceiveRoomDriver:
         """The room's task (or the ``receive()`` caller's): runs until a result or a typed error is in the
         handle; ``cancelled`` is the reason given when the task running it is cancelled.
 
-        One cancel scope (the handle's) carries every deadline of the room: ``room_timeout`` for the
+        One cancel scope (the handle's) is what every deadline of the room cancels: ``room_timeout`` for the
         whole room, and while the room waits for the sender, the current phase's (``input_timeout``,
         ``round_timeout``), whichever comes first; a deadline passing ends the room with a
-        ``TransferTimeout`` naming it. (Fewer scopes per room: small requests are dominated by such
-        fixed costs.)"""
+        ``TransferTimeout`` naming it. The deadlines themselves are kept by the receiver's one task
+        (``ctx.deadlines``), not by loop timers. (Fewer scopes and timers per room: small requests are
+        dominated by such fixed costs.)"""
         cfg = self.ctx.config
         t_start = time.perf_counter()
         result: Received | Lease | None = None

@@ -625,6 +625,8 @@ class EmbeddingReceiver:
             return
         if zero_copy:
             raise InvalidRequest("out= and zero_copy=True exclude each other")
+        if not isinstance(out, Mapping):
+            raise InvalidRequest(f"out= must map each field name to a tensor, got {type(out).__name__}")
         if out.keys() != self._field_names:
             raise InvalidRequest(f"out= needs exactly the fields {list(self.layout)}, got {list(out)}")
         pool = self.pool.device

@@ -62,10 +62,13 @@ class RoomDeadlines:
         self.scans += 1
         due = [key for key, (deadline, _) in self._deadlines.items() if deadline <= now]
         for key in due:
-            _, action = self._deadlines.pop(key)
+            entry = self._deadlines.get(key)
+            if entry is None or entry[0] > now:  # an earlier action dropped or moved it
+                continue
+            del self._deadlines[key]
             self.expired += 1
             try:
-                action()
+                entry[1]()
             except Exception:  # a bug: the other rooms' deadlines must still come
                 log.exception("the deadline of %r: its action failed", key)
         return min((deadline for deadline, _ in self._deadlines.values()), default=math.inf)
@@ -76,8 +79,5 @@ class RoomDeadlines:
             self._wake = wake = anyio.Event()
             now = anyio.current_time()
             self._armed = earliest = self._expire(now)
-            if earliest == math.inf:
+            with anyio.CancelScope(deadline=earliest):  # math.inf: until woken
                 await wake.wait()
-            else:
-                with anyio.move_on_after(earliest - now):
-                    await wake.wait()

@@ -96,7 +96,7 @@ class SendRoomDriver:
         self.ended_by_receivers: set[str] = set()
         """Receivers (ids) whose ABORT or REJECT ended the room."""
         self._scope: anyio.CancelScope | None = None
-        """While :meth:`drive` runs: its scope, with the room's hard deadline."""
+        """While :meth:`drive` runs: its scope, which the room's hard deadline cancels (``ctx.deadlines``)."""
         self._watching: set[anyio.Event] = set()
         """Writes waiting for the next round's early RESUME (:meth:`_go_ahead`), woken by :meth:`poke`."""
 

@@ -235,8 +235,8 @@ class TransferPoller:
         pending here, polled by later waiters, :meth:`watch` and :meth:`drain`). Not cancellable: the engine
         cannot cancel a transfer, so its memory may not be released before it ends or the caller gives up.
 
-        A waiter behind the leader has no timer: the leader's loop wakes it at its deadline (up to one of the
-        loop's sleeps late, 2 ms at most, when the leader was asleep as the waiter came)."""
+        A waiter behind the leader has no timer: the leader's loop wakes it at its deadline, up to one of the
+        loop's sleeps late (2 ms at most: the leader may be asleep when the waiter says its deadline)."""
         with anyio.CancelScope(shield=True):
             while any(t.status == PENDING for t in transfers):
                 if deadline is not None and anyio.current_time() >= deadline:
