@@ -54,7 +54,6 @@ class BlockPool:
         self._row_fields = [(name, f.row_bytes, self.tensors[name].data_ptr()) for name, f in layout.items()
                             if self.device.type == "cpu"]
         """Per field: its name, bytes per row and base address (for :meth:`write_rows`)."""
-        self._regions: tuple[MemoryRegion, ...] | None = None
         if self.device.type != "cpu" and self.tensors:
             # "cuda" is whatever device is current: name the one the pool is on ("cuda:0"), which is what
             # tensors made there report (an out= on it was refused as "on cuda:0; the pool is on cuda").
@@ -72,9 +71,7 @@ class BlockPool:
 
     def regions(self) -> list[MemoryRegion]:
         """One memory region per field, in layout order, for transport registration."""
-        if self._regions is None:  # the pool's tensors never move: built once (every out= check reads them)
-            self._regions = tuple(MemoryRegion.of_tensor(t) for t in self.tensors.values())
-        return list(self._regions)
+        return [MemoryRegion.of_tensor(t) for t in self.tensors.values()]
 
     def runs(self, blocks: Sequence[int], num_tokens: int, *, start: int = 0) -> list[RowRun]:
         """Row runs of tokens ``[start, start + num_tokens)`` of ``blocks``; ``src_row`` is the
