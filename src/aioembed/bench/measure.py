@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import inspect
 import itertools
 import json
 import logging
@@ -34,7 +33,7 @@ import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +54,7 @@ from aioembed.bench.workloads import (
     TRACE_KINDS,
     OutBuffers,
     check_receive_mode,
+    chunk_rows,
     concurrency_sizes,
     generate_trace,
     make_source,
@@ -175,10 +175,10 @@ def plan_steps(opts: BenchOptions) -> int:
     return n
 
 
-async def _maybe_await(value: Any) -> Any:
-    if inspect.isawaitable(value):
-        return await value
-    return value
+_BATCH_CHECKED = ("; every aioembed room's rows (shifted by an offset drawn from the room id) checked bit for bit as "
+                  "they are in hand, with the other rooms in flight (the checks count in the makespan, not in the "
+                  "room's latency)")
+"""What the batch workloads (concurrency, trace, senders) say of their checks."""
 
 
 @dataclass
@@ -256,22 +256,15 @@ class _Pair(ABC):
     senders: list[EmbeddingSender]
 
     @abstractmethod
-    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                   via: int = 0) -> tuple[float, int]:
-        """One copying transfer (``receive()``); returns (seconds, rounds)."""
-
-    @abstractmethod
-    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                    via: int = 0) -> tuple[float, int]:
-        """One zero-copy transfer (``receive_leased()``), timed until the lease is in hand."""
-
-    @abstractmethod
     async def one(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
-                  mode: str, check: list[int] | None) -> tuple[float, int]:
-        """One transfer of ``tokens`` rows of ``data``, shifted by the room (:func:`room_rows`), received as ``mode``
-        says (``copy``: ``receive()``, ``out``: ``receive(out=...)`` into reused buffers, one set per room in flight,
-        ``lease``: ``receive_leased()``); the rows are checked against the source (``check = [seed, top]``: ``data``
-        is ``make_source(layout, top, seed)``) after the clock stopped. (seconds, rounds)."""
+                  mode: str, check: list[int] | None, via: int = 0, hold: bool = True) -> tuple[float, int]:
+        """One transfer of ``tokens`` rows of ``data``, shifted by the room (:func:`room_rows`), through sender
+        ``via``, received as ``mode`` says (``copy``: ``receive()``, ``out``: ``receive(out=...)`` into reused
+        buffers, one set per room in flight, ``lease``: ``receive_leased()``); the rows are checked against the
+        source (``check = [seed, top]``: ``data`` is ``make_source(layout, top, seed)``) after the clock stopped:
+        with ``hold`` once both sides are done (a room timed on its own), without as soon as the rows are in hand
+        (a room of a batch, whose checks share the cores with the rooms still in flight, as W3's do). (seconds,
+        rounds)."""
 
     @abstractmethod
     async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, tokens: int,
@@ -279,13 +272,14 @@ class _Pair(ABC):
                      check: list[int] | None) -> tuple[list[float], float]:
         """``rooms`` in order (each as in :meth:`one`), ``concurrency`` at a time on both sides, each side starting a
         room as soon as one of its workers is free: (per-room latency from the later of its two starts to both
-        sides done, makespan). Rows checked as in :meth:`one`."""
+        sides done, makespan). Rows checked as in :meth:`one` without ``hold``."""
 
     @abstractmethod
-    async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                     chunk_tokens: int) -> tuple[float, float, int]:
-        """One streamed transfer (``receiver.stream()``, copying): (seconds to the first chunk, seconds to
-        the last, chunks)."""
+    async def stream(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
+                     chunk_tokens: int, check: list[int] | None) -> tuple[float, float, int]:
+        """One streamed transfer (``receiver.stream()``, copying) of ``tokens`` rows of ``data`` shifted by the
+        room, its chunks checked as :meth:`one` checks a room's rows: (seconds to the first chunk, seconds to the
+        last, chunks)."""
 
 
 class _LocalPair(_Pair):
@@ -296,38 +290,13 @@ class _LocalPair(_Pair):
         self.receiver = receiver
         self._out = OutBuffers(receiver.layout, receiver.config.device)
 
-    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                   via: int = 0) -> tuple[float, int]:
-        sender = self.senders[via]
-        t0 = time.perf_counter()
-        handle = self.receiver.start(room, expected_tokens=expected, sender=sender.address)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, room, data)
-            got = await handle.result()
-        dt = time.perf_counter() - t0
-        rounds = got.rounds
-        del got
-        return dt, rounds
-
-    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                    via: int = 0) -> tuple[float, int]:
-        sender = self.senders[via]
-        recv: Any = self.receiver
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, room, data)
-            lease = await _maybe_await(recv.receive_leased(room, expected_tokens=expected, sender=sender.address))
-        dt = time.perf_counter() - t0
-        rounds = int(getattr(lease, "rounds", 0))
-        await _maybe_await(lease.release())
-        return dt, rounds
-
     async def _receive(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None, mode: str,
-                       check: bool, *, slot: int = 0) -> tuple[float, int]:
-        """The receiving side of one room (``out`` mode: into worker ``slot``'s buffers); returns
-        (``time.perf_counter()`` with the rows in hand, rounds)."""
+                       check: bool, *, slot: int = 0, via: int = 0) -> tuple[float, int]:
+        """The receiving side of one room from sender ``via`` (``out`` mode: into worker ``slot``'s buffers);
+        returns (``time.perf_counter()`` with the rows in hand, rounds)."""
+        sender = self.senders[via].address
         if mode == "lease":
-            lease = await self.receiver.receive_leased(room, expected_tokens=expected)
+            lease = await self.receiver.receive_leased(room, expected_tokens=expected, sender=sender)
             t = time.perf_counter()
             ok, rounds = (not check or same_rows(lease.views, data)), lease.rounds
             lease.release()
@@ -336,7 +305,7 @@ class _LocalPair(_Pair):
             return t, rounds
         else:
             out = self._out.get(slot, next(iter(data.values())).shape[0]) if mode == "out" else None
-            got = await self.receiver.receive(room, expected_tokens=expected, out=out)
+            got = await self.receiver.receive(room, expected_tokens=expected, out=out, sender=sender)
             t = time.perf_counter()
             rows, rounds = got.tensors, got.rounds
         if check and not same_rows(rows, data):
@@ -344,14 +313,15 @@ class _LocalPair(_Pair):
         return t, rounds
 
     async def one(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
-                  mode: str, check: list[int] | None) -> tuple[float, int]:
+                  mode: str, check: list[int] | None, via: int = 0, hold: bool = True) -> tuple[float, int]:
+        """Both sides share this process's loop, so the rows are checked as soon as they are in hand either way."""
         check_receive_mode(mode)
-        sender = self.senders[0]
+        sender = self.senders[via]
         rows = room_rows(data, room, tokens)
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.send, room, rows)
-            t, rounds = await self._receive(room, rows, expected, mode, bool(check))
+            t, rounds = await self._receive(room, rows, expected, mode, bool(check), via=via)
         return t - t0, rounds
 
     async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, tokens: int,
@@ -381,19 +351,23 @@ class _LocalPair(_Pair):
                 tg.start_soon(sending)
         return _series_times(starts, ends, send_starts, send_ends)
 
-    async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                     chunk_tokens: int) -> tuple[float, float, int]:
+    async def stream(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
+                     chunk_tokens: int, check: list[int] | None) -> tuple[float, float, int]:
         sender = self.senders[0]
-        first, chunks = 0.0, 0
+        rows = room_rows(data, room, tokens)
+        first, pieces = 0.0, []
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, room, data)
+            tg.start_soon(sender.send, room, rows)
             async with self.receiver.stream(room, expected_tokens=expected, chunk_tokens=chunk_tokens) as parts:
-                async for _chunk in parts:
-                    chunks += 1
-                    if chunks == 1:
+                async for chunk in parts:
+                    pieces.append(chunk.tensors)
+                    if len(pieces) == 1:
                         first = time.perf_counter() - t0
-        return first, time.perf_counter() - t0, chunks
+        end = time.perf_counter() - t0
+        if check and not same_rows(chunk_rows(pieces), rows):
+            raise PeerProcessError(f"room {room!r}: the streamed rows differ from the source")
+        return first, end, len(pieces)
 
 
 class PeerProcessError(RuntimeError):
@@ -470,11 +444,6 @@ class _RemotePair(_Pair):
         async with self._lock:
             await self.process.stdin.send(json.dumps(cmd).encode() + b"\n")
 
-    async def _transfer(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                        lease: bool, via: int) -> tuple[float, int]:
-        sent, ev = await self._send_beside(room, data, {"op": "recv", "expected": expected, "lease": lease}, via)
-        return transfer_time(sent, ev), int(ev.get("rounds") or 0)
-
     async def _send_beside(self, room: str, data: Mapping[str, torch.Tensor], cmd: dict[str, Any],
                            via: int = 0, cid: int | None = None) -> tuple[list[float], dict[str, Any]]:
         """Send ``data`` as ``room`` through sender ``via`` while the child runs ``cmd`` for that room: the
@@ -489,10 +458,6 @@ class _RemotePair(_Pair):
             sent[1] = time.monotonic()
 
         return sent, await self._ask(dict(cmd, room=room, at=at), sending, via, cid)
-
-    async def copy(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                   via: int = 0) -> tuple[float, int]:
-        return await self._transfer(room, data, expected, False, via)
 
     async def _ask(self, cmd: dict[str, Any], sending: Callable[[], Coroutine[Any, Any, None]] | None = None,
                    via: int = 0, cid: int | None = None) -> dict[str, Any]:
@@ -518,23 +483,31 @@ class _RemotePair(_Pair):
         return ev
 
     async def one(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
-                  mode: str, check: list[int] | None) -> tuple[float, int]:
-        """The child holds the rows until both sides are done, then checks them: a check that ran as soon as
-        the rows were in hand would share the cores with this process's ``send()`` still finishing (and
-        on 2 cores measurably slow it: W1 ``out=`` 36.7 -> 41.5 ms)."""
+                  mode: str, check: list[int] | None, via: int = 0, hold: bool = True) -> tuple[float, int]:
         check_receive_mode(mode)
+        sent, ev = await self._checked(room, room_rows(data, room, tokens),
+                                       {"op": "recv", "expected": expected, "mode": mode, "check": check,
+                                        "out_tokens": tokens}, via=via, hold=hold)
+        return transfer_time(sent, ev), int(ev.get("rounds") or 0)
+
+    async def _checked(self, room: str, rows: Mapping[str, torch.Tensor], cmd: dict[str, Any], *, via: int = 0,
+                       hold: bool = True) -> tuple[list[float], dict[str, Any]]:
+        """Send ``rows`` as ``room`` beside the child's ``cmd`` (:meth:`_send_beside`). With ``hold`` and a
+        ``check``, the child holds the rows until both sides are done, then checks them: a check that ran as soon as
+        the rows were in hand would share the cores with this process's ``send()`` still finishing (and on 2 cores
+        measurably slow it: W1 ``out=`` 36.7 -> 41.5 ms). Without ``hold`` the child checks them as soon as they
+        are in hand, before it answers."""
+        held = hold and bool(cmd.get("check"))
         cid = next(self._ids)
         try:
-            sent, ev = await self._send_beside(room, room_rows(data, room, tokens),
-                                               {"op": "recv", "expected": expected, "mode": mode, "check": check,
-                                                "out_tokens": tokens, "hold": bool(check)}, cid=cid)
+            sent, ev = await self._send_beside(room, rows, dict(cmd, hold=held), via, cid)
         except BaseException:
-            if check:
+            if held:
                 await self._let_go(cid)
             raise
-        if check:
+        if held:
             await self._ask({"op": "check", "of": cid})
-        return transfer_time(sent, ev), int(ev.get("rounds") or 0)
+        return sent, ev
 
     async def _let_go(self, of: int) -> None:
         """After a failed transfer, have the child let go of rows it may hold for command ``of`` (a lease would
@@ -570,16 +543,13 @@ class _RemotePair(_Pair):
                               "mode": mode, "check": check, "out_tokens": tokens}, sending)
         return _series_times([float(x) for x in ev["starts"]], [float(x) for x in ev["ends"]], send_starts, send_ends)
 
-    async def stream(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                     chunk_tokens: int) -> tuple[float, float, int]:
-        sent, ev = await self._send_beside(room, data, {"op": "stream", "expected": expected,
-                                                        "chunk_tokens": chunk_tokens})
+    async def stream(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
+                     chunk_tokens: int, check: list[int] | None) -> tuple[float, float, int]:
+        sent, ev = await self._checked(room, room_rows(data, room, tokens),
+                                       {"op": "stream", "expected": expected, "chunk_tokens": chunk_tokens,
+                                        "check": check, "out_tokens": tokens})
         t0 = transfer_start(sent, ev)
         return float(ev["t_first"]) - t0, transfer_time(sent, ev), int(ev["chunks"])
-
-    async def lease(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None,
-                    via: int = 0) -> tuple[float, int]:
-        return await self._transfer(room, data, expected, True, via)
 
 
 def transfer_start(sent: Sequence[float], answer: Mapping[str, Any]) -> float:
@@ -754,20 +724,6 @@ class Measurer:
             self._floor = None
             await floor.aclose()
 
-    async def _copy(self, pair: _Pair, data: Mapping[str, torch.Tensor],
-                    expected: int | None, via: int = 0) -> tuple[float, int]:
-        """One copying transfer; returns (seconds, rounds). The output is dropped after the clock stops."""
-        return await pair.copy(self._next_room("c"), data, expected, via)
-
-    async def _lease(self, pair: _Pair, data: Mapping[str, torch.Tensor],
-                     expected: int | None, via: int = 0) -> tuple[float, int]:
-        """One zero-copy transfer: timed until the lease is in hand; released after."""
-        return await pair.lease(self._next_room("z"), data, expected, via)
-
-    @staticmethod
-    def _slice(src: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-        return {k: v[:n] for k, v in src.items()}
-
     def _variants(self, baseline: RawBaseline | None, *aioembed: str) -> list[str]:
         vs = list(aioembed)
         if self.zero_copy:
@@ -828,10 +784,9 @@ class Measurer:
 
     async def _run_variant(self, pair: _Pair, baseline: RawBaseline | None,
                            variant: str, *, data: Mapping[str, torch.Tensor], n: int,
-                           expected: int | None, check: list[int] | None = None) -> tuple[float, int | None]:
-        """One sample of ``variant``. With ``check`` (``[seed, rows of data]``), an aioembed room sends ``n`` rows of
-        ``data`` shifted by its id and they are checked bit for bit after the clock stopped (:meth:`_Pair.one`);
-        without, it sends ``data`` as it is, unchecked."""
+                           expected: int | None, check: list[int]) -> tuple[float, int | None]:
+        """One sample of ``variant``: an aioembed room sends ``n`` rows of ``data`` (``check = [seed, rows of data]``)
+        shifted by its id, and they are checked bit for bit after the clock stopped (:meth:`_Pair.one`)."""
         if variant.startswith("raw:"):
             assert baseline is not None
             t0 = time.perf_counter()
@@ -842,12 +797,8 @@ class Measurer:
             method = variant[6:]
             return await self._floor.time(lambda: baseline.transfer(method, n)), None
         lease = variant == "zero_copy" or variant.startswith("zero_copy")
-        if check is not None:
-            return await pair.one(self._next_room("z" if lease else "c"), data, tokens=n, expected=expected,
-                                  mode="lease" if lease else "copy", check=check)
-        if lease:
-            return await self._lease(pair, data, expected)
-        return await self._copy(pair, data, expected)
+        return await pair.one(self._next_room("z" if lease else "c"), data, tokens=n, expected=expected,
+                              mode="lease" if lease else "copy", check=check)
 
     # -- resume --------------------------------------------------------------------------
 
@@ -912,15 +863,19 @@ class Measurer:
     async def _batch(self, pair: _Pair, src: Mapping[str, torch.Tensor],
                      sizes: Sequence[int], concurrency: int, *, lease: bool, expected: bool,
                      latencies: list[float] | None, rounds: list[int] | None) -> float:
-        """Run ``sizes`` with ``concurrency`` rooms in flight; returns the makespan."""
+        """Run ``sizes`` with ``concurrency`` rooms in flight; returns the makespan. Each room sends its rows of
+        ``src`` (``make_source`` of at least the largest size + ``ROOM_OFFSETS`` rows) shifted by its id, and the
+        receiving side checks them bit for bit as soon as they are in hand: with the rooms still in flight, so the
+        checks count in the makespan (as W3's), not in the room's own time."""
         it = iter(enumerate(sizes))
-        one: Callable[..., Awaitable[tuple[float, int]]] = self._lease if lease else self._copy
-        slices = {n: self._slice(src, n) for n in set(sizes)}
+        check = self.check_of(src)
+        mode, prefix = ("lease", "z") if lease else ("copy", "c")
         spread = len(pair.senders)
 
         async def worker() -> None:
             for i, n in it:  # rooms go to the senders in turn
-                dt, r = await one(pair, slices[n], n if expected else None, i % spread)
+                dt, r = await pair.one(self._next_room(prefix), src, tokens=n, expected=n if expected else None,
+                                       mode=mode, check=check, via=i % spread, hold=False)
                 if latencies is not None:
                     latencies.append(dt)
                 if rounds is not None:
@@ -971,7 +926,7 @@ class Measurer:
     async def run_concurrency(self) -> dict[str, Any]:
         opts, cfg = self.opts, self.concurrency_config()
         top = max(REQUEST_MIXES[m][1] for m in opts.mixes)
-        src = self.source(top)
+        src = self.source(top + ROOM_OFFSETS)  # rooms send rows shifted by their id (room_rows), raw rows [0, n)
         bpt = self.layout.bytes_per_token
         points = []
         async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
@@ -1009,7 +964,7 @@ class Measurer:
                 f"seeded) with N rooms in flight at once (closed loop: a room starts when one ends); the receiver "
                 f"passes expected_tokens (the language side knows its placeholder count), so each room takes one "
                 f"round; rooms wait for free blocks when N x size exceeds the pool; raw = the same requests "
-                f"copied one after another; latency = from start()/send() to both returning"
+                f"copied one after another; latency = from start()/send() to both returning{_BATCH_CHECKED}"
             ),
             "config": config_dict(cfg),
             "points": points,
@@ -1032,7 +987,8 @@ class Measurer:
         cfg = self.opts.base_config.replace(block_size=128, default_tokens=8192, pool_tokens=65536,
                                             max_round_tokens=None)
         chunk = cfg.stream_chunk_tokens or 2048
-        src = self.source(n)
+        src = self.source(n + ROOM_OFFSETS)  # rooms send rows shifted by their id (room_rows), raw rows [0, n)
+        check = self.check_of(src)
         nbytes = n * self.layout.bytes_per_token
         self.tick(f"stream: {n} tokens")
         variants = ["receive", "stream", "stream_per_round", "receive_expected", "stream_expected"]
@@ -1047,14 +1003,16 @@ class Measurer:
                     expected = n if v.endswith("expected") else None
                     if v.startswith("stream"):
                         per = 0 if v == "stream_per_round" else chunk
-                        first, whole, count = await pair.stream(self._next_room("s"), src, expected, per)
+                        first, whole, count = await pair.stream(self._next_room("s"), src, tokens=n, expected=expected,
+                                                                chunk_tokens=per, check=check)
                         if rep > 0:
                             firsts[v].append(first)
                             series.add(v, whole)
                             chunks[v] = count
                     else:
                         dt, rounds = await self._run_variant(pair, baseline, v if v.startswith("raw:") else
-                                                             "aioembed", data=src, n=n, expected=expected)
+                                                             "aioembed", data=src, n=n, expected=expected,
+                                                             check=check)
                         if rep > 0:
                             series.add(v, dt, rounds)
         self.tick("")
@@ -1076,7 +1034,9 @@ class Measurer:
                 f"one request of {n} tokens received with stream() (copying chunks; chunk_tokens={chunk}, or one "
                 "chunk per round) against receive() of the same request; first_chunk_s = time to the first chunk "
                 "in hand, whole_room_s = to the last; whole_over_receive = what announcing rows within rounds "
-                "costs; without expected_tokens the room takes rounds from an 8192-token first reservation"
+                "costs; without expected_tokens the room takes rounds from an 8192-token first reservation; every "
+                "aioembed room's rows (shifted by an offset drawn from the room id; a stream's chunks in token order) "
+                "checked bit for bit after its clock stopped"
             ),
             "config": dict(config_dict(cfg), stream_chunk_tokens=chunk),
             "tokens": n,
@@ -1098,7 +1058,7 @@ class Measurer:
         count = k * (4 if opts.quick else 8)
         concurrency = k * 2
         sizes = [tokens] * count
-        src = self.source(tokens)
+        src = self.source(tokens + ROOM_OFFSETS)  # rooms send rows shifted by their id (room_rows), raw rows [0, n)
         self.tick(f"senders: {k} encoders x {count // k} rooms of {tokens} tokens")
         async with self._session(cfg, senders=k) as pair, self._baseline(cfg, src, tokens) as baseline:
             series, lat, _zlat, _rounds = await self._batch_point(pair, baseline, src=src, sizes=sizes,
@@ -1121,6 +1081,7 @@ class Measurer:
                 f"{count} rooms of {tokens} tokens, room i from encoder i mod {k}, {concurrency} rooms in flight, "
                 "expected_tokens given (one round each); throughput = all bytes / makespan (aggregate over the "
                 "encoders); raw = the same requests moved one after another by the raw baseline (one endpoint pair)"
+                + _BATCH_CHECKED
             ),
             "config": dict(config_dict(cfg), senders=k),
             "points": [point],
@@ -1147,7 +1108,7 @@ class Measurer:
             return {"description": "empty trace", "config": config_dict(cfg), "points": [],
                     "trace": trace_summary(trace)}
         top = max(sizes)
-        src = self.source(top)
+        src = self.source(top + ROOM_OFFSETS)  # rooms send rows shifted by their id (room_rows), raw rows [0, n)
         nbytes = sum(sizes) * self.layout.bytes_per_token
         async with self._session(cfg) as pair, self._baseline(cfg, src, top) as baseline:
             series, lat, zlat, _rounds = await self._batch_point(
@@ -1170,7 +1131,7 @@ class Measurer:
                 f"mixed multimodal trace (seed {opts.seed}, kinds {dict(TRACE_KINDS)}; text-only requests move "
                 f"nothing and are skipped), replayed in order with {opts.trace_concurrency} rooms in flight; "
                 "the receiver does not know lengths (default reservation; videos resume); throughput = all "
-                "bytes / makespan; raw = the same requests copied one after another"
+                "bytes / makespan; raw = the same requests copied one after another" + _BATCH_CHECKED
                 + (f"; pool_tokens={cfg.pool_tokens} (>= {opts.trace_concurrency} x the largest request, so "
                    "concurrent zero-copy leases cannot starve one another)" if cfg.pool_tokens > 65536 else "")
             ),
@@ -1255,7 +1216,7 @@ class Measurer:
                 "the process model) for one request; the source tensors are resident before the measurement starts and "
                 "are subtracted; receiver_bytes = peak - RSS with the source ready (so the sender's own overhead "
                 "is counted against the receiver: an upper bound); budget = pool + output; ratio = receiver_bytes "
-                "/ budget"
+                "/ budget; the room's rows are checked bit for bit once the peak was read"
             ),
             "tokens": opts.memory_tokens,
             "modes": results,

@@ -5,7 +5,8 @@ JSON object on stdout. Steps: import everything, build the source rows (resident
 read RSS; open sender and receiver (the receive pool is zero-filled, so resident), run one small
 warm-up transfer; reset the kernel's peak-RSS counter where Linux allows it (``clear_refs`` 5),
 then move the request and read the peak (``VmHWM``, else ``ru_maxrss``, which in this process
-only grows, so it is the same peak).
+only grows, so it is the same peak); last, compare the rows with the source bit for bit (the child fails if
+they differ).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import anyio
 from aioembed.bench.event_channel import claim_stdout, emit
 from aioembed.bench.workloads import make_source
 from aioembed.config import TransferConfig
-from aioembed.samples import standard_layout
+from aioembed.samples import same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 
@@ -103,9 +104,14 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
         peak, peak_source = _peak()
         if not reset:
             peak_source += " (process lifetime)"
-        if mode == "lease":
-            await _maybe_await(got.release())
+        try:  # after the peak was read: a failed write must not be measured as a lean one
+            same = same_rows(got.views if mode == "lease" else got.tensors, src)
+        finally:
+            if mode == "lease":
+                await _maybe_await(got.release())
         del got
+        if not same:
+            raise RuntimeError(f"the {tokens}-token room's rows differ from the source ({mode})")
     pool_bytes = pool_tokens * bpt
     output_bytes = tokens * bpt if mode == "copy" else 0
     receiver_bytes = peak - rss_source
@@ -130,6 +136,7 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
         "budget_bytes": budget,
         "overhead_bytes": receiver_bytes - budget,
         "ratio": receiver_bytes / budget,
+        "checked": True,
         "pid": os.getpid(),
     }
 

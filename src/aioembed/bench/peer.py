@@ -24,9 +24,10 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
   check's id);
 * stdin ``{"op": "check", "id": j, "of": i}``: check and let go of the rows that command ``i`` holds;
   stdout ``{"event": "done", "id": j, "checked": true}`` or ``{"event": "done", "id": j, "error": "..."}``;
-* stdin ``{"op": "stream", "id": i, "room": r, "expected": n | null, "chunk_tokens": c, "sender": a, "at": A}``:
-  at ``A``, receive the room with ``receiver.stream()``; stdout ``{"event": "done", "id": i, "t_first": T1,
-  "t": T, "chunks": k}`` (the first chunk in hand at ``T1``, the last at ``T``);
+* stdin ``{"op": "stream", "id": i, "room": r, "expected": n | null, "chunk_tokens": c, "sender": a, "at": A,
+  "check": [seed, top], "out_tokens": k, "hold": h}``: at ``A``, receive the room with ``receiver.stream()``;
+  stdout ``{"event": "done", "id": i, "t0": T0, "t_first": T1, "t": T, "chunks": k}`` (the first chunk in hand at
+  ``T1``, the last at ``T``); its chunks' rows are checked as a ``recv``'s rows are, ``hold`` included;
 * stdin ``{"op": "series", "id": i, "rooms": [...], "concurrency": c, ...}`` (the ``recv`` fields
   otherwise): receive the rooms in order, ``c`` at a time; stdout ``{"event": "done", "id": i,
   "starts": [...], "ends": [...]}``: when each room was started and in hand;
@@ -44,7 +45,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -53,7 +54,14 @@ import torch
 from aioembed.bench.event_channel import claim_stdout
 from aioembed.bench.event_channel import emit as _emit
 from aioembed.bench.start_line import reach
-from aioembed.bench.workloads import OutBuffers, check_receive_mode, make_source, room_offset, rows_by_offset
+from aioembed.bench.workloads import (
+    OutBuffers,
+    check_receive_mode,
+    chunk_rows,
+    make_source,
+    room_offset,
+    rows_by_offset,
+)
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
 from aioembed.samples import same_rows, standard_layout
@@ -105,7 +113,7 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
     (``time.monotonic()`` once the rows were in hand, rounds, ``finish``). ``finish()`` compares the rows with
     the source and lets them go (a lease is released); it raises if they differ."""
     expected, sender = cmd.get("expected"), cmd.get("sender")
-    mode = check_receive_mode(cmd.get("mode") or ("lease" if cmd.get("lease") else "copy"))
+    mode = check_receive_mode(str(cmd.get("mode")))
     check = cmd.get("check")
     sent = int(cmd.get("out_tokens") or 0)  # the rows the parent sends (with ``check``)
     if mode == "lease":
@@ -149,19 +157,24 @@ class _Held:
         self.answer = 0
 
 
-async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any], held: dict[int, _Held]) -> None:
-    """One room. With ``hold``, its rows are kept unchecked until the parent's ``check`` command names it:
-    the parent's clock stops only once its ``send()`` has returned too, and a check running before that
-    would take the cores that the sender's last steps need (it reads the request twice, on a small host).
-    Then the ``done`` of the command carries no verdict: the check's answer does."""
+RoomFinish = Callable[[], None]
+"""Compares a room's rows with the source and lets them go; raises if they differ."""
+
+
+async def _held_room(cmd: dict[str, Any], held: dict[int, _Held],
+                     take: Callable[[], Awaitable[tuple[dict[str, Any], RoomFinish]]]) -> None:
+    """Command ``cmd``'s room: ``take()`` receives it and returns (what the ``done`` answer reports, its
+    ``finish``). With ``hold``, its rows are kept unchecked until the parent's ``check`` command names it: the
+    parent's clock stops only once its ``send()`` has returned too, and a check running before that would take the
+    cores that the sender's last steps need (it reads the request twice, on a small host). Then the ``done`` of
+    the command carries no verdict: the check's answer does. Without, the rows are checked before the answer."""
     cid = cmd["id"]
-    t0 = await _start(cmd)  # the receive() call: a transfer starts at the first of it and send()
     hold = None
     if cmd.get("hold"):
         hold = held[cid] = _Held()
     try:
         try:
-            t, rounds, finish = await _take(receiver, checker, cmd["room"], cmd)
+            answer, finish = await take()
             if hold is None:
                 finish()
         except Exception as exc:
@@ -169,7 +182,7 @@ async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, An
             if hold is not None and hold.go.is_set():  # a check already asked about these rows
                 _emit(event="done", id=hold.answer, error=f"command {cid} received no rows: {type(exc).__name__}")
             return
-        _emit(event="done", id=cid, t0=t0, t=t, rounds=rounds)
+        _emit(event="done", id=cid, **answer)
         if hold is None:
             return
         await hold.go.wait()
@@ -181,6 +194,17 @@ async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, An
         _emit(event="done", id=hold.answer, checked=True)
     finally:
         held.pop(cid, None)
+
+
+async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any], held: dict[int, _Held]) -> None:
+    """One room (``op: recv``), checked as :func:`_held_room` says."""
+
+    async def take() -> tuple[dict[str, Any], RoomFinish]:
+        t0 = await _start(cmd)  # the receive() call: a transfer starts at the first of it and send()
+        t, rounds, finish = await _take(receiver, checker, cmd["room"], cmd)
+        return {"t0": t0, "t": t, "rounds": rounds}, finish
+
+    await _held_room(cmd, held, take)
 
 
 def _check(cmd: dict[str, Any], held: dict[int, _Held]) -> None:
@@ -220,22 +244,31 @@ async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str,
         _emit(event="done", id=cid, starts=starts, ends=ends)
 
 
-async def _stream(receiver: EmbeddingReceiver, cmd: dict[str, Any]) -> None:
-    cid = cmd["id"]
-    chunks, t_first = 0, 0.0
-    t0 = await _start(cmd)
-    try:
-        async with receiver.stream(cmd["room"], expected_tokens=cmd.get("expected"), sender=cmd.get("sender"),
+async def _stream(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any],
+                  held: dict[int, _Held]) -> None:
+    """One streamed room (``op: stream``, copying chunks); its chunks' rows are checked as :func:`_held_room`
+    says, against the room's rows in token order."""
+    room = cmd["room"]
+
+    async def take() -> tuple[dict[str, Any], RoomFinish]:
+        t0 = await _start(cmd)
+        pieces: list[dict[str, torch.Tensor]] = []
+        t_first = 0.0
+        async with receiver.stream(room, expected_tokens=cmd.get("expected"), sender=cmd.get("sender"),
                                    chunk_tokens=cmd.get("chunk_tokens")) as parts:
-            async for _chunk in parts:
-                chunks += 1
-                if chunks == 1:
+            async for chunk in parts:
+                pieces.append(chunk.tensors)
+                if len(pieces) == 1:
                     t_first = time.monotonic()
         t = time.monotonic()
-    except Exception as exc:
-        _emit(event="done", id=cid, error=f"{type(exc).__name__}: {exc}")
-        return
-    _emit(event="done", id=cid, t0=t0, t=t, t_first=t_first, chunks=chunks)
+
+        def finish() -> None:
+            if not checker.same(cmd.get("check"), chunk_rows(pieces), room, int(cmd.get("out_tokens") or 0)):
+                raise RuntimeError(f"room {room!r}: the streamed rows differ from the source")
+
+        return {"t0": t0, "t": t, "t_first": t_first, "chunks": len(pieces)}, finish
+
+    await _held_room(cmd, held, take)
 
 
 async def _run(spec: dict[str, Any]) -> None:
@@ -270,7 +303,7 @@ async def _run(spec: dict[str, Any]) -> None:
             elif op == "series":
                 work = _series(receiver, checker, cmd)
             elif op == "stream":
-                work = _stream(receiver, cmd)
+                work = _stream(receiver, checker, cmd, held)
             else:
                 continue
             task = asyncio.create_task(work)

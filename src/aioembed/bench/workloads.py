@@ -81,6 +81,7 @@ __all__ = [
     "VIDEO_TOKENS",
     "TraceRequest",
     "check_receive_mode",
+    "chunk_rows",
     "concurrency_sizes",
     "generate_trace",
     "make_source",
@@ -172,6 +173,16 @@ def _rows_at(source: Mapping[str, torch.Tensor], offset: int, num_tokens: int) -
                              f"(a source for rooms of {num_tokens} tokens needs {num_tokens} + ROOM_OFFSETS = "
                              f"{num_tokens + ROOM_OFFSETS})")
     return {name: t[offset:offset + num_tokens] for name, t in source.items()}
+
+
+def chunk_rows(chunks: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    """The rows of a stream's chunks (each one's ``tensors``, in token order) as pieces per field, what
+    :func:`~aioembed.samples.same_rows` compares with the room's rows."""
+    fields: dict[str, list[torch.Tensor]] = {}
+    for tensors in chunks:
+        for name, t in tensors.items():
+            fields.setdefault(name, []).append(t)
+    return fields
 
 
 def concurrency_sizes(mix: str, count: int, seed: int) -> list[int]:

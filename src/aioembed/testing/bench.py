@@ -71,7 +71,8 @@ def check_rows_after_the_clock(transport: str, options: Mapping[str, Any]) -> No
     """The two-process benchmark (receiver in a child) over ``transport``, each receive mode: rows held by the
     child until the parent asks, then checked bit for bit; rows that differ fail the transfer at that check,
     naming the room, and a bad lease is released all the same (the pool holds one request zero-copy, so a
-    lease left behind would stop the next one at once); a transfer without a check is not held."""
+    lease left behind would stop the next one at once); a transfer without a check is not held; a room of a batch
+    (``hold=False``) is checked before the child answers; a streamed room's chunks are held and checked alike."""
     n = 1024
 
     async def main() -> None:
@@ -99,6 +100,28 @@ def check_rows_after_the_clock(transport: str, options: Mapping[str, Any]) -> No
                 seconds, rounds = await pair.one(m._next_room("after"), src, tokens=n, expected=n, mode="lease",
                                                  check=good)
                 assert seconds > 0 and rounds == 1
+            bad = [m.opts.seed + 1, n + ROOM_OFFSETS]
+            # A room of a batch (hold=False): checked as soon as its rows are in hand, the verdict in the answer.
+            seconds, rounds = await pair.one(m._next_room("batch"), src, tokens=n, expected=n, mode="copy",
+                                             check=good, hold=False)
+            assert seconds > 0 and rounds == 1
+            room = m._next_room("batch-bad")
+            with pytest.raises(PeerProcessError, match=re.escape(
+                    f"recv failed in the receiver child process: RuntimeError: room {room!r}: the rows differ from "
+                    "the source")):
+                await pair.one(room, src, tokens=n, expected=n, mode="lease", check=bad, hold=False)
+            seconds, rounds = await pair.one(m._next_room("after"), src, tokens=n, expected=n, mode="lease",
+                                             check=good)  # the bad room's lease was released
+            assert seconds > 0 and rounds == 1
+            # A streamed room: its chunks held, then checked in token order.
+            first, whole, chunks = await pair.stream(m._next_room("s"), src, tokens=n, expected=None,
+                                                     chunk_tokens=256, check=good)
+            assert 0 < first <= whole and chunks >= 2
+            room = m._next_room("s-bad")
+            with pytest.raises(PeerProcessError, match=re.escape(
+                    f"check failed in the receiver child process: RuntimeError: room {room!r}: the streamed rows "
+                    "differ from the source")):
+                await pair.stream(room, src, tokens=n, expected=None, chunk_tokens=256, check=bad)
             with pytest.raises(PeerProcessError, match="no room held for command 1000000000"):
                 await pair._ask({"op": "check", "of": 10**9})  # type: ignore[attr-defined]
 
