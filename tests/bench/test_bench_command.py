@@ -388,7 +388,8 @@ async def test_every_workloads_rooms_are_checked(workload: str, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("mode", ["copy", "lease"])
-def test_the_memory_workloads_room_is_checked(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_memory_workloads_room_is_checked(mode: str, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     """The memory child reads its peak, then compares the room's rows with the source: a write that landed
     nowhere (every write after the warm-up's here) fails the child instead of being measured as a lean one."""
     import anyio
@@ -408,8 +409,34 @@ def test_the_memory_workloads_room_is_checked(mode: str, monkeypatch: pytest.Mon
             await write(self, ops)
 
     monkeypatch.setattr(LoopbackLink, "write", first_only)
-    with pytest.raises(RuntimeError, match=f"the 300-token room's rows differ from the source \\({mode}\\)"):
+    with pytest.raises(memchild.RowsDiffer, match=f"the 300-token room's rows differ from the source \\({mode}\\)"):
         anyio.run(memchild._run, spec)
+    writes = 0
+    with pytest.raises(SystemExit) as ended:  # the child's entry point: its last event says so, and its exit code
+        memchild.main([json.dumps(spec)])
+    assert ended.value.code == 3
+    event = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert event["rows_differ"] is True and "rows differ from the source" in event["error"]
+
+
+@pytest.mark.anyio
+async def test_a_memory_room_whose_rows_differ_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that measured its peak but received the wrong rows fails the workload, naming why: its numbers are
+    not recorded as an ordinary child error beside the others."""
+    import anyio
+
+    from aioembed.bench.measure import Measurer, PeerProcessError
+
+    said = b'{"error": "the 50000-token room\'s rows differ from the source (copy)", "rows_differ": true}\n'
+
+    async def child(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[bytes]:
+        assert cmd[1:3] == ["-m", "aioembed.bench.memchild"]
+        return subprocess.CompletedProcess(cmd, 3, said, b"")
+
+    monkeypatch.setattr(anyio, "run_process", child)
+    m = Measurer(BenchOptions(base_config=TransferConfig(transport="loopback")), None, lambda s: None)
+    with pytest.raises(PeerProcessError, match=r"memory workload \(copy\): the 50000-token room's rows differ"):
+        await m.run_memory()
 
 
 def test_the_receiving_child_keeps_out_buffers_per_worker() -> None:

@@ -8,7 +8,9 @@ machine, and what one variant leaves behind for the next, hit all variants alike
 * ``aioembed``: the receiver's copying ``receive()`` and the sender's ``send()`` started
   together; timed until both have returned (the rows are then in a fresh output tensor);
 * ``zero_copy``: the same with ``receive_leased()`` (when the receiver has it): timed until
-  the lease is in hand; the lease is released after the clock stops;
+  ``send()`` has returned and the lease is in hand; the lease is released after the clock stops;
+
+and the rows of every aioembed room are checked bit for bit against what was sent (:meth:`_Pair.one`).
 * ``raw:<method>``: the transport's raw baseline moving the same source bytes.
 
 Process model: with ``process_model="two"`` (the default for a transport whose
@@ -290,39 +292,65 @@ class _LocalPair(_Pair):
         self.receiver = receiver
         self._out = OutBuffers(receiver.layout, receiver.config.device)
 
-    async def _receive(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None, mode: str,
-                       check: bool, *, slot: int = 0, via: int = 0) -> tuple[float, int]:
-        """The receiving side of one room from sender ``via`` (``out`` mode: into worker ``slot``'s buffers);
-        returns (``time.perf_counter()`` with the rows in hand, rounds)."""
+    async def _take(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None, mode: str,
+                    check: bool, *, slot: int = 0, via: int = 0) -> tuple[float, int, Callable[[], None]]:
+        """The receiving side of one room from sender ``via`` (``out`` mode: into worker ``slot``'s buffers):
+        (``time.perf_counter()`` with the rows in hand, rounds, ``finish``). ``finish()`` compares the rows with
+        ``data`` (with ``check``) and lets them go (a lease is released either way); it raises if they differ."""
         sender = self.senders[via].address
+
+        def differ() -> PeerProcessError:
+            return PeerProcessError(f"room {room!r}: the rows differ from the source")
+
         if mode == "lease":
             lease = await self.receiver.receive_leased(room, expected_tokens=expected, sender=sender)
             t = time.perf_counter()
-            ok, rounds = (not check or same_rows(lease.views, data)), lease.rounds
-            lease.release()
-            if not ok:
-                raise PeerProcessError(f"room {room!r}: the rows differ from the source")
-            return t, rounds
-        else:
-            out = self._out.get(slot, next(iter(data.values())).shape[0]) if mode == "out" else None
-            got = await self.receiver.receive(room, expected_tokens=expected, out=out, sender=sender)
-            t = time.perf_counter()
-            rows, rounds = got.tensors, got.rounds
-        if check and not same_rows(rows, data):
-            raise PeerProcessError(f"room {room!r}: the rows differ from the source")
+
+            def release() -> None:
+                try:
+                    ok = not check or same_rows(lease.views, data)
+                finally:
+                    lease.release()
+                if not ok:
+                    raise differ()
+
+            return t, lease.rounds, release
+        out = self._out.get(slot, next(iter(data.values())).shape[0]) if mode == "out" else None
+        got = await self.receiver.receive(room, expected_tokens=expected, out=out, sender=sender)
+        t = time.perf_counter()
+
+        def drop() -> None:
+            if check and not same_rows(got.tensors, data):
+                raise differ()
+
+        return t, got.rounds, drop
+
+    async def _receive(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None, mode: str,
+                       check: bool, *, slot: int = 0) -> tuple[float, int]:
+        """:meth:`_take`, the rows checked as soon as they are in hand: (when they were, rounds)."""
+        t, rounds, finish = await self._take(room, data, expected, mode, check, slot=slot)
+        finish()
         return t, rounds
 
     async def one(self, room: str, data: Mapping[str, torch.Tensor], *, tokens: int, expected: int | None,
                   mode: str, check: list[int] | None, via: int = 0, hold: bool = True) -> tuple[float, int]:
-        """Both sides share this process's loop, so the rows are checked as soon as they are in hand either way."""
+        """Timed until both ``send()`` has returned and the rows are in hand; the rows are checked after that,
+        ``hold`` or not (one loop runs both sides: a check before ``send()`` returned would hold it up)."""
         check_receive_mode(mode)
         sender = self.senders[via]
         rows = room_rows(data, room, tokens)
+        sent = [0.0]
+
+        async def sending() -> None:
+            await sender.send(room, rows)
+            sent[0] = time.perf_counter()
+
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.send, room, rows)
-            t, rounds = await self._receive(room, rows, expected, mode, bool(check), via=via)
-        return t - t0, rounds
+            tg.start_soon(sending)
+            t, rounds, finish = await self._take(room, rows, expected, mode, bool(check), via=via)
+        finish()
+        return max(t, sent[0]) - t0, rounds
 
     async def series(self, rooms: Sequence[str], data: Mapping[str, torch.Tensor], *, tokens: int,
                      expected: int | None, mode: str, concurrency: int,
@@ -361,7 +389,7 @@ class _LocalPair(_Pair):
             tg.start_soon(sender.send, room, rows)
             async with self.receiver.stream(room, expected_tokens=expected, chunk_tokens=chunk_tokens) as parts:
                 async for chunk in parts:
-                    pieces.append(chunk.tensors)
+                    pieces.append(chunk)
                     if len(pieces) == 1:
                         first = time.perf_counter() - t0
         end = time.perf_counter() - t0
@@ -506,7 +534,13 @@ class _RemotePair(_Pair):
                 await self._let_go(cid)
             raise
         if held:
-            await self._ask({"op": "check", "of": cid})
+            try:
+                await self._ask({"op": "check", "of": cid})
+            except PeerProcessError:
+                raise  # the child answered: it let the rows go (they differ, or it held none)
+            except BaseException:
+                await self._let_go(cid)  # cancelled before the child answered: it must not hold a lease for good
+                raise
         return sent, ev
 
     async def _let_go(self, of: int) -> None:
@@ -1204,6 +1238,8 @@ class Measurer:
             with anyio.fail_after(300):
                 proc = await anyio.run_process(cmd, check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
             found = last_event(proc.stdout, "memory child")
+            if found is not None and found.get("rows_differ"):
+                raise PeerProcessError(f"memory workload ({mode}): {found.get('error')}")
             if proc.returncode != 0 or found is None:
                 err = proc.stderr.decode(errors="replace")[-2000:]
                 results[mode] = {"error": f"child exited {proc.returncode}: {err}"}

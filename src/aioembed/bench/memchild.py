@@ -28,7 +28,7 @@ from aioembed.samples import same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 
-__all__ = ["main"]
+__all__ = ["RowsDiffer", "main"]
 
 
 def _status_kb(key: str) -> int | None:
@@ -63,6 +63,10 @@ def _peak() -> tuple[int, str]:
     if kb is not None:
         return kb * 1024, "VmHWM"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss"  # pragma: no cover
+
+
+class RowsDiffer(RuntimeError):
+    """The room's rows are not what was sent: reported as the child's last event (``rows_differ``), exit code 3."""
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -111,7 +115,7 @@ async def _run(spec: dict[str, Any]) -> dict[str, Any]:
                 await _maybe_await(got.release())
         del got
         if not same:
-            raise RuntimeError(f"the {tokens}-token room's rows differ from the source ({mode})")
+            raise RowsDiffer(f"the {tokens}-token room's rows differ from the source ({mode})")
     pool_bytes = pool_tokens * bpt
     output_bytes = tokens * bpt if mode == "copy" else 0
     receiver_bytes = peak - rss_source
@@ -146,7 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m aioembed.bench.memchild SPEC_JSON")
-    emit(**anyio.run(_run, json.loads(args[0])))
+    try:
+        result = anyio.run(_run, json.loads(args[0]))
+    except RowsDiffer as exc:
+        emit(error=str(exc), rows_differ=True)
+        raise SystemExit(3) from None
+    emit(**result)
 
 
 if __name__ == "__main__":

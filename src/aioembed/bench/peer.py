@@ -18,7 +18,8 @@ talks JSON lines, like :mod:`aioembed.testing.processes`:
   ``{"event": "done", "id": i, "t0": T0, "t": T, "rounds": k}`` when the rows are in hand (``T0``: when
   the receive was called), where ``T`` is ``time.monotonic()`` at that moment (one system-wide clock on
   Linux, so the parent times the transfer from its own start to ``max(send returned, T)``); a lease is
-  released after ``T`` was taken; ``{"event": "done", "id": i, "error": "..."}`` on failure. With
+  released after ``T`` was taken; ``{"event": "done", "id": i, "error": "..."}`` on failure (without ``hold``
+  the rows are checked before that answer, and rows that differ are its error). With
   ``"hold": true`` the rows are kept (a lease unreleased) and checked only on the parent's ``check``
   command naming ``i``; that ``done`` then carries no verdict (rows that differ are reported under the
   check's id);
@@ -66,6 +67,7 @@ from aioembed.config import TransferConfig
 from aioembed.layout import Layout
 from aioembed.samples import same_rows, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
+from aioembed.session.stream import Chunk
 
 __all__ = ["main"]
 
@@ -161,7 +163,7 @@ RoomFinish = Callable[[], None]
 """Compares a room's rows with the source and lets them go; raises if they differ."""
 
 
-async def _held_room(cmd: dict[str, Any], held: dict[int, _Held],
+async def _held_room(cmd: dict[str, Any], held: dict[int, _Held], hold: _Held | None,
                      take: Callable[[], Awaitable[tuple[dict[str, Any], RoomFinish]]]) -> None:
     """Command ``cmd``'s room: ``take()`` receives it and returns (what the ``done`` answer reports, its
     ``finish``). With ``hold``, its rows are kept unchecked until the parent's ``check`` command names it: the
@@ -169,9 +171,6 @@ async def _held_room(cmd: dict[str, Any], held: dict[int, _Held],
     cores that the sender's last steps need (it reads the request twice, on a small host). Then the ``done`` of
     the command carries no verdict: the check's answer does. Without, the rows are checked before the answer."""
     cid = cmd["id"]
-    hold = None
-    if cmd.get("hold"):
-        hold = held[cid] = _Held()
     try:
         try:
             answer, finish = await take()
@@ -196,7 +195,8 @@ async def _held_room(cmd: dict[str, Any], held: dict[int, _Held],
         held.pop(cid, None)
 
 
-async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any], held: dict[int, _Held]) -> None:
+async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any], held: dict[int, _Held],
+               hold: _Held | None) -> None:
     """One room (``op: recv``), checked as :func:`_held_room` says."""
 
     async def take() -> tuple[dict[str, Any], RoomFinish]:
@@ -204,7 +204,7 @@ async def _one(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, An
         t, rounds, finish = await _take(receiver, checker, cmd["room"], cmd)
         return {"t0": t0, "t": t, "rounds": rounds}, finish
 
-    await _held_room(cmd, held, take)
+    await _held_room(cmd, held, hold, take)
 
 
 def _check(cmd: dict[str, Any], held: dict[int, _Held]) -> None:
@@ -245,19 +245,19 @@ async def _series(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str,
 
 
 async def _stream(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str, Any],
-                  held: dict[int, _Held]) -> None:
+                  held: dict[int, _Held], hold: _Held | None) -> None:
     """One streamed room (``op: stream``, copying chunks); its chunks' rows are checked as :func:`_held_room`
     says, against the room's rows in token order."""
     room = cmd["room"]
 
     async def take() -> tuple[dict[str, Any], RoomFinish]:
         t0 = await _start(cmd)
-        pieces: list[dict[str, torch.Tensor]] = []
+        pieces: list[Chunk] = []
         t_first = 0.0
         async with receiver.stream(room, expected_tokens=cmd.get("expected"), sender=cmd.get("sender"),
                                    chunk_tokens=cmd.get("chunk_tokens")) as parts:
             async for chunk in parts:
-                pieces.append(chunk.tensors)
+                pieces.append(chunk)
                 if len(pieces) == 1:
                     t_first = time.monotonic()
         t = time.monotonic()
@@ -268,7 +268,32 @@ async def _stream(receiver: EmbeddingReceiver, checker: _Checker, cmd: dict[str,
 
         return {"t0": t0, "t": t, "t_first": t_first, "chunks": len(pieces)}, finish
 
-    await _held_room(cmd, held, take)
+    await _held_room(cmd, held, hold, take)
+
+
+def _dispatch(cmd: dict[str, Any], receiver: EmbeddingReceiver, checker: _Checker, held: dict[int, _Held],
+              tasks: set[asyncio.Task[None]]) -> None:
+    """Start the parent's command ``cmd`` (``check`` is answered at once). A room to hold is registered here, before
+    its task first runs: a ``check`` read right behind its ``recv`` (the parent letting go after a failed
+    ``send()``) must find it, or a lease that then lands would be held for good."""
+    op = cmd.get("op")
+    if op == "check":
+        _check(cmd, held)
+        return
+    hold = None
+    if op in ("recv", "stream") and cmd.get("hold"):
+        hold = held[cmd["id"]] = _Held()
+    if op == "recv":
+        work = _one(receiver, checker, cmd, held, hold)
+    elif op == "series":
+        work = _series(receiver, checker, cmd)
+    elif op == "stream":
+        work = _stream(receiver, checker, cmd, held, hold)
+    else:
+        return
+    task = asyncio.create_task(work)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
 
 
 async def _run(spec: dict[str, Any]) -> None:
@@ -294,21 +319,7 @@ async def _run(spec: dict[str, Any]) -> None:
             cmd = json.loads(line)
             if cmd.get("op") == "exit":
                 break
-            op = cmd.get("op")
-            if op == "check":
-                _check(cmd, held)
-                continue
-            if op == "recv":
-                work = _one(receiver, checker, cmd, held)
-            elif op == "series":
-                work = _series(receiver, checker, cmd)
-            elif op == "stream":
-                work = _stream(receiver, checker, cmd, held)
-            else:
-                continue
-            task = asyncio.create_task(work)
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            _dispatch(cmd, receiver, checker, held, tasks)
         for task in list(tasks):
             task.cancel()
         if tasks:

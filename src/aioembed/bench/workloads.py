@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from aioembed.layout import Layout
+from aioembed.session.stream import Chunk
 
 RECEIVE_MODES = ("copy", "out", "lease")
 """How a benchmark's receiving side takes a room's rows: ``receive()`` into a fresh output, ``receive(out=...)``
@@ -175,12 +176,17 @@ def _rows_at(source: Mapping[str, torch.Tensor], offset: int, num_tokens: int) -
     return {name: t[offset:offset + num_tokens] for name, t in source.items()}
 
 
-def chunk_rows(chunks: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
-    """The rows of a stream's chunks (each one's ``tensors``, in token order) as pieces per field, what
-    :func:`~aioembed.samples.same_rows` compares with the room's rows."""
+def chunk_rows(chunks: Sequence[Chunk]) -> dict[str, list[torch.Tensor]]:
+    """The rows of a stream's chunks as pieces per field, in token order, what :func:`~aioembed.samples.same_rows`
+    compares with the room's rows. Raises ``ValueError`` unless the chunks cover ``[0, n)`` one after another."""
     fields: dict[str, list[torch.Tensor]] = {}
-    for tensors in chunks:
-        for name, t in tensors.items():
+    at = 0
+    for chunk in chunks:
+        if chunk.start != at:
+            raise ValueError(f"room {chunk.room!r}: a chunk starts at token {chunk.start}, expected {at} (the chunks "
+                             "so far end there)")
+        at = chunk.end
+        for name, t in chunk.tensors.items():
             fields.setdefault(name, []).append(t)
     return fields
 
