@@ -1,10 +1,11 @@
 """The plugin alone against raw NIXL: ``Link.write`` vs the bench baseline, same bytes, two processes.
 
-``aioembed bench`` measures aioembed end to end (control messages, rounds, leases); this isolates the
-transport: one ``Link.write`` of rows ``[0, n)`` of every field of the standard layout into a pool in
-another process, against :class:`aioembed_nixl.bench.NixlBaseline` moving the same rows, alternating,
-median of ``--repeat``. Also the cost of registering and unregistering a request's tensors (the sender
-does that per request). Run from the repository root::
+``aioembed bench`` measures aioembed end to end (control messages, rounds, leases); this isolates the transport: one
+``Link.write`` of rows ``[0, n)`` of every field of the standard layout into a pool in another process, against
+:class:`aioembed_nixl.bench.NixlBaseline` moving the same rows, alternating, median of ``--repeat``; after each size
+the owner's rows are compared with the source (digests; the owner then zeroes them, so the next size's writes must
+land). Also the cost of registering and unregistering a request's tensors (the sender does that per request). Run
+from the repository root::
 
     .venv/bin/python transports/nixl/tools/link_bench.py [--options '{"ucx_tls": "tcp"}']
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import statistics
@@ -39,8 +41,20 @@ async def owner(options: dict[str, Any], sizes: dict[str, int]) -> None:
     out.write(json.dumps({"descriptor": t.descriptor().hex(),
                           "addresses": {k: p.data_ptr() for k, p in pool.items()}}) + "\n")
     out.flush()
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    loop = asyncio.get_running_loop()
+    while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip():
+        # {"rows": {field: bytes}}: the digest of each field's first bytes, which are then zeroed, so that a
+        # later write that lands nowhere is not passed by an earlier one's bytes
+        rows = json.loads(line)["rows"]
+        out.write(json.dumps({k: _digest(pool[k][:n]) for k, n in rows.items()}) + "\n")
+        out.flush()
+        for k, n in rows.items():
+            pool[k][:n].zero_()
     await t.aclose()
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -77,6 +91,12 @@ async def main(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             await link.write(ops)
             samples["link"].append(time.perf_counter() - t0)
+        want = {k: n * f.row_bytes for k, f in layout.items()}
+        proc.stdin.write(json.dumps({"rows": want}).encode() + b"\n")
+        await proc.stdin.drain()
+        got = json.loads(await proc.stdout.readline())
+        if got != {k: _digest(src[k][:n]) for k in layout}:
+            raise SystemExit(f"{n} tokens: the owner's rows differ from the source after the writes")
         best_raw = min(statistics.median(samples[m]) for m in raw.methods)
         mine = statistics.median(samples["link"])
         print(f"| {n} | {n * layout.bytes_per_token / 1e6:.1f} | {best_raw * 1e3:.2f} | {mine * 1e3:.2f} | "
