@@ -352,6 +352,23 @@ async def test_a_write_that_landed_nowhere_fails_the_rooms_check(mode: str, monk
 _CHECKED_WORKLOADS = ["sizes", "resume", "concurrency", "trace", "senders", "stream"]
 
 
+def _only_the_first_write_lands(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on every loopback write after the first lands nowhere. Returns the count of writes (set it to 0 and
+    the next one lands)."""
+    from aioembed.transports.loopback import LoopbackLink
+
+    write = LoopbackLink.write
+    writes = [0]
+
+    async def first_only(self: LoopbackLink, ops: Any) -> None:
+        writes[0] += 1
+        if writes[0] == 1:
+            await write(self, ops)
+
+    monkeypatch.setattr(LoopbackLink, "write", first_only)
+    return writes
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("workload", _CHECKED_WORKLOADS)
 async def test_every_workloads_rooms_are_checked(workload: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -359,7 +376,6 @@ async def test_every_workloads_rooms_are_checked(workload: str, monkeypatch: pyt
     with what was sent, and the concurrency, trace, many-senders and stream rooms were until later: writes that
     landed nowhere would have measured as fast ones. Every write after the first lands nowhere here."""
     from aioembed.bench.measure import Measurer, PeerProcessError
-    from aioembed.transports.loopback import LoopbackLink
 
     opts = BenchOptions(base_config=TransferConfig(transport="loopback"), repeat=1, hidden=64, sizes=(512,),
                         resume_tokens=512, concurrency=(3,), mixes=("small",), trace_requests=6,
@@ -368,16 +384,7 @@ async def test_every_workloads_rooms_are_checked(workload: str, monkeypatch: pyt
     run = getattr(m, f"run_{workload}")
     ok = await run()
     assert "checked bit for bit" in ok["description"]
-    write = LoopbackLink.write
-    writes = 0
-
-    async def first_only(self: LoopbackLink, ops: Any) -> None:
-        nonlocal writes
-        writes += 1
-        if writes == 1:
-            await write(self, ops)
-
-    monkeypatch.setattr(LoopbackLink, "write", first_only)
+    _only_the_first_write_lands(monkeypatch)
     with pytest.raises((PeerProcessError, BaseExceptionGroup)) as failed:
         await run()
     differ = "rows differ from the source"
@@ -395,23 +402,13 @@ def test_the_memory_workloads_room_is_checked(mode: str, monkeypatch: pytest.Mon
     import anyio
 
     from aioembed.bench import memchild
-    from aioembed.transports.loopback import LoopbackLink
 
     spec = {"tokens": 300, "mode": mode, "hidden": 64, "transport": "loopback"}
     assert anyio.run(memchild._run, spec)["checked"] is True
-    write = LoopbackLink.write
-    writes = 0
-
-    async def first_only(self: LoopbackLink, ops: Any) -> None:
-        nonlocal writes
-        writes += 1
-        if writes == 1:
-            await write(self, ops)
-
-    monkeypatch.setattr(LoopbackLink, "write", first_only)
+    writes = _only_the_first_write_lands(monkeypatch)
     with pytest.raises(memchild.RowsDiffer, match=f"the 300-token room's rows differ from the source \\({mode}\\)"):
         anyio.run(memchild._run, spec)
-    writes = 0
+    writes[0] = 0  # the warm-up's write lands again
     with pytest.raises(SystemExit) as ended:  # the child's entry point: its last event says so, and its exit code
         memchild.main([json.dumps(spec)])
     assert ended.value.code == 3
