@@ -9,9 +9,9 @@ machine, and what one variant leaves behind for the next, hit all variants alike
   together; timed until both have returned (the rows are then in a fresh output tensor);
 * ``zero_copy``: the same with ``receive_leased()`` (when the receiver has it): timed until
   ``send()`` has returned and the lease is in hand; the lease is released after the clock stops;
-
-and the rows of every aioembed room are checked bit for bit against what was sent (:meth:`_Pair.one`).
 * ``raw:<method>``: the transport's raw baseline moving the same source bytes.
+
+The rows of every aioembed room are checked bit for bit against what was sent, outside its time (:meth:`_Pair.one`).
 
 Process model: with ``process_model="two"`` (the default for a transport whose
 ``capabilities.cross_process`` is true) the sender runs in this process and the receiver in a
