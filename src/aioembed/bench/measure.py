@@ -63,6 +63,7 @@ from aioembed.bench.workloads import (
     room_offset,
     room_rows,
     rows_by_offset,
+    take_room,
     trace_summary,
 )
 from aioembed.config import TransferConfig
@@ -297,33 +298,10 @@ class _LocalPair(_Pair):
         """The receiving side of one room from sender ``via`` (``out`` mode: into worker ``slot``'s buffers):
         (``time.perf_counter()`` with the rows in hand, rounds, ``finish``). ``finish()`` compares the rows with
         ``data`` (with ``check``) and lets them go (a lease is released either way); it raises if they differ."""
-        sender = self.senders[via].address
-
-        def differ() -> PeerProcessError:
-            return PeerProcessError(f"room {room!r}: the rows differ from the source")
-
-        if mode == "lease":
-            lease = await self.receiver.receive_leased(room, expected_tokens=expected, sender=sender)
-            t = time.perf_counter()
-
-            def release() -> None:
-                try:
-                    ok = not check or same_rows(lease.views, data)
-                finally:
-                    lease.release()
-                if not ok:
-                    raise differ()
-
-            return t, lease.rounds, release
         out = self._out.get(slot, next(iter(data.values())).shape[0]) if mode == "out" else None
-        got = await self.receiver.receive(room, expected_tokens=expected, out=out, sender=sender)
-        t = time.perf_counter()
-
-        def drop() -> None:
-            if check and not same_rows(got.tensors, data):
-                raise differ()
-
-        return t, got.rounds, drop
+        return await take_room(self.receiver, room, mode, expected=expected, sender=self.senders[via].address,
+                               out=out, same=lambda rows: not check or same_rows(rows, data),
+                               clock=time.perf_counter, error=PeerProcessError)
 
     async def _receive(self, room: str, data: Mapping[str, torch.Tensor], expected: int | None, mode: str,
                        check: bool, *, slot: int = 0) -> tuple[float, int]:

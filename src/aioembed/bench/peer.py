@@ -62,6 +62,7 @@ from aioembed.bench.workloads import (
     make_source,
     room_offset,
     rows_by_offset,
+    take_room,
 )
 from aioembed.config import TransferConfig
 from aioembed.layout import Layout
@@ -114,32 +115,13 @@ async def _take(receiver: EmbeddingReceiver, checker: _Checker, room: str,
     """One room as ``cmd`` says (``mode``: copy, out or lease; ``out`` into the buffers of worker ``slot``):
     (``time.monotonic()`` once the rows were in hand, rounds, ``finish``). ``finish()`` compares the rows with
     the source and lets them go (a lease is released); it raises if they differ."""
-    expected, sender = cmd.get("expected"), cmd.get("sender")
     mode = check_receive_mode(str(cmd.get("mode")))
     check = cmd.get("check")
     sent = int(cmd.get("out_tokens") or 0)  # the rows the parent sends (with ``check``)
-    if mode == "lease":
-        lease = await receiver.receive_leased(room, expected_tokens=expected, sender=sender)
-        t = time.monotonic()
-
-        def release() -> None:
-            try:
-                ok = checker.same(check, lease.views, room, sent)  # in the pool, before the release
-            finally:
-                lease.release()
-            if not ok:
-                raise RuntimeError(f"room {room!r}: the rows differ from the source")
-
-        return t, lease.rounds, release
-    out = checker.out.get(slot, int(cmd["out_tokens"])) if mode == "out" else None
-    got = await receiver.receive(room, expected_tokens=expected, sender=sender, out=out)
-    t = time.monotonic()
-
-    def drop() -> None:
-        if not checker.same(check, got.tensors, room, sent):
-            raise RuntimeError(f"room {room!r}: the rows differ from the source")
-
-    return t, got.rounds, drop
+    return await take_room(receiver, room, mode, expected=cmd.get("expected"), sender=cmd.get("sender"),
+                           out=checker.out.get(slot, sent) if mode == "out" else None,
+                           same=lambda rows: checker.same(check, rows, room, sent), clock=time.monotonic,
+                           error=RuntimeError)
 
 
 async def _receive(receiver: EmbeddingReceiver, checker: _Checker, room: str, cmd: dict[str, Any],

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from aioembed.layout import Layout
 from aioembed.session.stream import Chunk
+
+if TYPE_CHECKING:
+    from aioembed.session.receiver import EmbeddingReceiver
 
 RECEIVE_MODES = ("copy", "out", "lease")
 """How a benchmark's receiving side takes a room's rows: ``receive()`` into a fresh output, ``receive(out=...)``
@@ -89,6 +92,7 @@ __all__ = [
     "room_offset",
     "room_rows",
     "rows_by_offset",
+    "take_room",
     "trace_summary",
 ]
 
@@ -174,6 +178,40 @@ def _rows_at(source: Mapping[str, torch.Tensor], offset: int, num_tokens: int) -
                              f"(a source for rooms of {num_tokens} tokens needs {num_tokens} + ROOM_OFFSETS = "
                              f"{num_tokens + ROOM_OFFSETS})")
     return {name: t[offset:offset + num_tokens] for name, t in source.items()}
+
+
+async def take_room(receiver: EmbeddingReceiver, room: str, mode: str, *, expected: int | None, sender: str | None,
+                    out: Mapping[str, torch.Tensor] | None, same: Callable[[Mapping[str, Any]], bool],
+                    clock: Callable[[], float], error: type[Exception]) -> tuple[float, int, Callable[[], None]]:
+    """The receiving side of one benchmark room, as ``mode`` says (``lease``: ``receive_leased()``, else
+    ``receive()``, into ``out`` if given): (``clock()`` once the rows are in hand, rounds, ``finish``).
+    ``finish()`` asks ``same`` about the rows (a lease's where they lie in the pool) and lets them go, a lease
+    released even if ``same`` raises; rows that differ raise ``error``, naming the room."""
+
+    def differ() -> Exception:
+        return error(f"room {room!r}: the rows differ from the source")
+
+    if mode == "lease":
+        lease = await receiver.receive_leased(room, expected_tokens=expected, sender=sender)
+        t = clock()
+
+        def release() -> None:
+            try:
+                ok = same(lease.views)
+            finally:
+                lease.release()
+            if not ok:
+                raise differ()
+
+        return t, lease.rounds, release
+    got = await receiver.receive(room, expected_tokens=expected, sender=sender, out=out)
+    t = clock()
+
+    def drop() -> None:
+        if not same(got.tensors):
+            raise differ()
+
+    return t, got.rounds, drop
 
 
 def chunk_rows(chunks: Sequence[Chunk]) -> dict[str, list[torch.Tensor]]:

@@ -3,7 +3,7 @@
 ``aioembed bench`` measures aioembed end to end (control messages, rounds, leases); this isolates the transport: one
 ``Link.write`` of rows ``[0, n)`` of every field of the standard layout into a pool in another process, against
 :class:`aioembed_nixl.bench.NixlBaseline` moving the same rows, alternating, median of ``--repeat``; after each size
-the owner's rows are compared with the source (digests; the owner then zeroes them, so the next size's writes must
+the owner's rows are compared with the source (a checksum; the owner then zeroes them, so the next size's writes must
 land). Also the cost of registering and unregistering a request's tensors (the sender does that per request). Run
 from the repository root::
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 from aioembed.config import TransferConfig
-from aioembed.samples import standard_layout
+from aioembed.samples import checksum, standard_layout
 from aioembed.transports.base import MemoryRegion, WriteOp
 from aioembed.transports.registry import open_transport
 
@@ -43,18 +42,14 @@ async def owner(options: dict[str, Any], sizes: dict[str, int]) -> None:
     out.flush()
     loop = asyncio.get_running_loop()
     while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip():
-        # {"rows": {field: bytes}}: the digest of each field's first bytes, which are then zeroed, so that a
+        # {"rows": {field: bytes}}: the checksum of the fields' first bytes, which are then zeroed, so that a
         # later write that lands nowhere is not passed by an earlier one's bytes
         rows = json.loads(line)["rows"]
-        out.write(json.dumps({k: _digest(pool[k][:n]) for k, n in rows.items()}) + "\n")
+        out.write(json.dumps(checksum({k: pool[k][:n] for k, n in rows.items()})) + "\n")
         out.flush()
         for k, n in rows.items():
             pool[k][:n].zero_()
     await t.aclose()
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -95,7 +90,7 @@ async def main(args: argparse.Namespace) -> None:
         proc.stdin.write(json.dumps({"rows": want}).encode() + b"\n")
         await proc.stdin.drain()
         got = json.loads(await proc.stdout.readline())
-        if got != {k: _digest(src[k][:n]) for k in layout}:
+        if got != checksum({k: src[k][:n] for k in layout}):
             raise SystemExit(f"{n} tokens: the owner's rows differ from the source after the writes")
         best_raw = min(statistics.median(samples[m]) for m in raw.methods)
         mine = statistics.median(samples["link"])
