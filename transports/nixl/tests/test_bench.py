@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -38,3 +40,14 @@ def test_bench_quick_runs_aioembed_and_raw_baseline(tmp_path: Path) -> None:
 
 def test_the_two_process_bench_checks_rows_after_its_clock_stopped() -> None:
     check_rows_after_the_clock("nixl", {"write_timeout": 20.0})
+
+
+def test_link_bench_runs_and_checks_what_landed() -> None:
+    """``tools/link_bench.py`` (the README's `Link.write`-against-raw numbers) still runs, and its owner's rows are
+    compared with the source after each size (the tool exits non-zero if they differ)."""
+    tool = Path(__file__).resolve().parents[1] / "tools" / "link_bench.py"
+    done = subprocess.run([sys.executable, str(tool), "--sizes", "64,256", "--repeat", "1"], capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 64 |") or line.startswith("| 256 |")]
+    assert len(rows) == 2, done.stdout
