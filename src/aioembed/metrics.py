@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from aioembed.errors import ConfigError
+from aioembed.errors import ConfigError, PeerDead, TransferAborted, TransferTimeout
 
 if TYPE_CHECKING:
     from aioembed.session.receiver import EmbeddingReceiver
@@ -57,8 +57,6 @@ class TransferObserver:
 
 def outcome_of(error: BaseException | None) -> str:
     """The ``outcome`` label for a room that ended with ``error`` (``None``: success)."""
-    from aioembed.errors import PeerDead, TransferAborted, TransferTimeout
-
     if error is None:
         return "success"
     if isinstance(error, PeerDead):
