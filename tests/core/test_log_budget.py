@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from aioembed.session.log_budget import WarningBudget
+from aioembed.log_budget import WarningBudget
 
 
 def test_a_flood_of_one_kind_logs_one_warning_per_window_and_loses_nothing(caplog: pytest.LogCaptureFixture) -> None:

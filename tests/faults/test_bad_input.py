@@ -10,7 +10,14 @@ import msgpack
 import pytest
 import torch
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferConfig, TransferFailed
+from aioembed import (
+    EmbeddingReceiver,
+    EmbeddingSender,
+    TransferAborted,
+    TransferConfig,
+    TransferFailed,
+    TransferTimeout,
+)
 from aioembed.errors import IncompatiblePeer
 from aioembed.protocol.messages import (
     PROTOCOL_VERSION,
@@ -257,3 +264,15 @@ async def test_sender_writes_only_into_the_reserved_blocks() -> None:
             for name, t in raw.pool.tensors.items():
                 rows = [i for i in range(t.shape[0]) if i not in touched]
                 assert torch.equal(t[rows], before[name][rows]), name
+
+
+async def test_a_resume_that_never_comes_times_out_naming_the_rank_and_its_receiver() -> None:
+    """A receiver that took round 0 and never asks for round 1: ``send()`` times out in phase ``resume``, and says
+    which rank (and which receiver session) it waited for, not "a rank"."""
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, round_timeout=0.3, handshake_timeout=2.0)
+    # (it sends no PING: the default heartbeats declare it dead after 5 s, the RESUME wait ends after 1.3 s)
+    async with EmbeddingSender(LAYOUT, cfg) as sender, welcomed_receiver(sender.address, LAYOUT, cfg) as raw:
+        raw.send(Init(room="r", blocks=(0, 1), allocated_tokens=256, expected_ranks=1))
+        with anyio.fail_after(10), pytest.raises(TransferTimeout, match=r"phase 'resume' waiting for a RESUME from "
+                                                                        r"rank 0 \(receiver rank 0 \("):
+            await sender.send("r", make_request(600, 2))

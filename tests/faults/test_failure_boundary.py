@@ -7,6 +7,8 @@ metadata is refused by ``send()`` before a row moves, and the receiver learns wh
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from typing import Any
 
@@ -14,6 +16,7 @@ import anyio
 import pytest
 
 from aioembed import (
+    AioembedError,
     EmbeddingReceiver,
     EmbeddingSender,
     InvalidRequest,
@@ -23,7 +26,9 @@ from aioembed import (
     TransferFailed,
     TransferTimeout,
 )
+from aioembed.metrics import TransferObserver
 from aioembed.testing import MockTransport
+from aioembed.testing.mock import WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request, wait_pools_free
 
@@ -201,3 +206,146 @@ async def test_an_unexplained_write_failure_is_fenced_until_it_can_no_longer_lan
         assert time.monotonic() - t0 >= lifetime * 0.8  # not before the lifetime (of our running time)
         del writer.raise_on["write"]
         await _serves(sender, receiver, "after")  # the sender kept serving throughout
+
+
+class _LifetimeUnknown(MockTransport):
+    """A plugin whose ``write_lifetime`` (or ``orphan_lifetime``) raises, or says NaN, once ``broken``."""
+
+    broken: str | None = None
+
+    @property
+    def write_lifetime(self) -> float:
+        if self.broken == "raises":
+            raise RuntimeError("engine handle gone")
+        return math.nan if self.broken == "nan" else 1.0
+
+    @property
+    def orphan_lifetime(self) -> float:
+        if self.broken == "raises":
+            raise RuntimeError("engine handle gone")
+        return math.nan if self.broken == "nan" else 1.0
+
+
+@pytest.mark.parametrize("broken", ["raises", "nan"])
+async def test_a_write_lifetime_the_plugin_cannot_say_keeps_a_failed_write_fenced(
+        broken: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A failed write that may still land is recorded with the plugin's write lifetime. A lifetime the plugin
+    cannot give (it raises, or is NaN) counts as forever: before, the exception skipped the record, the room
+    told the receiver its blocks were quiet (a plain FAILED STATUS), and a late landing found them freed."""
+    landing: list[WriteFault] = []
+
+    def late(call: Any) -> WriteFault | None:
+        if landing:
+            return None  # only the first write fails
+        fault = WriteFault(error=RuntimeError("NIC error"), land_after=0.5)
+        landing.append(fault)
+        return fault
+
+    writer = _LifetimeUnknown(cancel_safe_writes=False, faults=late)
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address,
+                              transport=MockTransport(cancel_safe_writes=False)) as receiver:
+        await receiver.wait_connected()
+        writer.broken = broken
+        with caplog.at_level(logging.WARNING, logger="aioembed.transports"):
+            async with anyio.create_task_group() as tg:
+                async def send() -> None:
+                    with pytest.raises(TransferFailed, match="NIC error"):
+                        await sender.send("r", make_request(1500, 3))
+
+                tg.start_soon(send)
+                with pytest.raises(TransferFailed):
+                    await receiver.receive("r")
+            landed = await anyio.to_thread.run_sync(landing[0].landed.wait, 3.0)
+        assert landed and not landing[0].refused.is_set()  # it did land, later
+        assert receiver.allocator.stats.fenced > 0  # and found its blocks fenced, not handed out again
+        assert sender.writes_in_flight == 1  # on the sender's books for good: nothing says when it is over
+        assert any("write_lifetime" in r.getMessage() and "forever" in r.getMessage() for r in caplog.records)
+        writer.broken = None
+        # The sender goes on serving (into other blocks); the fenced ones stay until a new session proves them quiet.
+        await _serves(sender, receiver, "after")
+        assert receiver.allocator.stats.fenced > 0
+
+
+class _RaisingObserver(TransferObserver):
+    """Every hook raises (a metrics backend that is down)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _boom(self, **_: Any) -> None:
+        self.calls += 1
+        raise ValueError("metrics backend down")
+
+    room_finished = round_finished = sender_room_finished = rows_inline = _boom
+    blocks_fenced = fence_released = sender_closed = _boom
+
+
+async def test_an_observer_that_raises_breaks_no_room(caplog: pytest.LogCaptureFixture) -> None:
+    """The caller's observer is called amid the sessions' bookkeeping (a room's end, a fence applied to the pool).
+    Its exceptions are logged and dropped: rooms succeed and free everything, fences come and go. Before, a
+    ``send()`` whose rows had landed raised the observer's ``ValueError`` and kept its room and source for good."""
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, handshake_timeout=1.0, input_timeout=2.5,
+                         round_timeout=5.0, heartbeat_interval=0.2, staging_tokens=0)
+    seen_send, seen_receive = _RaisingObserver(), _RaisingObserver()
+    writer = MockTransport(raise_on={"write": RuntimeError("engine lost track of the transfer")},
+                           write_lifetime=0.3)
+    with caplog.at_level(logging.WARNING, logger="aioembed.metrics"):
+        async with EmbeddingSender(LAYOUT, cfg, transport=writer, observer=seen_send) as sender, \
+                EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport(),
+                                  observer=seen_receive) as receiver:
+            # A failed write that may land: the receiver fences its blocks and frees them later (both hooks raise).
+            async with anyio.create_task_group() as tg:
+                async def send() -> None:
+                    with pytest.raises(TransferFailed, match="engine lost track"):
+                        await sender.send("bad", make_request(1500, 3))
+
+                tg.start_soon(send)
+                with pytest.raises(TransferFailed, match="engine lost track"):
+                    await receiver.receive("bad")
+            del writer.raise_on["write"]
+            for room in ("a", "b"):
+                await _serves(sender, receiver, room)  # room "a" twice would be refused if "a" were still held
+            await _serves(sender, receiver, "a2")
+            await wait_pools_free(sender, receiver)
+            assert sender.rooms_in_flight == 0 and sender.sources_held == 0
+    assert seen_send.calls >= 3 and seen_receive.calls >= 5  # every hook was called, and each raised
+    assert sender.observer.failures == seen_send.calls  # type: ignore[attr-defined]
+    assert any("metrics backend down" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_foreign_exception_preparing_the_rows_fails_send_and_tells_the_receiver_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch running out of memory while ``send()`` makes the rows contiguous (or stages them) is a
+    ``TransferFailed`` naming the room, not a raw ``RuntimeError``; a receiver already waiting is told at once."""
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport()) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        handle = receiver.start("r")
+        with anyio.fail_after(5):
+            while not sender.rooms_in_flight:  # the receiver asked first
+                await anyio.sleep(0.005)
+
+        async def out_of_memory(*_: Any, **__: Any) -> Any:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        monkeypatch.setattr(sender, "_input_of", out_of_memory)
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed, match="'r': preparing the request's rows failed: RuntimeError: CUDA out") \
+                as info:
+            await sender.send("r", make_request(1500, 1))
+        assert isinstance(info.value.__cause__, RuntimeError)
+        with pytest.raises(TransferAborted, match="out of memory"):
+            await handle.result()
+        assert time.monotonic() - t0 < CFG.input_timeout  # told at once, not at its input timeout
+        monkeypatch.undo()
+        await _serves(sender, receiver, "after")
+
+
+async def test_send_after_close_says_the_sender_is_closed() -> None:
+    sender = EmbeddingSender(LAYOUT, CFG, transport=MockTransport())
+    with pytest.raises(AioembedError, match="not running: use `async with"):
+        await sender.send("r", make_request(16, 1))
+    async with sender:
+        pass
+    with pytest.raises(AioembedError, match="closing or closed"):
+        await sender.send("r", make_request(16, 1))

@@ -24,6 +24,7 @@ import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from aioembed import (
+    AioembedError,
     EmbeddingReceiver,
     EmbeddingSender,
     PeerDead,
@@ -32,6 +33,7 @@ from aioembed import (
     TransferStatus,
 )
 from aioembed.protocol.messages import Abort, Hello, Init, Resume, Status
+from aioembed.protocol.ownership import GrantState
 from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
@@ -463,3 +465,40 @@ async def test_a_bad_frame_naming_a_room_being_written_is_answered_with_the_fenc
             assert fault.landed.is_set()
             async with lease:
                 assert_same(lease.to_tensors(), y)
+
+
+async def test_a_room_ended_while_its_sender_reads_nothing_fences_its_blocks_and_stays_cancelled() -> None:
+    """Ending a room sends ABORT to its sender. With the sender's control socket full (it reads nothing), that
+    send used to raise before the room's announced blocks were fenced: they stayed announced to nobody for good,
+    and the caller's cancellation came out as a plain ``AioembedError``. Now the ABORT is dropped (logged), the
+    blocks are fenced as for a sender gone, the cancellation stays one, and the blocks come back with the next proof
+    about the room (here the sender's STATUS; for a sender that reads nothing, its session's loss)."""
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, handshake_timeout=2.0)
+    async with EmbeddingSender(LAYOUT, cfg, transport=MockTransport()) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        conn = receiver._conns[sender.address]
+        real = conn.chan.send
+
+        def full(frames: Any) -> None:  # what the channel says of a peer that does not read
+            raise AioembedError("control socket: 65536 messages queued and not sent (not reading?); refusing more")
+
+        with anyio.CancelScope() as scope:  # a CancelledError escaping as anything else would fail the test here
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(receiver.receive, "r")  # nobody sends it: it waits for input
+                await _until(lambda: bool(receiver.keeper.ledger.grants()))
+                conn.chan.send = full
+                scope.cancel()
+        assert scope.cancelled_caught
+        conn.chan.send = real
+        grants = receiver.keeper.ledger.grants()
+        assert [(g.room, g.state) for g in grants] == [("r", GrantState.FENCED)]
+        assert receiver.allocator.stats.fenced > 0
+        # The sender never heard of the end: it still holds the room, and a send() of it writes into the fenced
+        # blocks (nothing else is there) and ends with a STATUS, which proves them quiet.
+        await sender.send("r", make_request(900, 4))
+        await wait_pools_free(sender, receiver)
+        async with anyio.create_task_group() as tg:
+            src = make_request(1500, 4)
+            tg.start_soon(sender.send, "r2", src)
+            assert_same((await receiver.receive("r2")).tensors, src)

@@ -163,6 +163,32 @@ async def test_a_failed_chunk_stops_the_round_and_no_later_chunk_is_posted() -> 
         await wait_pools_free(sender, receiver)
 
 
+async def test_a_chunk_that_fails_before_the_one_ahead_of_it_lands_stops_the_round_at_once() -> None:
+    """Chunk 1 fails while chunk 0 is still on the link: once chunk 0 has landed, the round ends there, and chunk 2
+    is never posted (it used to be: the loop looked only at the room's state, and a chunk's failure is the round's
+    until the round ends)."""
+    want = make_request(16 * BS, 3)  # 4 chunks
+    second = want["embeddings"].data_ptr() + 4 * BS * LAYOUT["embeddings"].row_bytes
+    posted: list[int] = []
+
+    def faults(call: WriteCall) -> WriteFault:
+        posted.append(call.index)
+        if any(op.src == second for op in call.ops):
+            return WriteFault(error=RuntimeError("the NIC dropped the link"), fail_after=DELAY / 3)
+        return WriteFault(delay=DELAY)
+
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport(faults=faults)) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, transport=MockTransport(), connect=sender.address) as receiver:
+        errors: dict[str, BaseException] = {}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive_failing, receiver, errors)
+            with pytest.raises(TransferFailed, match="dropped the link"):
+                await sender.send("r", want)
+        assert isinstance(errors["receive"], TransferFailed)
+        assert len(posted) == 2, "a chunk was posted after an earlier one had failed"
+        await wait_pools_free(sender, receiver)
+
+
 async def test_a_room_cancelled_mid_round_gets_no_further_chunk_and_keeps_its_blocks_until_its_writes_end(
         ) -> None:
     line = Timeline()

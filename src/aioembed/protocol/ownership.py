@@ -604,10 +604,6 @@ class WriteLedger:
         """True while a write of ``room`` into ``session`` may still land (poisoned ones included)."""
         return any(w.session == session and w.room == room for w in self._writes.values())
 
-    def poisoned(self, session: SessionKey, room: RoomId) -> bool:
-        """True while a poisoned write of ``room`` into ``session`` may still land."""
-        return any(w.session == session and w.room == room and w.expires is not None for w in self._writes.values())
-
     def writes_to(self, receiver: str, *, below_epoch: int | None = None) -> int:
         """Writes in flight to ``receiver`` (only sessions numbered below ``below_epoch`` if given)."""
         return sum(1 for w in self._writes.values() if w.session.receiver == receiver

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import anyio
 
+from aioembed.log_budget import WarningBudget
 from aioembed.memory.allocator import BlockAllocator
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import RoomId
@@ -30,7 +31,6 @@ from aioembed.protocol.ownership import (
 )
 from aioembed.session.deadlines import DeadlineTimer
 from aioembed.session.fence_log import FenceLog
-from aioembed.session.log_budget import WarningBudget
 
 __all__ = ["WAIT_NOTE_AFTER", "BlockKeeper"]
 
@@ -118,7 +118,7 @@ class BlockKeeper:
 
     def wait_note(self, room: RoomId, tokens: int, note: str, *, timed_out: bool = False) -> None:
         """Log why ``room`` waits (or waited, ``timed_out``) for ``tokens`` of pool memory: one WARNING per
-        :data:`~aioembed.session.log_budget.WINDOW` for all rooms, DEBUG lines between them."""
+        :data:`~aioembed.log_budget.WINDOW` for all rooms, DEBUG lines between them."""
         self._wait_notes.warn("pool memory", "%s: room=%r: %s for %d tokens of pool memory: %s", self.name, room,
                               "gave up waiting" if timed_out else "waiting", tokens, note)
 

@@ -37,6 +37,7 @@ from aioembed.control.channel import ControlSocket
 from aioembed.control.sockets import make_dealer
 from aioembed.errors import AioembedError, IncompatiblePeer, ProtocolError, TransferFailed, TransferTimeout
 from aioembed.layout import Layout
+from aioembed.log_budget import WarningBudget
 from aioembed.memory.pool import BlockPool
 from aioembed.protocol.messages import (
     Abort,
@@ -61,7 +62,6 @@ from aioembed.protocol.ownership import Proof, Writer
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.lease import LeaseReturns
 from aioembed.session.liveness import LoopWatch, PeerClock
-from aioembed.session.log_budget import WarningBudget
 from aioembed.session.room_id_holds import RoomIdHolds
 from aioembed.transports.boundary import GuardedTransport
 
@@ -207,12 +207,18 @@ class SenderConnection:
         return self.writer
 
     def send(self, msg: Message) -> bool:
-        """Queue a frame for the sender (never blocks); False, the frame dropped, once the connection is closed
-        (a room ending on a connection closed under it still ends: see :meth:`close`)."""
+        """Queue a frame for the sender (never blocks, never raises); False, the frame dropped, once the connection
+        is closed (a room ending on a connection closed under it still ends: see :meth:`close`), or while the
+        sender reads nothing (its outbox is full: the heartbeats declare it gone soon)."""
         if self._closed:
             log.debug("%s: closed, %s not sent", self.name, type(msg).__name__)
             return False
-        self.chan.send([encode(msg)])
+        frame = encode(msg)
+        try:
+            self.chan.send([frame])
+        except AioembedError as exc:  # the control socket refuses more for a peer that does not read
+            self._warnings.warn("not_sent", "%s: %s not sent: %s", self.name, type(msg).__name__, exc)
+            return False
         return True
 
     def close(self) -> None:
@@ -460,12 +466,9 @@ class SenderConnection:
         if not self.ready:
             return  # the session ended: nothing of it is believed any more
         nonce = self.held_ids.ended(room)
-        try:
-            self.send(Ping(nonce=nonce))
-        except AioembedError as exc:  # the sender does not read (outbox full): its session is as good as lost
+        if not self.send(Ping(nonce=nonce)):  # the sender does not read (outbox full): as good as lost
             self.held_ids.pong(nonce)
-            log.warning("%s: room=%r: could not send the PING after its end (%s); its id is not held", self.name,
-                        room, exc)
+            log.warning("%s: room=%r: could not send the PING after its end; its id is not held", self.name, room)
 
     async def wait_released(self, room: RoomId) -> None:
         """Until ``room``'s id is no longer held (a new attempt of it sends its INIT only then)."""

@@ -486,15 +486,15 @@ class ReceiveRoomDriver:
                 keeper.apply(ledger.release_unannounced(grant))
             elif state is GrantState.ANNOUNCED:
                 announced.append(grant)
+        told = False
         if alive and not self._sender_ended and self.writer is not None:
-            # The sender holds the room (writing, or waiting for input or a RESUME): end it there.
-            self.conn.send(Abort(room=self.room, reason=plain_text(error)))
-            self.conn.held_ids.abort_sent(self.room, anyio.current_time())
-            for grant in announced:
-                keeper.fence(grant, FenceReason.ABORT_UNACKED)
-        else:
-            for grant in announced:
-                keeper.fence(grant, FenceReason.SESSION_DROPPED)
+            # The sender holds the room (writing, or waiting for input or a RESUME): end it there. An ABORT it does
+            # not read (its outbox full) ends nothing there: then the room is fenced as for a sender gone.
+            told = self.conn.send(Abort(room=self.room, reason=plain_text(error)))
+            if told:
+                self.conn.held_ids.abort_sent(self.room, anyio.current_time())
+        for grant in announced:
+            keeper.fence(grant, FenceReason.ABORT_UNACKED if told else FenceReason.SESSION_DROPPED)
         for g, _ in self._readable:
             keeper.apply(ledger.consumed(g))  # fully written and announced: nothing can reach them
         self._readable = []
@@ -756,7 +756,9 @@ class ReceiveRoomDriver:
                                  room=self.room)
         self.ctx.keeper.ledger.announce(grant, writer)
         self.writer = writer
-        self.conn.send(msg)
+        if not self.conn.send(msg):  # dropped: the room fails (its grant is fenced by fail(), as any announced one)
+            raise TransferFailed(f"room {self.room!r}: sender {self.conn.address} reads nothing (its control "
+                                 f"socket refuses more frames): {type(msg).__name__} not sent", room=self.room)
         if ahead:
             self._ahead_at = time.perf_counter()
         else:

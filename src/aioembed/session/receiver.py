@@ -45,6 +45,7 @@ from aioembed.session.backend import check_backend
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.connection import LossKind, SenderConnection
 from aioembed.session.copy_out import RoundCopier
+from aioembed.session.guarded_observer import GuardedObserver
 from aioembed.session.handle import Received, ReceiveHandle
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext, short_fields
@@ -86,7 +87,8 @@ class EmbeddingReceiver:
         transport: Transport | None = None,
     ) -> None:
         self.layout = layout
-        self.observer = observer or TransferObserver()
+        # The caller's hooks cannot break a room: what they raise is logged and dropped.
+        self.observer: TransferObserver = GuardedObserver(observer) if observer is not None else TransferObserver()
         self.config = config or TransferConfig()
         if not isinstance(world, int) or not 1 <= world <= 1 << 16:
             raise InvalidRequest(f"world={world!r} must be an int in [1, 65536]")
@@ -292,7 +294,10 @@ class EmbeddingReceiver:
         await conn.wait_ready(self.config.handshake_timeout if timeout is None else timeout)
 
     def _check_running(self) -> None:
-        if not self._tasks.entered or self._closing:
+        if self._closing:
+            raise AioembedError("the receiver is closing or closed (its `async with` block ended, or aclose() was "
+                                "called): it takes no new rooms")
+        if not self._tasks.entered:
             raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")
 
     # -- public API --------------------------------------------------------------------------

@@ -222,9 +222,11 @@ class SendRoomDriver:
 
     def _timed_out(self, phase: str) -> TransferTimeout:
         m = self.machine
+        late = [f"rank {rank} ({self.rank_peer[rank]})" for rank, p in sorted(m.ranks.items())
+                if p.phase is RankPhase.AWAITING_RESUME and rank in self.rank_peer]
         waiting = {
             "init": f"INIT from {m.expected_ranks or 'any'} rank(s), got {sorted(m.ranks)}",
-            "resume": "a RESUME from a rank",
+            "resume": f"a RESUME from {', '.join(late) or 'a rank'}",
             "room": "the whole room (room_timeout)",
         }[phase]
         refusal = self.ctx.last_refusal() if phase == "init" else None
@@ -414,8 +416,8 @@ class SendRoomDriver:
                     if not await settled(oldest):
                         break
                     oldest += 1
-                if self.machine.failed is not None or not peer.alive:
-                    break  # the room ended (an ABORT, the peer declared dead): nothing more goes to it
+                if self.machine.failed is not None or not peer.alive or any(e is not None for e in failed):
+                    break  # the room ended (an ABORT, the peer declared dead) or a chunk failed: nothing more goes
                 tg.start_soon(write_one, i)
             else:
                 while oldest < len(chunks) and await settled(oldest):
@@ -485,8 +487,10 @@ class SendRoomDriver:
                 continue
             self.finished.add(rank)
             error = plain_text(m.error or "failed")
-            if ctx.ledger.poisoned(peer.key, self.room):
-                # No ABORT_ACK: a failed write may still land. FENCE_RELEASE follows once it cannot.
+            if ctx.ledger.in_flight(peer.key, self.room):
+                # No ABORT_ACK: a failed write may still land (a poisoned one, or one whose end the ledger never
+                # heard of, which can only be a bug of ours: fenced, not trusted). FENCE_RELEASE follows once it
+                # cannot land.
                 ctx.send(peer, Status(room=self.room, state=TransferStatus.FAILED, total_tokens=m.total or 0,
                                       sent_tokens=0, round=0, error=error, fence=True))
                 ctx.apply(ctx.ledger.fence_told(peer.key, self.room))

@@ -45,6 +45,7 @@ from aioembed.errors import (
     TransportError,
 )
 from aioembed.layout import Layout
+from aioembed.log_budget import WarningBudget
 from aioembed.memory.device_order import fence_after, wait_fence
 from aioembed.memory.staging import StagedRows, StagingArea
 from aioembed.metrics import TransferObserver, outcome_of
@@ -85,8 +86,8 @@ from aioembed.session.async_library import KnownAsyncLibrary
 from aioembed.session.backend import check_backend
 from aioembed.session.copy_out import COPY_INLINE_BYTES
 from aioembed.session.deadlines import DeadlineTimer
+from aioembed.session.guarded_observer import GuardedObserver
 from aioembed.session.liveness import LoopWatch, PeerClock
-from aioembed.session.log_budget import WarningBudget
 from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
 from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.room_deadlines import RoomDeadlines
@@ -174,7 +175,8 @@ class EmbeddingSender:
     def __init__(self, layout: Layout, config: TransferConfig | None = None, *, bind: str = "tcp://127.0.0.1:0",
                  observer: TransferObserver | None = None, transport: Transport | None = None) -> None:
         self.layout = layout
-        self.observer = observer or TransferObserver()
+        # The caller's hooks cannot break a room: what they raise is logged and dropped.
+        self.observer: TransferObserver = GuardedObserver(observer) if observer is not None else TransferObserver()
         self.config = config or TransferConfig()
         self.bind = bind
         self.sender_id = uuid.uuid4().hex
@@ -348,7 +350,10 @@ class EmbeddingSender:
                         self._transport.name, len(stalled), of, max(now - u.since for u in stalled))
 
     def _check_running(self) -> None:
-        if not self._tasks.entered or self._closing:
+        if self._closing:
+            raise AioembedError("the sender is closing or closed (its `async with` block ended, or aclose() was "
+                                "called): it takes no new rooms")
+        if not self._tasks.entered:
             raise AioembedError("the sender is not running: use `async with EmbeddingSender(...)`")
 
     # -- public API --------------------------------------------------------------------------
@@ -378,13 +383,7 @@ class EmbeddingSender:
     async def _send_key(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                         metadata: Mapping[str, Any] | None, stream: torch.cuda.Stream | None = None) -> None:
         """``send()`` of the room (or room part) with wire id ``room``."""
-        try:
-            num_tokens, meta, sources, staged, kept, own = await self._input_of(room, tensors, metadata, stream)
-        except (InvalidRequest, LayoutError) as exc:
-            # A receiver that already asked for the room learns why at once, not at its input_timeout.
-            if self._room_is_waiting(room):
-                self._abort_key(room, f"send() refused the request: {exc}")
-            raise
+        num_tokens, meta, sources, staged, kept, own = await self._checked_input(room, tensors, metadata, stream)
         r = self._rooms.get(room)
         if r is not None and r.active:
             if staged is not None:
@@ -420,6 +419,28 @@ class EmbeddingSender:
         finally:
             await self._send_finished(r, source=source, registration=registration, num_tokens=num_tokens,
                                       t_start=t_start, error=error)
+
+    async def _checked_input(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
+                             metadata: Mapping[str, Any] | None, stream: torch.cuda.Stream | None
+                             ) -> tuple[int, dict[str, Any], list[torch.Tensor], StagedRows | None,
+                                        RegisteredSources | None, bool]:
+        """:meth:`_input_of`. A receiver that already asked for the room learns at once, not at its input_timeout,
+        that the request was refused or could not be prepared; an exception that is not ours (torch's: out of
+        memory making the rows contiguous or staging them) becomes a ``TransferFailed`` naming the room."""
+        try:
+            return await self._input_of(room, tensors, metadata, stream)
+        except (InvalidRequest, LayoutError) as exc:
+            if self._room_is_waiting(room):
+                self._abort_key(room, f"send() refused the request: {exc}")
+            raise
+        except AioembedError:
+            raise
+        except Exception as exc:
+            failed = TransferFailed(f"room {room!r}: preparing the request's rows failed: {type(exc).__name__}: "
+                                    f"{exc}", room=room)
+            if self._room_is_waiting(room):
+                self._abort_key(room, f"send() failed: {failed}")
+            raise failed from exc
 
     async def _input_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None,
                         stream: torch.cuda.Stream | None) -> tuple[int, dict[str, Any], list[torch.Tensor],
@@ -595,7 +616,11 @@ class EmbeddingSender:
                 else:
                     t = t.contiguous()
             sources.append(t)
-        await wait_fence(fence_after(sources, stream))
+        try:
+            fence = fence_after(sources, stream)
+        except ValueError as exc:  # fields on several CUDA devices and no stream that orders them all
+            raise InvalidRequest(f"room {room!r}: {exc}") from None
+        await wait_fence(fence)
         return sources
 
     async def _send_finished(self, r: SendRoomDriver, *, source: int, registration: _Registration | None,

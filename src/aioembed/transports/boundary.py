@@ -13,13 +13,18 @@ write that failed in a way the plugin did not explain counts as one that may sti
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from aioembed.errors import AioembedError, ConfigError, TransportError
+from aioembed.log_budget import WarningBudget
 from aioembed.transports.base import Link, MemoryRegion, Transport, WriteOp
 
 __all__ = ["GuardedLink", "GuardedTransport", "foreign_error", "guard", "open_guarded"]
+
+log = logging.getLogger("aioembed.transports")
 
 
 def foreign_error(plugin: str, call: str, exc: Exception, *, may_land: bool | None = None) -> TransportError:
@@ -88,6 +93,7 @@ class GuardedTransport(Transport):
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]  # the wrapped plugin's name, per instance
         self.capabilities = inner.capabilities
+        self._lifetime_warnings = WarningBudget(log)
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> GuardedTransport:
@@ -101,19 +107,32 @@ class GuardedTransport(Transport):
 
     @property
     def write_lifetime(self) -> float:
-        try:
-            value = float(self.inner.write_lifetime)
-        except Exception as exc:
-            _reraise(self.name, "write_lifetime", exc)
-        return max(0.0, value)
+        return self._lifetime("write_lifetime")
 
     @property
     def orphan_lifetime(self) -> float:
+        return self._lifetime("orphan_lifetime")
+
+    def _lifetime(self, which: str) -> float:
+        """How long a write may still land, as the plugin says, or forever if it cannot say: never an exception.
+
+        These are read where the sessions settle their books (a failed write being recorded, a writer gone), where
+        an exception would leave a write that may land on no book at all, and its blocks freed. A lifetime not
+        known is the longest one: the blocks stay fenced until another proof (a new session, a revocation)."""
         try:
-            value = float(self.inner.orphan_lifetime)
+            value = float(getattr(self.inner, which))
         except Exception as exc:
-            _reraise(self.name, "orphan_lifetime", exc)
+            self._lifetime_unknown(which, f"raised {type(exc).__name__}: {exc}")
+            return math.inf
+        if math.isnan(value):  # max(0.0, nan) is 0.0: no fence at all
+            self._lifetime_unknown(which, "is NaN")
+            return math.inf
         return max(0.0, value)
+
+    def _lifetime_unknown(self, which: str, why: str) -> None:
+        self._lifetime_warnings.warn(which, "transport %r: %s %s; taken as forever: writes that fail may land "
+                                     "until a new session or a revocation proves otherwise, and their blocks "
+                                     "stay fenced until then", self.name, which, why)
 
     @property
     def writer_id(self) -> str:

@@ -1,4 +1,4 @@
-"""Warnings about what a peer sends: at most one of a kind every so often.
+"""Warnings about what a peer sends, or a plugin or a caller's hook does wrong: at most one of a kind every so often.
 
 A peer that sends bad or refused frames as fast as it can would otherwise get one WARNING line per frame (200,000
 junk frames made 200,000 lines): enough to fill a disk over weeks and to bury everything else. The first of a kind
