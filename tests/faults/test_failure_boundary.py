@@ -226,12 +226,13 @@ class _LifetimeUnknown(MockTransport):
         return math.nan if self.broken == "nan" else 1.0
 
 
+@pytest.mark.parametrize("known", [False, True], ids=["never-known", "known-before"])
 @pytest.mark.parametrize("broken", ["raises", "nan"])
 async def test_a_write_lifetime_the_plugin_cannot_say_keeps_a_failed_write_fenced(
-        broken: str, caplog: pytest.LogCaptureFixture) -> None:
+        broken: str, known: bool, caplog: pytest.LogCaptureFixture) -> None:
     """A failed write that may still land is recorded with the plugin's write lifetime. A lifetime the plugin
-    cannot give (it raises, or is NaN) counts as forever: before, the exception skipped the record, the room
-    told the receiver its blocks were quiet (a plain FAILED STATUS), and a late landing found them freed."""
+    cannot give (it raises, or is NaN) is the last one it gave, or forever: before, the exception skipped the record,
+    the room told the receiver its blocks were quiet (a plain FAILED STATUS), and a late landing found them freed."""
     landing: list[WriteFault] = []
 
     def late(call: Any) -> WriteFault | None:
@@ -246,6 +247,8 @@ async def test_a_write_lifetime_the_plugin_cannot_say_keeps_a_failed_write_fence
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address,
                               transport=MockTransport(cancel_safe_writes=False)) as receiver:
         await receiver.wait_connected()
+        if known:
+            assert sender._transport is not None and sender._transport.write_lifetime == 1.0  # read once: kept
         writer.broken = broken
         with caplog.at_level(logging.WARNING, logger="aioembed.transports"):
             async with anyio.create_task_group() as tg:
@@ -256,15 +259,18 @@ async def test_a_write_lifetime_the_plugin_cannot_say_keeps_a_failed_write_fence
                 tg.start_soon(send)
                 with pytest.raises(TransferFailed):
                     await receiver.receive("r")
+            assert receiver.allocator.stats.fenced > 0  # not freed while the write may land
             landed = await anyio.to_thread.run_sync(landing[0].landed.wait, 3.0)
-        assert landed and not landing[0].refused.is_set()  # it did land, later
-        assert receiver.allocator.stats.fenced > 0  # and found its blocks fenced, not handed out again
-        assert sender.writes_in_flight == 1  # on the sender's books for good: nothing says when it is over
-        assert any("write_lifetime" in r.getMessage() and "forever" in r.getMessage() for r in caplog.records)
-        writer.broken = None
-        # The sender goes on serving (into other blocks); the fenced ones stay until a new session proves them quiet.
-        await _serves(sender, receiver, "after")
+        assert landed and not landing[0].refused.is_set()  # it did land, later, into blocks still fenced
         assert receiver.allocator.stats.fenced > 0
+        said = "the last value it gave (1.0 s)" if known else "taken as forever"
+        assert any("write_lifetime" in r.getMessage() and said in r.getMessage() for r in caplog.records)
+        writer.broken = None
+        await _serves(sender, receiver, "after")  # the sender goes on serving, into other blocks
+        if known:  # the write retired 1 s after its failure: FENCE_RELEASE gave the blocks back
+            await wait_pools_free(sender, receiver)
+        else:  # on the sender's books for the sender's life: its blocks stay fenced
+            assert sender.writes_in_flight == 1 and receiver.allocator.stats.fenced > 0
 
 
 class _RaisingObserver(TransferObserver):
@@ -304,9 +310,8 @@ async def test_an_observer_that_raises_breaks_no_room(caplog: pytest.LogCaptureF
                 with pytest.raises(TransferFailed, match="engine lost track"):
                     await receiver.receive("bad")
             del writer.raise_on["write"]
-            for room in ("a", "b"):
-                await _serves(sender, receiver, room)  # room "a" twice would be refused if "a" were still held
-            await _serves(sender, receiver, "a2")
+            for room in ("a", "b", "a"):  # "a" again: refused ("already being sent") if the sender still held it
+                await _serves(sender, receiver, room)
             await wait_pools_free(sender, receiver)
             assert sender.rooms_in_flight == 0 and sender.sources_held == 0
     assert seen_send.calls >= 3 and seen_receive.calls >= 5  # every hook was called, and each raised

@@ -208,8 +208,11 @@ class SenderConnection:
 
     def send(self, msg: Message) -> bool:
         """Queue a frame for the sender (never blocks, never raises); False, the frame dropped, once the connection
-        is closed (a room ending on a connection closed under it still ends: see :meth:`close`), or while the
-        sender reads nothing (its outbox is full: the heartbeats declare it gone soon)."""
+        is closed (a room ending on a connection closed under it still ends: see :meth:`close`), or if the sender
+        reads nothing (the control socket refuses more frames for it). That ends the session: a frame of it is
+        lost (an ABORT, the PING that holds a room id), so nothing the sender says of it later can be matched with
+        what we said. Its rooms fence what it may reach, as for a sender gone silent, and a new session's DRAINED
+        frees that."""
         if self._closed:
             log.debug("%s: closed, %s not sent", self.name, type(msg).__name__)
             return False
@@ -218,6 +221,8 @@ class SenderConnection:
             self.chan.send([frame])
         except AioembedError as exc:  # the control socket refuses more for a peer that does not read
             self._warnings.warn("not_sent", "%s: %s not sent: %s", self.name, type(msg).__name__, exc)
+            self.session_lost(LossKind.SILENT, f"sender {self.address} reads nothing ({type(msg).__name__} not "
+                                               f"sent: {exc})")
             return False
         return True
 

@@ -488,8 +488,8 @@ class ReceiveRoomDriver:
                 announced.append(grant)
         told = False
         if alive and not self._sender_ended and self.writer is not None:
-            # The sender holds the room (writing, or waiting for input or a RESUME): end it there. An ABORT it does
-            # not read (its outbox full) ends nothing there: then the room is fenced as for a sender gone.
+            # The sender holds the room (writing, or waiting for input or a RESUME): end it there. An ABORT that
+            # cannot be queued (the sender reads nothing) ends the session instead: fenced as for a sender gone.
             told = self.conn.send(Abort(room=self.room, reason=plain_text(error)))
             if told:
                 self.conn.held_ids.abort_sent(self.room, anyio.current_time())
@@ -756,7 +756,7 @@ class ReceiveRoomDriver:
                                  room=self.room)
         self.ctx.keeper.ledger.announce(grant, writer)
         self.writer = writer
-        if not self.conn.send(msg):  # dropped: the room fails (its grant is fenced by fail(), as any announced one)
+        if not self.conn.send(msg):  # dropped, and the session with it: the room fails (fail() fences the grant)
             raise TransferFailed(f"room {self.room!r}: sender {self.conn.address} reads nothing (its control "
                                  f"socket refuses more frames): {type(msg).__name__} not sent", room=self.room)
         if ahead:

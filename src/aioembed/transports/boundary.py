@@ -94,6 +94,8 @@ class GuardedTransport(Transport):
         self.name = inner.name  # type: ignore[misc]  # the wrapped plugin's name, per instance
         self.capabilities = inner.capabilities
         self._lifetime_warnings = WarningBudget(log)
+        self._lifetimes: dict[str, float] = {}
+        """The last write_lifetime / orphan_lifetime the plugin gave (see :meth:`_lifetime`)."""
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> GuardedTransport:
@@ -114,32 +116,28 @@ class GuardedTransport(Transport):
         return self._lifetime("orphan_lifetime")
 
     def _lifetime(self, which: str) -> float:
-        """How long a write may still land, as the plugin says, or forever if it cannot say: never an exception.
+        """How long a write may still land, as the plugin says: never an exception.
 
         These are read where the sessions settle their books (a failed write being recorded, a writer gone), where
-        an exception would leave a write that may land on no book at all, and its blocks freed. A lifetime not
-        known is the longest one: the blocks stay fenced until another proof (a new session, a revocation)."""
+        an exception would leave a write that may land on no book at all, and its blocks freed. A lifetime the
+        plugin cannot give (it raises, or says NaN) is the last one it gave, or, if it never gave one, forever:
+        the write then stays on the sender's books, and its blocks fenced, for the life of the sender (a
+        revocation aside). Safe, and a warning says it."""
         try:
             value = float(getattr(self.inner, which))
         except Exception as exc:
-            self._lifetime_unknown(which, f"raised {type(exc).__name__}: {exc}")
-            return math.inf
+            return self._lifetime_unknown(which, f"raised {type(exc).__name__}: {exc}")
         if math.isnan(value):  # max(0.0, nan) is 0.0: no fence at all
-            self._lifetime_unknown(which, "is NaN")
-            return math.inf
-        return max(0.0, value)
+            return self._lifetime_unknown(which, "is NaN")
+        self._lifetimes[which] = value = max(0.0, value)
+        return value
 
-    def _lifetime_unknown(self, which: str, why: str) -> None:
-        self._lifetime_warnings.warn(which, "transport %r: %s %s; taken as forever: writes that fail may land "
-                                     "until a new session or a revocation proves otherwise, and their blocks "
-                                     "stay fenced until then", self.name, which, why)
-
-    @property
-    def writer_id(self) -> str:
-        try:
-            return str(self.inner.writer_id)
-        except Exception as exc:
-            _reraise(self.name, "writer_id", exc)
+    def _lifetime_unknown(self, which: str, why: str) -> float:
+        known = self._lifetimes.get(which)
+        taken = f"the last value it gave ({known} s) is used" if known is not None else (
+            "taken as forever: a failed write that may land stays fenced until the sender closes")
+        self._lifetime_warnings.warn(which, "transport %r: %s %s; %s", self.name, which, why, taken)
+        return known if known is not None else math.inf
 
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
         try:
