@@ -30,7 +30,7 @@ from aioembed.metrics import TransferObserver
 from aioembed.testing import MockTransport
 from aioembed.testing.mock import WriteFault
 
-from ..session.conftest import LAYOUT, assert_same, make_request, wait_pools_free
+from ..session.conftest import LAYOUT, assert_same, make_request, room_fails_on_both_sides, wait_pools_free
 
 pytestmark = pytest.mark.anyio
 
@@ -190,14 +190,7 @@ async def test_an_unexplained_write_failure_is_fenced_until_it_can_no_longer_lan
                            write_lifetime=lifetime)
     async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
-        async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                with pytest.raises(TransferFailed, match="engine lost track"):
-                    await sender.send("r", make_request(1500, 3))
-
-            tg.start_soon(send)
-            with pytest.raises(TransferFailed, match="engine lost track"):
-                await receiver.receive("r")
+        await room_fails_on_both_sides(sender, receiver, "r", "engine lost track")
         assert receiver.allocator.stats.fenced > 0  # at once: the write may still land
         assert receiver.fenced_blocks.get("write_failed")
         t0 = time.monotonic()
@@ -251,14 +244,7 @@ async def test_a_write_lifetime_the_plugin_cannot_say_keeps_a_failed_write_fence
             assert sender._transport is not None and sender._transport.write_lifetime == 1.0  # read once: kept
         writer.broken = broken
         with caplog.at_level(logging.WARNING, logger="aioembed.transports"):
-            async with anyio.create_task_group() as tg:
-                async def send() -> None:
-                    with pytest.raises(TransferFailed, match="NIC error"):
-                        await sender.send("r", make_request(1500, 3))
-
-                tg.start_soon(send)
-                with pytest.raises(TransferFailed):
-                    await receiver.receive("r")
+            await room_fails_on_both_sides(sender, receiver, "r", "NIC error")
             assert receiver.allocator.stats.fenced > 0  # not freed while the write may land
             landed = await anyio.to_thread.run_sync(landing[0].landed.wait, 3.0)
         assert landed and not landing[0].refused.is_set()  # it did land, later, into blocks still fenced
@@ -301,14 +287,7 @@ async def test_an_observer_that_raises_breaks_no_room(caplog: pytest.LogCaptureF
                 EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport(),
                                   observer=seen_receive) as receiver:
             # A failed write that may land: the receiver fences its blocks and frees them later (both hooks raise).
-            async with anyio.create_task_group() as tg:
-                async def send() -> None:
-                    with pytest.raises(TransferFailed, match="engine lost track"):
-                        await sender.send("bad", make_request(1500, 3))
-
-                tg.start_soon(send)
-                with pytest.raises(TransferFailed, match="engine lost track"):
-                    await receiver.receive("bad")
+            await room_fails_on_both_sides(sender, receiver, "bad", "engine lost track")
             del writer.raise_on["write"]
             for room in ("a", "b", "a"):  # "a" again: refused ("already being sent") if the sender still held it
                 await _serves(sender, receiver, room)

@@ -23,7 +23,7 @@ from aioembed.session.tasks import BackgroundTasks
 from aioembed.testing import MockTransport
 from aioembed.transports.base import MemoryRegion
 
-from ..session.conftest import LAYOUT, assert_same, make_request
+from ..session.conftest import LAYOUT, assert_same, make_request, room_fails_on_both_sides
 from . import test_failure_boundary as boundary
 from .test_failure_boundary import _serves
 
@@ -257,14 +257,7 @@ async def test_a_send_unregisters_its_tensors_exactly_once_before_it_returns() -
             # at once, when send() returned
             assert writer.unregisters == i + 1 and sender.sources_held == 0 and len(writer.regions) == 0
         writer.raise_on["write"] = RuntimeError("engine lost track of the transfer")  # may land: fenced
-        async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                with pytest.raises(TransferFailed, match="engine lost track"):
-                    await sender.send("bad", make_request(1500, 3))
-
-            tg.start_soon(send)
-            with pytest.raises(TransferFailed, match="engine lost track"):
-                await receiver.receive("bad")
+        await room_fails_on_both_sides(sender, receiver, "bad", "engine lost track")
         with anyio.fail_after(5):
             while sender.sources_held:
                 await anyio.sleep(0.01)

@@ -6,9 +6,10 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
+import pytest
 import torch
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
+from aioembed import EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig, TransferFailed
 from aioembed.testing import MockTransport
 from aioembed.testing.event_loops import anyio_backend_fixture
 from aioembed.transports.base import MemoryRegion
@@ -48,6 +49,19 @@ async def room_goes_through(sender: EmbeddingSender, receiver: EmbeddingReceiver
         tg.start_soon(sender.send, room, src)
         got = await receiver.receive(room)
     assert_same(got.tensors, src)
+
+
+async def room_fails_on_both_sides(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: str, match: str,
+                                   *, num_tokens: int = 1500, seed: int = 3) -> None:
+    """One room sent and received, both sides failing with a ``TransferFailed`` that matches ``match`` (a fault)."""
+    async with anyio.create_task_group() as tg:
+        async def send() -> None:
+            with pytest.raises(TransferFailed, match=match):
+                await sender.send(room, make_request(num_tokens, seed))
+
+        tg.start_soon(send)
+        with pytest.raises(TransferFailed, match=match):
+            await receiver.receive(room)
 
 
 def _pools_free(sender: EmbeddingSender, *receivers: EmbeddingReceiver) -> bool:
