@@ -139,6 +139,13 @@ class GuardedTransport(Transport):
         self._lifetime_warnings.warn(which, "transport %r: %s %s; %s", self.name, which, why, taken)
         return known if known is not None else math.inf
 
+    @property
+    def writer_id(self) -> str:
+        try:
+            return str(self.inner.writer_id)
+        except Exception as exc:
+            _reraise(self.name, "writer_id", exc)
+
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
         try:
             await self.inner.register(regions)
