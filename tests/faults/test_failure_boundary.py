@@ -206,17 +206,12 @@ class _LifetimeUnknown(MockTransport):
 
     broken: str | None = None
 
-    @property
-    def write_lifetime(self) -> float:
+    def _lifetime(self) -> float:
         if self.broken == "raises":
             raise RuntimeError("engine handle gone")
         return math.nan if self.broken == "nan" else 1.0
 
-    @property
-    def orphan_lifetime(self) -> float:
-        if self.broken == "raises":
-            raise RuntimeError("engine handle gone")
-        return math.nan if self.broken == "nan" else 1.0
+    write_lifetime = orphan_lifetime = property(_lifetime)  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("known", [False, True], ids=["never-known", "known-before"])

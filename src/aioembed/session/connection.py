@@ -220,9 +220,11 @@ class SenderConnection:
         try:
             self.chan.send([frame])
         except AioembedError as exc:  # the control socket refuses more for a peer that does not read
-            self._warnings.warn("not_sent", "%s: %s not sent: %s", self.name, type(msg).__name__, exc)
-            self.session_lost(LossKind.SILENT, f"sender {self.address} reads nothing ({type(msg).__name__} not "
-                                               f"sent: {exc})")
+            why = f"sender {self.address} reads nothing ({type(msg).__name__} not sent: {exc})"
+            if self.ready:
+                self.session_lost(LossKind.SILENT, why)  # which logs it
+            else:  # between sessions (a HELLO): the handshake says it again later
+                self._warnings.warn("not_sent", "%s: %s", self.name, why)
             return False
         return True
 
@@ -470,10 +472,8 @@ class SenderConnection:
         (a PING after the end; its PONG comes after those answers)."""
         if not self.ready:
             return  # the session ended: nothing of it is believed any more
-        nonce = self.held_ids.ended(room)
-        if not self.send(Ping(nonce=nonce)):  # the sender does not read (outbox full): as good as lost
-            self.held_ids.pong(nonce)
-            log.warning("%s: room=%r: could not send the PING after its end; its id is not held", self.name, room)
+        # If the PING cannot be queued, the session ends (see send()), and every id it held is let go with it.
+        self.send(Ping(nonce=self.held_ids.ended(room)))
 
     async def wait_released(self, room: RoomId) -> None:
         """Until ``room``'s id is no longer held (a new attempt of it sends its INIT only then)."""

@@ -12,6 +12,7 @@ dropped: the room goes on as if the hook had returned. Cancellation and other ``
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from aioembed.log_budget import WarningBudget
 from aioembed.metrics import TransferObserver
@@ -30,50 +31,32 @@ class GuardedObserver(TransferObserver):
         """Hook calls that raised (each logged)."""
         self._warnings = WarningBudget(log)
 
-    def _failed(self, hook: str, exc: Exception) -> None:
-        self.failures += 1
-        self._warnings.warn(hook, "observer %s.%s raised %s: %s; ignored (the room goes on as if it had returned)",
-                            type(self.inner).__name__, hook, type(exc).__name__, exc)
-        log.debug("the observer's exception", exc_info=exc)
+    def _call(self, hook: str, **kw: Any) -> None:
+        try:
+            getattr(self.inner, hook)(**kw)
+        except Exception as exc:
+            self.failures += 1
+            self._warnings.warn(hook, "observer %s.%s raised %s: %s; ignored (the room goes on as if it had returned)",
+                                type(self.inner).__name__, hook, type(exc).__name__, exc)
+            log.debug("the observer's exception", exc_info=exc)
 
     def room_finished(self, *, side: str, outcome: str, nbytes: int, rounds: int, seconds: float) -> None:
-        try:
-            self.inner.room_finished(side=side, outcome=outcome, nbytes=nbytes, rounds=rounds, seconds=seconds)
-        except Exception as exc:
-            self._failed("room_finished", exc)
+        self._call("room_finished", side=side, outcome=outcome, nbytes=nbytes, rounds=rounds, seconds=seconds)
 
     def round_finished(self, *, side: str, seconds: float) -> None:
-        try:
-            self.inner.round_finished(side=side, seconds=seconds)
-        except Exception as exc:
-            self._failed("round_finished", exc)
+        self._call("round_finished", side=side, seconds=seconds)
 
     def sender_room_finished(self, *, sender: str, outcome: str, nbytes: int) -> None:
-        try:
-            self.inner.sender_room_finished(sender=sender, outcome=outcome, nbytes=nbytes)
-        except Exception as exc:
-            self._failed("sender_room_finished", exc)
+        self._call("sender_room_finished", sender=sender, outcome=outcome, nbytes=nbytes)
 
     def rows_inline(self, *, side: str, nbytes: int) -> None:
-        try:
-            self.inner.rows_inline(side=side, nbytes=nbytes)
-        except Exception as exc:
-            self._failed("rows_inline", exc)
+        self._call("rows_inline", side=side, nbytes=nbytes)
 
     def blocks_fenced(self, *, reason: str, blocks: int, sender: str) -> None:
-        try:
-            self.inner.blocks_fenced(reason=reason, blocks=blocks, sender=sender)
-        except Exception as exc:
-            self._failed("blocks_fenced", exc)
+        self._call("blocks_fenced", reason=reason, blocks=blocks, sender=sender)
 
     def fence_released(self, *, proof: str, blocks: int, sender: str) -> None:
-        try:
-            self.inner.fence_released(proof=proof, blocks=blocks, sender=sender)
-        except Exception as exc:
-            self._failed("fence_released", exc)
+        self._call("fence_released", proof=proof, blocks=blocks, sender=sender)
 
     def sender_closed(self, *, sender: str) -> None:
-        try:
-            self.inner.sender_closed(sender=sender)
-        except Exception as exc:
-            self._failed("sender_closed", exc)
+        self._call("sender_closed", sender=sender)

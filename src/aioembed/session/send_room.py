@@ -392,12 +392,15 @@ class SendRoomDriver:
         (none is left in flight); raises the first chunk's failure."""
         ended = [anyio.Event() for _ in chunks]
         failed: list[Exception | None] = [None] * len(chunks)
+        any_failed = False  # (a round may have a thousand chunks: not a scan of ``failed`` per chunk posted)
 
         async def write_one(i: int) -> None:
+            nonlocal any_failed
             try:
                 await peer.link.write(chunks[i][1])
             except Exception as exc:  # kept for the caller, in chunk order: the other writes go on to their end
                 failed[i] = exc
+                any_failed = True
             finally:
                 ended[i].set()
 
@@ -416,7 +419,7 @@ class SendRoomDriver:
                     if not await settled(oldest):
                         break
                     oldest += 1
-                if self.machine.failed is not None or not peer.alive or any(e is not None for e in failed):
+                if self.machine.failed is not None or not peer.alive or any_failed:
                     break  # the room ended (an ABORT, the peer declared dead) or a chunk failed: nothing more goes
                 tg.start_soon(write_one, i)
             else:
