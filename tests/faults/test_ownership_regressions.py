@@ -368,12 +368,43 @@ async def test_a_final_status_still_in_the_inbox_when_the_room_is_cancelled_free
                 await copying.wait()
             raw.send(Status(room="r", state=TransferStatus.SUCCESS, total_tokens=1500, sent_tokens=1500, round=1))
             with anyio.fail_after(5):
-                while not receiver._rooms["r"]._inbox.statistics().current_buffer_used:
+                while not len(receiver._rooms["r"]._inbox):
                     await anyio.sleep(0.005)  # the last STATUS waits in the room's inbox
             handle.cancel("the caller gave up")
             assert await handle.wait() is TransferStatus.ABORTED
             assert isinstance(await raw.expect(Abort), Abort)  # the raw sender never acknowledges it
             assert receiver.allocator.stats.used == 0  # the STATUS proved round 1's write over
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a plain Task.cancel() is asyncio's
+async def test_a_final_status_met_by_a_plain_task_cancel_is_not_lost() -> None:
+    """The sender's last STATUS reached a room waiting for it, and a plain ``Task.cancel()`` (a server dropping
+    the request, ``asyncio.timeout`` around ``receive()``) reached the room's task before it resumed. The room's
+    inbox was an anyio memory object stream, which hands an item to the waiting receiver: the cancellation
+    raised out of its ``receive()`` with the STATUS gone, so the room's end had no proof that the write was
+    over and its blocks stayed fenced until the sender answered the ABORT (this raw sender never does)."""
+    import asyncio
+
+    async with raw_sender() as raw:
+        async with EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
+            raw.welcome(await raw.expect(Hello), CFG.heartbeat_interval)
+            task = asyncio.ensure_future(receiver.receive("r"))
+            await raw.expect(Init)
+            driver = receiver._rooms["r"]
+            deliver = driver.deliver
+
+            def deliver_then_cancel(event: Any) -> None:
+                deliver(event)
+                if isinstance(event, Status) and event.state is TransferStatus.SUCCESS:
+                    task.cancel()  # in the same loop step: the room's wait has ended, it has not resumed
+
+            driver.deliver = deliver_then_cancel  # type: ignore[method-assign]
+            raw.send(Status(room="r", state=TransferStatus.SUCCESS, total_tokens=500, sent_tokens=500, round=0))
+            with pytest.raises(asyncio.CancelledError):
+                with anyio.fail_after(5):
+                    await task
+            assert isinstance(await raw.expect(Abort), Abort)  # the raw sender never acknowledges it
+            assert receiver.allocator.stats.used == 0, receiver.keeper.ledger.grants()  # the STATUS proved it
 
 
 async def test_an_abort_crossing_a_fenced_status_is_not_acknowledged_while_the_write_may_land() -> None:

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import anyio
 import torch
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from aioembed.config import TransferConfig
 from aioembed.errors import (
@@ -58,6 +58,7 @@ from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import Received, ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.room_deadlines import RoomDeadlines
+from aioembed.session.room_inbox import RoomInbox
 from aioembed.session.stream import Chunk, LeasedChunk, StreamItem
 
 __all__ = ["ReceiveRoomDriver", "RoomContext", "short_fields"]
@@ -133,9 +134,7 @@ class ReceiveRoomDriver:
         # A room may get one PROGRESS per chunk of a round before its driver looks, for two rounds (the next one
         # may be announced early, and written as soon as this one ended): room for them.
         inbox = _INBOX + (2 * math.ceil(cfg.round_tokens / self.progress_tokens) if self.progress_tokens else 0)
-        send, recv = anyio.create_memory_object_stream[RoomEvent](inbox)
-        self._inbox_send: MemoryObjectSendStream[RoomEvent] = send
-        self._inbox: MemoryObjectReceiveStream[RoomEvent] = recv
+        self._inbox = RoomInbox[RoomEvent](inbox)
         self._held: RoomEvent | None = None  # taken from the inbox ahead of its turn (see _fold_landed)
         self._next: int | None = None  # grant reserved or announced for the round in flight
         self._ahead: int | None = None  # grant of the round after it, announced early (before this one's STATUS)
@@ -160,8 +159,8 @@ class ReceiveRoomDriver:
     def deliver(self, event: RoomEvent) -> None:
         """A frame (or a session loss) for this room; never blocks."""
         try:
-            self._inbox_send.send_nowait(event)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._inbox.put(event)
+        except anyio.ClosedResourceError:
             log.debug("receiver[%d]: room=%r: %s after the room ended, ignored", self.ctx.rank, self.room, event)
             return
         except anyio.WouldBlock:
@@ -272,7 +271,7 @@ class ReceiveRoomDriver:
         if self._held is not None:
             event, self._held = self._held, None
             return event
-        return self._inbox.receive_nowait()
+        return self._inbox.get_nowait()
 
     def _fold_landed(self, arrived: Arrived) -> Arrived:
         """``arrived`` extended by the rows that the ``PROGRESS`` / ``STATUS`` frames already in the inbox
@@ -280,8 +279,8 @@ class ReceiveRoomDriver:
         nothing is folded in past it (the rows already announced are still copied, as before it came)."""
         while arrived.partial and self._held is None:
             try:
-                event = self._inbox.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream):
+                event = self._inbox.get_nowait()
+            except anyio.WouldBlock:
                 break
             if not isinstance(event, Progress | Status):
                 self._held = event
@@ -360,7 +359,7 @@ class ReceiveRoomDriver:
             self._phase = (phase, timeout)
             deadlines.set(self.handle, anyio.current_time() + timeout, scope.cancel)  # the room's own is the driver's
             try:
-                event = await self._inbox.receive()
+                event = await self._inbox.get()
             finally:
                 deadlines.drop(self.handle)
             self._phase = None
@@ -504,16 +503,14 @@ class ReceiveRoomDriver:
         """Undo the set-up of a driver that will never run (the other parts of its room could not start):
         it reserved nothing, announced nothing."""
         self.ctx.forget(self)
-        self._inbox_send.close()
         self._inbox.close()
 
     def finish(self, result: Received | Lease | None, error: TransferError | None, t_start: float) -> None:
         """Leave the connection's and the receiver's tables, report, resolve the handle."""
         self.ctx.forget(self)
         self._output = None  # the result holds it now: the caller's drop alone gives its memory back
-        self._inbox_send.close()
-        self._hand_over_pending_frames()
         self._inbox.close()
+        self._hand_over_pending_frames()
         if self.stream is not None:
             self.stream.close()  # the consumer sees the end (and then the handle's error, if any)
         m = self.machine
@@ -541,7 +538,7 @@ class ReceiveRoomDriver:
         while True:
             try:
                 event = self._take_event()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            except anyio.WouldBlock:
                 return
             if not isinstance(event, SessionLost):
                 self.conn.late(event, self.room, self.writer)
@@ -685,7 +682,7 @@ class ReceiveRoomDriver:
         the sender may still serve the room, else fail now (not after an allocation timeout)."""
         assert self._held is None  # events are held only while a chunk is copied, after INIT
         try:
-            event = self._inbox.receive_nowait()
+            event = self._inbox.get_nowait()
         except anyio.WouldBlock:
             return
         if not isinstance(event, SessionLost):
