@@ -266,8 +266,8 @@ class ReceiveRoomDriver:
                                           offset=arrived.offset + n)
 
     def _take_event(self) -> RoomEvent:
-        """The next event: one held back by :meth:`_fold_landed` first, else the inbox's (raises as
-        ``receive_nowait`` does when there is none)."""
+        """The next event: one held back by :meth:`_fold_landed` first, else the inbox's (``anyio.WouldBlock``
+        when there is none)."""
         if self._held is not None:
             event, self._held = self._held, None
             return event
