@@ -271,6 +271,45 @@ async def test_once_the_io_task_stopped_a_message_goes_at_once_and_is_not_strand
         ctx.term()
 
 
+async def test_a_send_zeromq_refuses_does_not_leave_arrived_input_unread() -> None:
+    """A send to a peer that left fails (``EHOSTUNREACH``, ``ROUTER_MANDATORY``) after libzmq ran its pending
+    commands, which consumes the descriptor's edge of a message that arrived meanwhile. The failed send did not
+    look at ``zmq.EVENTS`` again: the I/O task slept on with the message queued (a receiver's HELLO left
+    unanswered, for good if no later send went through)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    for opt, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1)):
+        router.setsockopt(opt, value)
+    router.bind("tcp://127.0.0.1:0")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    got: list[bytes] = []
+    chan = ControlSocket(router, lambda frames: got.append(frames[1]), name="test-router", routed=True,
+                         bundles=True)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(chan.run)
+            dealer.send(b"first")
+            with anyio.fail_after(5):
+                while not got:
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.1)  # the I/O task waits for the descriptor now
+            dealer.send(b"hello")
+            time.sleep(0.2)  # noqa: ASYNC251 (the loop is busy; ZeroMQ takes the message in meanwhile)
+            chan.send([b"\x00a-receiver-that-left", b"status"])  # refused: dropped and logged
+            with anyio.move_on_after(3):
+                while len(got) < 2:
+                    await anyio.sleep(0.01)
+            waiting = bool(router.get(zmq.EVENTS) & zmq.POLLIN)
+            assert got == [b"first", b"hello"], f"handled {got}; input waiting: {waiting}"
+            tg.cancel_scope.cancel()
+    finally:
+        chan.close()
+        dealer.close(linger=0)
+        ctx.term()
+
+
 def test_a_flood_is_handled_a_batch_at_a_time_and_an_oversized_bundle_is_dropped(
         caplog: pytest.LogCaptureFixture) -> None:
     """Between batches the I/O task yields. A batch counted ZeroMQ messages, not the messages bundled in

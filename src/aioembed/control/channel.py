@@ -130,18 +130,27 @@ class ControlSocket:
         """Hand ``frames`` to ZeroMQ at once when nothing is queued for their peer and nothing went to it
         at once since the I/O task last ran (the usual case): no wake-up of the I/O task. A send may
         consume the edge of a message that already arrived, so ``zmq.EVENTS`` is read again afterwards
-        and the I/O task woken if input is waiting."""
+        and the I/O task woken if input is waiting: after a send ZeroMQ refused too (``EHOSTUNREACH`` to a
+        receiver that left), which ran libzmq's pending commands all the same. Missed there, a receiver's
+        HELLO arriving meanwhile waited until some later send went through, and a sender whose only receiver
+        had just reconnected never answered it."""
         try:
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
         except zmq.Again:
-            return False  # at the high-water mark: queue it; the I/O task retries
+            return False  # at the high-water mark: the caller queues it and wakes the I/O task, which retries
         except zmq.ZMQError as exc:
-            self._send_failed(frames, exc)
+            try:
+                self._send_failed(frames, exc)
+            finally:
+                self._wake_if_input()
             return True
         self.sent += 1
+        self._wake_if_input()
+        return True
+
+    def _wake_if_input(self) -> None:
         if int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
             self._poke()
-        return True
 
     def _send_failed(self, frames: Sequence[bytes], exc: zmq.ZMQError) -> None:
         """A message ZeroMQ refused for good (not ``Again``): dropped, logged, reported."""
