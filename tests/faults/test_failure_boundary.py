@@ -104,6 +104,34 @@ async def test_a_foreign_exception_in_connect_is_named_on_both_sides(exc_type: t
         await _serves(sender, receiver, "after")
 
 
+async def test_a_descriptor_the_transport_cannot_give_fails_rooms_with_its_cause_and_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver's transport fails to describe itself for the HELLO (a NIXL agent's metadata, a UCX listener).
+    The error left the connection's task: the connection closed, logged only as a background task's failure, and
+    every room for that sender failed with "the connection ... was closed" and no cause; a transport that recovered
+    was never tried again by that connection."""
+    from aioembed.errors import TransportError
+    from aioembed.session import connection
+
+    monkeypatch.setattr(connection, "REFUSAL_RETRY", 0.3)
+    flaky = MockTransport(raise_on={"descriptor": RuntimeError("agent metadata unavailable")})
+    async with EmbeddingSender(LAYOUT, CFG, transport=MockTransport()) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG.replace(handshake_timeout=10.0), connect=sender.address,
+                              transport=flaky) as receiver:
+        for room in ("a", "b"):
+            with anyio.fail_after(5):  # at once, not after the handshake timeout
+                with pytest.raises(TransferFailed, match="cannot shake hands") as err:
+                    await receiver.receive(room)
+            assert isinstance(err.value.__cause__, TransportError), repr(err.value.__cause__)
+            assert "agent metadata unavailable" in str(err.value)
+        del flaky.raise_on["descriptor"]  # the transport recovered: the same connection shakes hands again
+        conn = receiver._conns[sender.address]
+        with anyio.fail_after(10):
+            while not conn.ready:  # refused until the next handshake, a REFUSAL_RETRY later
+                await anyio.sleep(0.05)
+        await _serves(sender, receiver, "c")
+
+
 async def test_metadata_the_codec_refuses_is_refused_by_send_and_ends_the_room_at_once() -> None:
     async with EmbeddingSender(LAYOUT, CFG) as sender, \
             EmbeddingReceiver(LAYOUT, CFG.replace(input_timeout=60.0), connect=sender.address) as receiver:

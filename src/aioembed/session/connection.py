@@ -35,7 +35,15 @@ from zmq.utils.monitor import parse_monitor_message
 from aioembed.config import TransferConfig
 from aioembed.control.channel import ControlSocket
 from aioembed.control.sockets import make_dealer
-from aioembed.errors import AioembedError, IncompatiblePeer, ProtocolError, TransferFailed, TransferTimeout
+from aioembed.errors import (
+    AioembedError,
+    IncompatiblePeer,
+    ProtocolError,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
 from aioembed.layout import Layout
 from aioembed.log_budget import WarningBudget
 from aioembed.memory.pool import BlockPool
@@ -140,7 +148,8 @@ class SenderConnection:
         self.writer: Writer | None = None
         """The writer of the last WELCOMEd session: frames that arrive are from it."""
         self.writer_id = ""
-        self.refused: IncompatiblePeer | None = None
+        self.refused: TransferError | None = None
+        """Why no handshake holds now (the sender refused ours, or our side cannot say HELLO); tried again."""
         self.last_refusal: str | None = None
         self.sessions = 0
         self._ready = anyio.Event()
@@ -216,17 +225,21 @@ class SenderConnection:
         if self._closed:
             log.debug("%s: closed, %s not sent", self.name, type(msg).__name__)
             return False
-        frame = encode(msg)
         try:
-            self.chan.send([frame])
-        except AioembedError as exc:  # the control socket refuses more for a peer that does not read
-            why = f"sender {self.address} reads nothing ({type(msg).__name__} not sent: {exc})"
-            if self.ready:
-                self.session_lost(LossKind.SILENT, why)  # which logs it
-            else:  # between sessions (a HELLO): the handshake says it again later
-                self._warnings.warn("not_sent", "%s: %s", self.name, why)
-            return False
-        return True
+            frame = encode(msg)
+        except ProtocolError as exc:  # a value of ours the wire cannot carry: lost like a refused frame
+            why = f"{type(msg).__name__} for sender {self.address} cannot be encoded: {exc}"
+        else:
+            try:
+                self.chan.send([frame])
+                return True
+            except AioembedError as exc:  # the control socket refuses more for a peer that does not read
+                why = f"sender {self.address} reads nothing ({type(msg).__name__} not sent: {exc})"
+        if self.ready:
+            self.session_lost(LossKind.SILENT, why)  # which logs it
+        else:  # between sessions (a HELLO): the handshake says it again later
+            self._warnings.warn("not_sent", "%s: %s", self.name, why)
+        return False
 
     def close(self) -> None:
         """Close the sockets (the owner cancels ``run`` first). Idempotent. Rooms still on the connection
@@ -265,13 +278,23 @@ class SenderConnection:
         self.epoch = self._next_epoch()
         self._answered = anyio.Event()
         self._lost = anyio.Event()
-        hello = Hello(
-            receiver_id=self.receiver_id, epoch=self.epoch, fingerprint=self.layout.fingerprint,
-            transport=self.transport.name, descriptor=self.transport.descriptor(), block_size=cfg.block_size,
-            num_blocks=cfg.pool_blocks, rank=self.rank, world=self.world,
-            regions=tuple((reg.address, reg.length) for reg in self.pool.regions()),
-            status_inline_bytes=self.pool.status_inline_budget(cfg.status_inline_bytes),
-        )
+        try:
+            hello = Hello(
+                receiver_id=self.receiver_id, epoch=self.epoch, fingerprint=self.layout.fingerprint,
+                transport=self.transport.name, descriptor=self.transport.descriptor(), block_size=cfg.block_size,
+                num_blocks=cfg.pool_blocks, rank=self.rank, world=self.world,
+                regions=tuple((reg.address, reg.length) for reg in self.pool.regions()),
+                status_inline_bytes=self.pool.status_inline_budget(cfg.status_inline_bytes),
+            )
+            encode(hello)  # a descriptor the wire cannot carry fails here, with its cause, not as a lost frame
+        except (TransportError, ProtocolError) as exc:
+            # Our side cannot say HELLO (the transport could not describe itself: a NIXL agent's metadata, a UCX
+            # listener). The rooms waiting for this sender fail now with the cause, not after their handshake
+            # timeout with "connection closed"; tried again like a refusal (the transport may recover).
+            self.refused = TransferFailed(f"receiver rank {self.rank} cannot shake hands with sender {self.address}: "
+                                          f"{type(exc).__name__}: {exc}")
+            self.refused.__cause__ = exc
+            return
         backoff = 0.05
         while not self._answered.is_set():
             self._nudge = anyio.Event()
