@@ -94,7 +94,7 @@ from aioembed.session.room_deadlines import RoomDeadlines
 from aioembed.session.send_room import SendContext, SendRoomDriver
 from aioembed.session.source_buffers import RegisteredSources, SourceBufferIndex, check_source_tensors
 from aioembed.session.tasks import BackgroundTasks
-from aioembed.transports.base import MemoryRegion, Transport
+from aioembed.transports.base import Link, MemoryRegion, Transport
 from aioembed.transports.boundary import GuardedTransport, guard
 from aioembed.transports.registry import open_transport
 
@@ -314,18 +314,21 @@ class EmbeddingSender:
                     kept.mark_closed()
                 self._closed.set()
 
+    async def _close_link(self, link: Link, peer: object) -> None:
+        """Close the link to a receiver that left, was replaced, or at the sender's close. Closing an endpoint to
+        a peer that is gone may fail in the plugin (UCX, NIXL): expected, so a budgeted warning, not a bug's
+        traceback from the background task."""
+        try:
+            await link.aclose()
+        except TransportError as exc:
+            self._warnings.warn("link_close", "sender: closing the link to %s: %s", peer, exc)
+
     async def _teardown(self) -> None:
         await self._tasks.exit()  # its tasks were cancelled (or never started): the host stops
 
-        async def close_link(p: PeerSession) -> None:
-            try:
-                await p.link.aclose()
-            except TransportError as exc:
-                log.warning("sender: closing the link to %s: %s", p, exc)
-
         async with anyio.create_task_group() as tg:  # at once: a slow close (a frozen peer) holds up no other
             for p in [*self._peers.sessions(), *self._draining.values()]:
-                tg.start_soon(close_link, p)
+                tg.start_soon(self._close_link, p.link, p)
         self._draining.clear()
         if self._chan is not None:
             self._chan.close(linger_ms=200)
@@ -861,7 +864,7 @@ class EmbeddingSender:
                 old = self._draining.pop(a.session, None)
                 if old is not None:
                     log.info("sender: the last write into dropped %s ended", old)
-                    self._spawn(old.link.aclose)
+                    self._spawn(self._close_link, old.link, old)
         self._timer.wake()
 
     def _ledger_stalled(self, now: float) -> None:
@@ -1008,7 +1011,7 @@ class EmbeddingSender:
         finally:
             self._handshaking.discard(key)
         if self._welcome_again(identity, hello):
-            await link.aclose()
+            await self._close_link(link, f"receiver {hello.receiver_id[:8]} rank {hello.rank} (a repeated HELLO)")
             return
         old = self._peers.of(hello.receiver_id)
         if old is not None:
@@ -1212,7 +1215,7 @@ class EmbeddingSender:
         if self._ledger.writes_into(peer.key):
             self._draining[peer.key] = peer  # its link closes once its last write ended
         else:
-            self._spawn(peer.link.aclose)
+            self._spawn(self._close_link, peer.link, peer)
 
     async def wait_for_receivers(self, count: int = 1, timeout: float | None = None) -> None:
         """Wait until ``count`` receivers hold a session with this sender (a readiness check); raises
