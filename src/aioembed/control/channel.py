@@ -38,6 +38,7 @@ import anyio.abc
 import zmq
 
 from aioembed.errors import AioembedError
+from aioembed.log_budget import WarningBudget
 
 __all__ = ["ControlSocket", "FrameHandler", "SendErrorHandler"]
 
@@ -96,6 +97,7 @@ class ControlSocket:
         self._closed = False
         self._drained = anyio.Event()
         self._drained.set()
+        self._warnings = WarningBudget(log)  # what a peer sends wrong, as fast as it likes: a line per window
         self.sent = 0
         self.received = 0
         self.bundles_sent = 0
@@ -157,7 +159,7 @@ class ControlSocket:
         if exc.errno == errno.EHOSTUNREACH:
             log.debug("%s: peer unreachable, message dropped", self.name)
         else:
-            log.warning("%s: send failed: %s", self.name, exc)
+            self._warnings.warn("send", "%s: send failed: %s", self.name, exc)
         if self._on_send_error is not None:
             self._on_send_error(frames, exc)
 
@@ -255,8 +257,8 @@ class ControlSocket:
                 if not payloads or len(payloads) > _BUNDLE_MAX:
                     # A peer bundles at most _BUNDLE_MAX messages: a larger one (say a million tiny frames in
                     # one 16 MiB message) would be handled in one go, the loop held all the while.
-                    log.warning("%s: dropped a ZeroMQ message of %d payload frames (a bundle holds 1..%d)",
-                                self.name, len(payloads), _BUNDLE_MAX)
+                    self._warnings.warn("bundle", "%s: dropped a ZeroMQ message of %d payload frames (a bundle "
+                                        "holds 1..%d)", self.name, len(payloads), _BUNDLE_MAX)
                     continue
                 messages = [[frames[0], payload] for payload in payloads] if self._routed else [[p] for p in payloads]
                 budget -= len(messages) - 1

@@ -904,8 +904,9 @@ class EmbeddingSender:
         try:
             self._chan.send([identity, encode(msg)])
         except AioembedError as exc:  # cannot encode (a bug) or the peer does not read: the caller decides
-            log.error("sender: cannot send %s (room %r) to %r: %s", msg.TYPE, getattr(msg, "room", None),
-                      identity, exc)
+            # Budgeted: a frozen receiver with many rooms gets a refused frame per STATUS until it is found silent.
+            self._warnings.warn("not_sent", "sender: cannot send %s (room %r) to %r: %s", msg.TYPE,
+                                getattr(msg, "room", None), identity, exc)
             return False
         return True
 
