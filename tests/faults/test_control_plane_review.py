@@ -6,6 +6,7 @@
 4. One refused handshake kept the connection refused for good, even after the sender was fixed.
 5. One socket saying HELLO as a second receiver id left the first session alive and out of reach.
 6. Settings past the wire's limits, or a heartbeat that flaps by design, are refused at construction.
+7. One sender reached under two addresses: the receiver's two connections ended each other's sessions for good.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from aioembed import (
     PeerDead,
     TransferAborted,
     TransferConfig,
+    TransferFailed,
     TransferStatus,
 )
 from aioembed.protocol.messages import MAX_FRAME_BYTES, Abort, AbortAck, Hello, Init, Reject, Status, Welcome
@@ -41,12 +43,13 @@ pytestmark = pytest.mark.anyio
 CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, input_timeout=8.0)
 
 
-async def _served(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: int) -> None:
+async def _served(sender: EmbeddingSender, receiver: EmbeddingReceiver, room: int, *, sender_at: str | None = None,
+                  ) -> None:
     """One room sent and received, bit for bit."""
     src = make_request(300, room)
     async with anyio.create_task_group() as tg:
         tg.start_soon(sender.send, room, src)
-        got = await receiver.receive(room)
+        got = await receiver.receive(room, sender=sender_at)
     assert_same(got.tensors, src)
 
 
@@ -132,6 +135,33 @@ async def test_a_refused_handshake_is_tried_again(monkeypatch: pytest.MonkeyPatc
                 while not conn.ready:  # refused until the next handshake, a REFUSAL_RETRY later
                     await anyio.sleep(0.05)
             await _served(s, r, 2)
+
+
+async def test_one_sender_under_two_addresses_is_refused_on_the_second_not_flipped_for_good() -> None:
+    """A receiver reaching one sender as ``tcp://127.0.0.1:P`` and ``tcp://localhost:P``: its two connections
+    shared its receiver id, the sender keeps one session per receiver, so each HELLO ended the other connection's
+    session, which shook hands again at its next PING, and so on for good (a review counted 15 sessions in 2 s),
+    failing the rooms in flight at each turn. The second connection now stands down with an error naming both."""
+    cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=5, handshake_timeout=2.0)
+    async with EmbeddingSender(LAYOUT, cfg) as s, EmbeddingReceiver(LAYOUT, cfg) as r:
+        port = s.address.rsplit(":", 1)[1]
+        a, b = f"tcp://127.0.0.1:{port}", f"tcp://localhost:{port}"
+        await r.wait_connected(sender=a)
+        with anyio.fail_after(5), pytest.raises(TransferFailed, match="under two addresses") as err:
+            await r.wait_connected(sender=b)
+        assert a in str(err.value) and b in str(err.value)
+        with anyio.fail_after(5), pytest.raises(TransferFailed, match="under two addresses"):
+            await r.receive("via-b", sender=b)  # at once, not after a handshake timeout
+        await anyio.sleep(1.0)  # ten heartbeats: no more turns
+        conn_a = r._conns[a]
+        with anyio.fail_after(5):
+            while not conn_a.ready:  # b's one HELLO ended a's session once: a shook hands again
+                await anyio.sleep(0.02)
+        sessions = conn_a.sessions
+        await anyio.sleep(1.0)
+        assert conn_a.sessions == sessions <= 2 and r._conns[b].sessions == 0
+        for i in range(3):
+            await _served(s, r, i, sender_at=a)
 
 
 async def test_a_second_receiver_id_on_one_socket_ends_the_first_session() -> None:

@@ -118,7 +118,9 @@ class SenderConnection:
     def __init__(self, address: str, *, ctx: zmq.Context[zmq.Socket[bytes]], config: TransferConfig,
                  layout: Layout, pool: BlockPool, rank: int, world: int, receiver_id: str, keeper: BlockKeeper,
                  transport: GuardedTransport, returns: LeaseReturns, spawn: Callable[..., object],
-                 next_epoch: Callable[[], int]) -> None:
+                 next_epoch: Callable[[], int],
+                 twin_of: Callable[[SenderConnection, str], SenderConnection | None] = lambda conn, sender_id: None,
+                 ) -> None:
         self.address = address
         self.config = config
         self.layout = layout
@@ -163,6 +165,10 @@ class SenderConnection:
         """When a room last started on this connection (``anyio.current_time()``)."""
         self._disconnected = False
         self._gone_sender: str | None = None
+        self._twin_of = twin_of
+        """Another connection of this receiver to the sender with this id, if any (the same sender under two
+        addresses: see :meth:`_refuse_twin`)."""
+        self._twin_sender: str | None = None  # the sender id this connection found held by a twin
         self.clock = PeerClock(0.0)
         self._pings: deque[int] = deque(maxlen=8)
         self._nonce_base = uuid.uuid4().int & ((1 << 62) - 1)
@@ -275,6 +281,9 @@ class SenderConnection:
 
     async def _handshake(self) -> None:
         cfg = self.config
+        if self._twin_sender is not None and self._refuse_twin(self._twin_sender):
+            return  # not even a HELLO: it would end the twin's session again
+        self._twin_sender = None
         self.epoch = self._next_epoch()
         self._answered = anyio.Event()
         self._lost = anyio.Event()
@@ -385,6 +394,10 @@ class SenderConnection:
         if msg.epoch != self.epoch or self._answered.is_set():
             log.debug("%s: WELCOME for session %d ignored (current %d)", self.name, msg.epoch, self.epoch)
             return
+        if self._refuse_twin(msg.sender_id):
+            self._answered.set()
+            self._nudge.set()
+            return
         old = self.sender_id
         if old is not None and msg.sender_id != old:
             # Another process answers at the address: the old one released it, so it is gone.
@@ -406,6 +419,22 @@ class SenderConnection:
         self._nudge.set()
         self._ready.set()
         log.info("%s: connected (session %d, sender %s)", self.name, self.epoch, msg.sender_id[:8])
+
+    def _refuse_twin(self, sender_id: str) -> bool:
+        """True, with the handshake refused, if another connection of this receiver holds the sender ``sender_id``:
+        one sender reached under two addresses (``tcp://10.0.0.5:5555`` and ``tcp://enc0:5555``). The sender keeps
+        one session per receiver, so each connection's HELLO ended the other's session and the two took turns for
+        good, each turn failing the rooms in flight. This one stands down, and says so to its rooms, for as long
+        as the twin holds that sender (its first HELLO ended the twin's session once)."""
+        twin = self._twin_of(self, sender_id)
+        if twin is None:
+            return False
+        self._twin_sender = sender_id
+        self.refused = TransferFailed(
+            f"sender {self.address} is the sender (id {sender_id[:8]}) this receiver (rank {self.rank}) already "
+            f"reaches at {twin.address}: one sender under two addresses; name it by one (each handshake would end "
+            f"the other's session)")
+        return True
 
     # -- frames ------------------------------------------------------------------------------
 

@@ -213,10 +213,16 @@ class EmbeddingReceiver:
         conn = SenderConnection(
             address, ctx=self._ctx, config=self.config, layout=self.layout, pool=self.pool, rank=self.rank,
             world=self.world, receiver_id=self.receiver_id, keeper=self.keeper, transport=self._transport,
-            returns=self._room_ctx.returns, spawn=self._spawn, next_epoch=functools.partial(next, self._epochs))
+            returns=self._room_ctx.returns, spawn=self._spawn, next_epoch=functools.partial(next, self._epochs),
+            twin_of=self._twin_of)
         self._conns[address] = conn
         self._spawn(self._run_connection, conn)
         return conn
+
+    def _twin_of(self, conn: SenderConnection, sender_id: str) -> SenderConnection | None:
+        """Another open connection to the sender ``sender_id`` (it is reached under two addresses)."""
+        return next((c for c in self._conns.values()
+                     if c is not conn and not c.closed and c.sender_id == sender_id), None)
 
     async def _run_connection(self, conn: SenderConnection) -> None:
         """One sender's tasks, under one scope: stopped together when the connection is closed."""
