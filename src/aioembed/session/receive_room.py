@@ -314,12 +314,12 @@ class ReceiveRoomDriver:
                         self._wait_scope = None
                 self._add_phase("handshake", t0)
                 if scope.cancelled_caught:
-                    self._interrupted()
+                    self._interrupted(None)
                     continue
             tokens = self._first_tokens()
             grant = await self._reserve(tokens, first=True)
             if grant is None:
-                self._interrupted()
+                self._interrupted(writer)
                 continue
             if self.conn.ready and self.conn.writer == writer:
                 break
@@ -677,16 +677,27 @@ class ReceiveRoomDriver:
         return TransferTimeout(f"room {self.room!r}: exceeded room_timeout={self.ctx.config.room_timeout} s",
                                room=self.room, phase="room")
 
-    def _interrupted(self) -> None:
+    def _interrupted(self, waited_in: Writer | None) -> None:
         """A wait of :meth:`open` was cut short by the sender's session ending: try the next session if
-        the sender may still serve the room, else fail now (not after an allocation timeout)."""
+        the sender may still serve the room, else fail now (not after an allocation timeout).
+
+        Only the loss of the session the wait was in (``waited_in``; ``None``: a wait for a handshake) decides.
+        A room before its INIT is told of every loss, also of one that came while it was in no wait this cuts
+        (its id's release, a reservation granted as the session ended): that loss is still in the inbox, ahead
+        of the one that cut this wait, and says nothing about the sender now (it went silent, then came back;
+        it dropped a session, and now is silent). Dropped here, as :meth:`_on_session_lost` drops it after INIT."""
         assert self._held is None  # events are held only while a chunk is copied, after INIT
-        try:
-            event = self._inbox.get_nowait()
-        except anyio.WouldBlock:
-            return
-        if not isinstance(event, SessionLost):
-            raise TransferFailed(f"room {self.room!r}: unexpected {event!r} before INIT", room=self.room)
+        while True:
+            try:
+                event = self._inbox.get_nowait()
+            except anyio.WouldBlock:
+                return
+            if not isinstance(event, SessionLost):
+                raise TransferFailed(f"room {self.room!r}: unexpected {event!r} before INIT", room=self.room)
+            if event.writer == waited_in:
+                break
+            log.debug("receiver[%d]: room=%r: the loss of session %d (%s), which it did not wait in, ignored",
+                      self.ctx.rank, self.room, event.writer.epoch, event.kind.value)
         if event.kind is LossKind.DROPPED and self._reopens < _REOPENS:
             self._reopens += 1
             self._lost_reason = event.reason
