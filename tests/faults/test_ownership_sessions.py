@@ -129,7 +129,7 @@ class ScriptedSender:
 
     async def close(self) -> None:
         self.chan.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
         await self.transport.aclose()
 
     def send(self, msg: Message) -> None:
@@ -269,98 +269,104 @@ async def run_script(script: list[tuple[Any, ...]], revocable: bool) -> list[str
     handles: dict[str, ReceiveHandle] = {}
     leases: list[Lease] = []
     box: list[EmbeddingReceiver] = []
-    async with anyio.create_task_group() as tg:
-        sender = ScriptedSender(box, violations, tg)
-        await sender.start()
-        transport = MockTransport(revocable=revocable, orphan_lifetime=ORPHAN_LIFETIME)
-        async with EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=transport) as receiver:
-            box.append(receiver)
-            await receiver.wait_connected()
+    senders: list[ScriptedSender] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            sender = ScriptedSender(box, violations, tg)
+            senders.append(sender)
+            await sender.start()
+            transport = MockTransport(revocable=revocable, orphan_lifetime=ORPHAN_LIFETIME)
+            async with EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=transport) as receiver:
+                box.append(receiver)
+                await receiver.wait_connected()
 
-            async def land_later(w: Any, delay: float, then: Any = None) -> None:
-                await anyio.sleep(delay)
-                sender.land(w)
-                if then is not None:
-                    then()
+                async def land_later(w: Any, delay: float, then: Any = None) -> None:
+                    await anyio.sleep(delay)
+                    sender.land(w)
+                    if then is not None:
+                        then()
 
-            def pick(i: int) -> Any:
-                live = [r for r in sender.rooms.values() if r.reserved and not r.ended]
-                return live[i % len(live)] if live else None
+                def pick(i: int) -> Any:
+                    live = [r for r in sender.rooms.values() if r.reserved and not r.ended]
+                    return live[i % len(live)] if live else None
 
-            for n, (kind, a, b) in enumerate(script):
-                if kind == "start" and receiver.rooms_in_flight < 5:
-                    room = f"r{n}"
-                    handles[room] = receiver.start(room, zero_copy=b)
-                elif kind == "write" and (r := pick(a)) is not None:
-                    w = sender.post(r)
-                    if w is not None:
-                        count = min(r.allocated, r.total - r.sent)
-                        tg.start_soon(land_later, w, b, lambda r=r, c=count: sender.status_after(r, c))
-                elif kind == "poisoned" and (r := pick(a)) is not None:
-                    w = sender.post(r)
-                    if w is not None:
-                        r.ended = True  # the sender's room failed; its write lands later all the same
-                        sender.send(Status(room=r.room, state="FAILED", total_tokens=r.total, sent_tokens=0,
-                                           round=0, error="write timed out", fence=True))
+                for n, (kind, a, b) in enumerate(script):
+                    if kind == "start" and receiver.rooms_in_flight < 5:
+                        room = f"r{n}"
+                        handles[room] = receiver.start(room, zero_copy=b)
+                    elif kind == "write" and (r := pick(a)) is not None:
+                        w = sender.post(r)
+                        if w is not None:
+                            count = min(r.allocated, r.total - r.sent)
+                            tg.start_soon(land_later, w, b, lambda r=r, c=count: sender.status_after(r, c))
+                    elif kind == "poisoned" and (r := pick(a)) is not None:
+                        w = sender.post(r)
+                        if w is not None:
+                            r.ended = True  # the sender's room failed; its write lands later all the same
+                            sender.send(Status(room=r.room, state="FAILED", total_tokens=r.total, sent_tokens=0,
+                                               round=0, error="write timed out", fence=True))
 
-                        def release(r: SentRoom = r) -> None:
-                            if r.epoch == sender.epoch and not sender.silent:
-                                sender.send(FenceRelease(room=r.room))
-                        tg.start_soon(land_later, w, b, release)
-                elif kind == "sender_abort" and (r := pick(a)) is not None and r.writing == 0:
-                    r.ended = True
-                    sender.send(Abort(room=r.room, reason="the encoder gave up"))
-                elif kind == "cancel" and handles:
-                    list(handles.values())[a % len(handles)].cancel("the scheduler preempted it")
-                elif kind == "release":
-                    for h in list(handles.values()):
-                        # (not one that a cancel() after its end gave back: lease() raises for it)
-                        if h.done and isinstance(h._result, Lease) and not h._lease_taken and not h._result.released:
-                            leases.append(await h.lease())
-                    if leases:
-                        leases.pop(a % len(leases)).release()
-                elif kind == "silence":
-                    sender.silent = True
-                    await anyio.sleep(a)
-                    sender.silent = False
-                elif kind == "drop_session":
-                    sender.identity, sender.epoch, sender.rooms = None, 0, {}
-                elif kind == "restart":
-                    sender.sender_id = uuid.uuid4().hex
-                    sender.identity, sender.epoch, sender.rooms = None, 0, {}
-                elif kind == "wait":
-                    await anyio.sleep(a)
-                await anyio.sleep(0.01)
+                            def release(r: SentRoom = r) -> None:
+                                if r.epoch == sender.epoch and not sender.silent:
+                                    sender.send(FenceRelease(room=r.room))
+                            tg.start_soon(land_later, w, b, release)
+                    elif kind == "sender_abort" and (r := pick(a)) is not None and r.writing == 0:
+                        r.ended = True
+                        sender.send(Abort(room=r.room, reason="the encoder gave up"))
+                    elif kind == "cancel" and handles:
+                        list(handles.values())[a % len(handles)].cancel("the scheduler preempted it")
+                    elif kind == "release":
+                        for h in list(handles.values()):
+                            # (not one that a cancel() after its end gave back: lease() raises for it)
+                            if (h.done and isinstance(h._result, Lease) and not h._lease_taken
+                                    and not h._result.released):
+                                leases.append(await h.lease())
+                        if leases:
+                            leases.pop(a % len(leases)).release()
+                    elif kind == "silence":
+                        sender.silent = True
+                        await anyio.sleep(a)
+                        sender.silent = False
+                    elif kind == "drop_session":
+                        sender.identity, sender.epoch, sender.rooms = None, 0, {}
+                    elif kind == "restart":
+                        sender.sender_id = uuid.uuid4().hex
+                        sender.identity, sender.epoch, sender.rooms = None, 0, {}
+                    elif kind == "wait":
+                        await anyio.sleep(a)
+                    await anyio.sleep(0.01)
 
-            # Every room ends by its deadline.
-            with anyio.fail_after(CFG.room_timeout + 2.0):
-                for h in handles.values():
-                    await h.wait()
-            for h in handles.values():
-                if isinstance(h._result, Lease) and not h._lease_taken and not h._result.released:
-                    leases.append(await h.lease())
-                elif isinstance(h._result, Lease) and not h._lease_taken:  # a cancel() after its end gave it back
-                    with pytest.raises(TransferAborted, match="its lease was given back"):
-                        await h.lease()
-                elif h.status is not TransferStatus.SUCCESS:
-                    with pytest.raises(TransferError):
+                # Every room ends by its deadline.
+                with anyio.fail_after(CFG.room_timeout + 2.0):
+                    for h in handles.values():
                         await h.wait()
-                        await (h.lease() if h._error is None else h.result())
-            for lease in leases:
-                lease.release()
-            # The sender ends truthfully: its writes land; it drops the session, and once the receiver
-            # shook hands again, confirms that every earlier session is drained.
-            with anyio.fail_after(3):
-                while sender.inflight:
-                    await anyio.sleep(0.01)
-            sender.silent = False
-            sender.identity, sender.epoch, sender.rooms = None, 0, {}
-            with anyio.fail_after(3 + ORPHAN_LIFETIME):
-                while receiver.allocator.stats.used:
-                    await anyio.sleep(0.01)
-            assert len(receiver.keeper.ledger) == 0
-        tg.cancel_scope.cancel()  # the sender's socket task ends before its socket closes
-    await sender.close()
+                for h in handles.values():
+                    if isinstance(h._result, Lease) and not h._lease_taken and not h._result.released:
+                        leases.append(await h.lease())
+                    elif isinstance(h._result, Lease) and not h._lease_taken:  # a cancel() after its end gave it back
+                        with pytest.raises(TransferAborted, match="its lease was given back"):
+                            await h.lease()
+                    elif h.status is not TransferStatus.SUCCESS:
+                        with pytest.raises(TransferError):
+                            await h.wait()
+                            await (h.lease() if h._error is None else h.result())
+                for lease in leases:
+                    lease.release()
+                # The sender ends truthfully: its writes land; it drops the session, and once the receiver
+                # shook hands again, confirms that every earlier session is drained.
+                with anyio.fail_after(3):
+                    while sender.inflight:
+                        await anyio.sleep(0.01)
+                sender.silent = False
+                sender.identity, sender.epoch, sender.rooms = None, 0, {}
+                with anyio.fail_after(3 + ORPHAN_LIFETIME):
+                    while receiver.allocator.stats.used:
+                        await anyio.sleep(0.01)
+                assert len(receiver.keeper.ledger) == 0
+            tg.cancel_scope.cancel()  # the sender's socket task ends before its socket closes
+    finally:  # also when the script failed: a context left to the garbage collector hung a later example
+        for sender in senders:
+            await sender.close()
     return violations.found
 
 
