@@ -17,11 +17,13 @@ from aioembed import (
     TransferConfig,
     TransferFailed,
     TransferStatus,
+    TransportError,
 )
-from aioembed.protocol.messages import Abort, AbortAck, Drained, Hello, Init, Progress, Reject, Status, Welcome
+from aioembed.protocol.messages import Abort, AbortAck, Drained, Hello, Init, Ping, Progress, Reject, Status, Welcome
+from aioembed.testing import MockTransport, WriteCall, WriteFault
 
 from ..session.conftest import LAYOUT, assert_same, make_request
-from .rawpeer import raw_receiver, raw_sender
+from .rawpeer import RawReceiver, raw_receiver, raw_sender
 
 pytestmark = pytest.mark.anyio
 
@@ -189,3 +191,118 @@ async def test_a_stream_that_handed_out_rows_fails_when_its_session_drops_instea
             with anyio.fail_after(5), pytest.raises(PeerDead) as err:
                 await stream.__anext__()
             assert err.value.delivered == (0, 256)
+
+
+async def _declared_dead(sender: EmbeddingSender, raw: RawReceiver, room: str, receiver_id: str) -> None:
+    """``raw`` shakes hands as ``receiver_id``, asks for ``room`` and goes silent until the sender drops its session."""
+    raw.send(raw.hello(LAYOUT, HB, receiver_id=receiver_id))
+    await raw.expect(Welcome)
+    raw.send(Init(room=room, blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=1))
+    with anyio.fail_after(DEAD_WITHIN):
+        while sender.rooms_in_flight == 0:
+            await anyio.sleep(0.01)
+        while sender.peers:  # silent: its session ends, and the room with it
+            await anyio.sleep(0.01)
+    assert sender.rooms_in_flight == 0
+
+
+async def test_a_send_after_its_receiver_was_declared_dead_fails_at_once_naming_it() -> None:
+    """A receiver asked for a room, then went silent before ``send()``: the room ended with its session and left
+    no tombstone, so ``send()`` waited ``input_timeout`` (20 s here) for an INIT that no one would send, holding the
+    caller's tensors, and ended in a ``TransferTimeout`` of phase 'init' that did not name the lost receiver. It
+    fails at once now with ``PeerDead`` naming the room and the receiver; and the receiver, should it come back and
+    ask for the room again, is told at once that the room is over (this ``send()`` failed) instead of waiting for
+    a ``send()`` that will not come."""
+    async with EmbeddingSender(LAYOUT, HB) as sender, raw_receiver(sender.address, LAYOUT, HB) as raw:
+        await _declared_dead(sender, raw, "r", "lost-receiver")
+        t0 = time.monotonic()
+        with anyio.fail_after(HB.input_timeout / 4), \
+                pytest.raises(PeerDead, match=r"room 'r'.*lost-rec.*silent") as err:
+            await sender.send("r", make_request(300, 1))
+        assert err.value.room == "r" and time.monotonic() - t0 < 1.0
+        assert sender.rooms_in_flight == 0 and sender.sources_held == 0
+        # It thawed: its new session asks for the room again (a receiver opening it again after its session was
+        # dropped), and learns at once that it is over.
+        raw.send(raw.hello(LAYOUT, HB, receiver_id="lost-receiver", epoch=2))
+        await raw.expect(Welcome)
+        raw.send(Init(room="r", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=1))
+        told = await raw.expect(Status, timeout=1.0)
+        assert isinstance(told, Status) and told.room == "r" and told.state is TransferStatus.ABORTED
+        assert "silent" in (told.error or "") and not told.fence
+        assert sender.rooms_in_flight == 0
+
+
+async def test_a_room_its_receiver_asks_for_again_in_a_new_session_is_sent_after_the_drop() -> None:
+    """The other order: the receiver whose session was dropped opens the room again in its next session (as a
+    receiver does when the sender dropped it before any row came) before ``send()``. That INIT is the room's new
+    request, not a late one: the tombstone the drop left must not refuse it, and the later ``send()`` is served."""
+    async with EmbeddingSender(LAYOUT, HB) as sender, raw_receiver(sender.address, LAYOUT, HB) as raw:
+        await _declared_dead(sender, raw, "r", "thawed-receiver")
+        raw.send(raw.hello(LAYOUT, HB, receiver_id="thawed-receiver", epoch=2))
+        await raw.expect(Welcome)
+
+        async def keep_alive() -> None:
+            for nonce in range(1, 1000):
+                raw.send(Ping(nonce=nonce))
+                await anyio.sleep(HB.heartbeat_interval / 2)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keep_alive)
+            raw.send(Init(room="r", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=1))
+            with anyio.fail_after(5):
+                while sender.rooms_in_flight == 0:
+                    await anyio.sleep(0.01)
+                async with anyio.create_task_group() as sending:
+                    sending.start_soon(sender.send, "r", make_request(300, 1))
+                    done = await raw.expect(Status)
+                    assert isinstance(done, Status) and done.state is TransferStatus.SUCCESS, done.error
+                    assert done.total_tokens == 300
+            tg.cancel_scope.cancel()
+        assert sender.rooms_in_flight == 0
+
+
+async def test_a_room_failed_by_a_write_is_not_reported_as_a_dead_peer_when_another_rank_leaves_later() -> None:
+    """A room of two ranks fails because its write to rank 1 failed (rank 1 is alive); while its write to rank 0 is
+    still in flight, rank 0's session ends (the receiver shook hands again). ``send()`` raised ``PeerDead``, with
+    the message of the failed write, because some rank's session had ended by then: a caller that retries
+    elsewhere on ``PeerDead`` was misled. The first cause decides: ``TransferFailed``, naming the write."""
+    cfg = HB.replace(heartbeat_interval=5.0, staging_tokens=0)
+    rank_0, rank_1 = MockTransport(), MockTransport()
+
+    def faults(call: WriteCall) -> WriteFault:
+        if call.peer == f"loopback:{rank_1.id[:8]}":
+            return WriteFault(error=TransportError("the link to rank 1 broke", may_land=False))
+        return WriteFault(delay=1.0)  # rank 0's write is still in flight when rank 0's session ends
+
+    async with EmbeddingSender(LAYOUT, cfg, transport=MockTransport(faults=faults)) as sender, \
+            raw_receiver(sender.address, LAYOUT, cfg, transport=rank_0) as a, \
+            raw_receiver(sender.address, LAYOUT, cfg, transport=rank_1) as b:
+        for raw, name, rank in ((a, "A", 0), (b, "B", 1)):
+            raw.send(raw.hello(LAYOUT, cfg, receiver_id=name, rank=rank, world=2))
+            await raw.expect(Welcome)
+        for raw in (a, b):
+            raw.send(Init(room="x", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=2))
+        errors: list[BaseException] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("x", make_request(500, 1))
+            except TransferFailed as exc:
+                errors.append(exc)
+
+        with anyio.fail_after(5):
+            while "x" not in sender._rooms or len(sender._rooms["x"].rank_peer) < 2:
+                await anyio.sleep(0.01)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                while sender._rooms["x"].machine.failed is None:  # rank 1's write failed
+                    await anyio.sleep(0.005)
+                assert sender.writes_in_flight == 1  # rank 0's, still on its way
+                a.send(a.hello(LAYOUT, cfg, receiver_id="A", rank=0, world=2, epoch=2))
+                await a.expect(Welcome)  # rank 0's first session ended
+                assert "receiver rank 0 (A, session 2)" in sender.peers
+        (error,) = errors
+        assert type(error) is TransferFailed, repr(error)
+        assert "the link to rank 1 broke" in str(error) and error.room == "x"
+        told = await b.expect(Status)
+        assert isinstance(told, Status) and told.state is TransferStatus.FAILED

@@ -323,6 +323,9 @@ class SenderRoomState:
         self.ranks: dict[int, _Rank] = {}
         self.failed: TransferStatus | None = None
         self.error: str | None = None
+        self.peer_lost = False
+        """The room ended because a rank's receiver was lost (its session ended), not for a reason that came
+        first: only then is the sender's error ``PeerDead``, which a caller may take as "route elsewhere"."""
 
     @property
     def state(self) -> TransferStatus:
@@ -532,9 +535,13 @@ class SenderRoomState:
         p = self.ranks.get(rank)
         return p is not None and p.phase is RankPhase.WRITING
 
-    def fail(self, reason: str, *, aborted: bool = False, even_if_complete: bool = False) -> None:
+    def fail(self, reason: str, *, aborted: bool = False, even_if_complete: bool = False,
+             peer_lost: bool = False) -> None:
         """End the room as FAILED or ABORTED (no-op if already ended). ``even_if_complete``: also when
-        every rank holds every token, because a rank was never told so (its STATUS could not be sent)."""
+        every rank holds every token, because a rank was never told so (its STATUS could not be sent).
+        ``peer_lost``: the cause is a rank's lost receiver; kept (:attr:`peer_lost`) only if this call ends the
+        room, so the first cause decides what the room's error says."""
         if self.failed is None and (even_if_complete or self.state is not TransferStatus.SUCCESS):
             self.failed = TransferStatus.ABORTED if aborted else TransferStatus.FAILED
             self.error = reason
+            self.peer_lost = peer_lost

@@ -211,12 +211,14 @@ class SendRoomDriver:
                 return True, error
 
     def _failure(self) -> TransferError:
-        """The error of a room that failed without a deadline passing."""
+        """The error of a room that failed without a deadline passing. ``PeerDead`` only if the room failed
+        because a rank's receiver was lost (``machine.peer_lost``): a rank whose session ended after the room had
+        failed for another reason (a write to another rank, a refused frame) is not its cause."""
         m, room = self.machine, self.room
         reason = m.error or "failed"
         if m.state is TransferStatus.ABORTED:
             return TransferAborted(f"room {room!r}: aborted: {reason}", room=room)
-        if any(not p.alive for p in self.rank_peer.values()):
+        if m.peer_lost:
             return PeerDead(f"room {room!r}: {reason}", room=room)
         return TransferFailed(f"room {room!r}: {reason}", room=room)
 
@@ -361,7 +363,7 @@ class SendRoomDriver:
         if self.machine.failed is not None:
             return False
         if not peer.alive or not self.ctx.ledger.is_open(peer.key):
-            self.machine.fail(f"{peer} is gone")
+            self.machine.fail(f"{peer} is gone", peer_lost=True)
             self.poke()
             return False
         total = self.machine.total_for(task)

@@ -38,6 +38,7 @@ from aioembed.errors import (
     ConfigError,
     InvalidRequest,
     LayoutError,
+    PeerDead,
     ProtocolError,
     TransferAborted,
     TransferFailed,
@@ -110,10 +111,11 @@ that it returns and the sender finishes the unregister in a task of its own."""
 
 
 class _Ended(NamedTuple):
-    """A room's tombstone: who ended it, why, when; the receivers whose INIT of it is a new request (those
-    that ended it themselves), not a late one; the ranks that had asked for it when it ended (told of its
-    end, so their next INIT is a new attempt too); and whether an ``abort()`` or ABORT ended it (not a
-    failure of its own ``send()``)."""
+    """A room's tombstone: who ended it (``"sender"``, ``"receiver"``, or ``"session"``: a rank's session ended
+    before its ``send()``, which then fails at once), why, when; the receivers whose INIT of it is a new request
+    (those that ended it themselves, or whose session ended: in their next session they may open it again), not a
+    late one; the ranks that had asked for it when it ended (told of its end, so their next INIT is a new attempt
+    too); and whether an ``abort()`` or ABORT ended it (not a failure of its own ``send()``)."""
 
     by: str
     reason: str
@@ -482,6 +484,8 @@ class EmbeddingSender:
         if self._closing:  # aclose() began while the sources were being made: it cannot see this room
             raise TransferAborted(f"room {room!r}: aborted: sender closing", room=room)
         ended = self._ended.get(room)
+        if ended is not None and ended is not tomb and ended.by == "session":
+            self._check_lost_rank(room, ended)  # a rank's session ended while the sources were being made
         if ended is not None and ended is not tomb and ended.aborted:
             # abort() (or a receiver's ABORT) while the sources were being made found no room being sent: it
             # only left this tombstone. Honour it now, or the room would be sent as if it was never aborted.
@@ -522,7 +526,24 @@ class EmbeddingSender:
         if tomb is not None and tomb.by == "receiver":
             del self._ended[room]
             raise TransferAborted(f"room {room!r} was ended by the receiver before send(): {tomb.reason}", room=room)
+        if tomb is not None and tomb.by == "session":
+            self._check_lost_rank(room, tomb)
         return num_tokens, meta
+
+    def _check_lost_rank(self, room: RoomId, tomb: _Ended) -> None:
+        """``room`` ended with a rank's session before this ``send()`` of it (``tomb``). While that receiver has no
+        session with the sender (gone, frozen, cut off), nothing will ask for the room again: the ``send()`` fails
+        at once (``PeerDead``), not after ``input_timeout`` spent waiting for an INIT with the caller's tensors held.
+        The room then ended as by any failed ``send()``: a receiver asking for it late (opening it again once back)
+        is told at once, not left waiting for a ``send()`` that failed. Once the receiver is back (a session, or its
+        handshake under way) it may ask again (it opens a room again when the sender dropped its session before
+        any row came, and its caller may retry): the ``send()`` waits for an INIT, as for any room."""
+        if any(self._peers.of(rid) is not None or any(h == rid for h, _ in self._handshaking) for rid in tomb.exempt):
+            del self._ended[room]
+            return
+        self._remember_ended(room, "sender", tomb.reason, ranks=tomb.ranks)
+        raise PeerDead(f"room {room!r}: a receiver that had asked for it was lost before send() and is not back: "
+                       f"{tomb.reason}", room=room)
 
     async def _register(self, r: SendRoomDriver, source: int, regions: list[MemoryRegion],
                         registration: _Registration) -> None:
@@ -1063,7 +1084,8 @@ class EmbeddingSender:
         by_receivers = tomb is not None and (tomb.by == "receiver" or bool(tomb.exempt))
         if tomb is not None and peer.key.receiver not in tomb.exempt and (
                 not by_receivers or (msg.expected_ranks > 1 and peer.rank not in tomb.ranks)):
-            who = "another rank's receiver" if by_receivers else "the sender"
+            who = ("the sender" if not by_receivers else
+                   "the loss of another rank's session" if tomb.by == "session" else "another rank's receiver")
             self._answer_ended(peer, room, Status(
                 room=room, state=TransferStatus.ABORTED, total_tokens=0, sent_tokens=0, round=0,
                 error=plain_text(f"{who} ended this room before rank {peer.rank} asked: {tomb.reason}")))
@@ -1198,7 +1220,11 @@ class EmbeddingSender:
                 self._session_ended(peer, f"{peer} silent for more than {limit:.1f} s")
 
     def _session_ended(self, peer: PeerSession, reason: str) -> None:
-        """The session is over: no new write or frame goes to it; its rooms fail."""
+        """The session is over: no new write or frame goes to it; its rooms fail. One that no ``send()`` drives
+        yet is forgotten, remembered as ended with the session (``reason`` names it): its ``send()``, when it comes,
+        fails at once while the receiver is not back (:meth:`_check_lost_rank`). The receiver's INIT of it in a
+        later session is a new request, which the tombstone lets through (it opens a room again when the sender
+        dropped its session before any row came)."""
         log.warning("sender: %s; failing its %d rooms", reason, len(peer.rooms))
         peer.alive = False
         self._peers.remove(peer)
@@ -1207,11 +1233,12 @@ class EmbeddingSender:
             r = self._rooms.get(room)
             if r is None:
                 continue
-            r.machine.fail(reason)
+            r.machine.fail(reason, peer_lost=True)
             r.poke()
             if not r.active:
                 r.notify_end()  # the room's other ranks hold reservations too
                 self._drop_room(r)
+                self._remember_ended(room, "session", reason, exempt=(peer.key.receiver,), ranks=r.rank_peer)
         peer.rooms.clear()
         if self._ledger.writes_into(peer.key):
             self._draining[peer.key] = peer  # its link closes once its last write ended
