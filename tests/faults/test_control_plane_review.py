@@ -164,6 +164,32 @@ async def test_one_sender_under_two_addresses_is_refused_on_the_second_not_flipp
             await _served(s, r, i, sender_at=a)
 
 
+async def test_a_connection_that_stood_down_for_a_twin_serves_a_new_sender_once_the_twin_lost_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twin rule holds only while the other connection has a live session with that sender: a connection keeps
+    the id of a sender that has gone. A sender bound on every interface was reached as 127.0.0.1 and 127.0.0.2 (the
+    second stood down); it exited, and a new sender came up on 127.0.0.2 only (a pod's address changed). The second
+    connection stayed refused on the old sender's id, without a HELLO, until the first was closed for idleness
+    (``sender_idle_timeout``, 300 s by default; a review watched it for 16 s)."""
+    monkeypatch.setattr(connection, "REFUSAL_RETRY", 0.3)
+    cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=5, handshake_timeout=1.0)
+    async with EmbeddingReceiver(LAYOUT, cfg) as r:
+        async with EmbeddingSender(LAYOUT, cfg, bind="tcp://0.0.0.0:0") as first:
+            port = first.address.rsplit(":", 1)[1]
+            a, b = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.2:{port}"
+            await r.wait_connected(sender=a)
+            with anyio.fail_after(5), pytest.raises(TransferFailed, match="under two addresses"):
+                await r.wait_connected(sender=b)
+        async with EmbeddingSender(LAYOUT, cfg, bind=f"tcp://127.0.0.2:{port}") as second:
+            assert second.sender_id != first.sender_id
+            conn_b = r._conns[b]
+            with anyio.fail_after(10):
+                while not conn_b.ready:  # refused for a while (a refusal's retry), then a session with it
+                    await anyio.sleep(0.05)
+            assert conn_b.sender_id == second.sender_id
+            await _served(second, r, 1, sender_at=b)
+
+
 async def test_a_second_receiver_id_on_one_socket_ends_the_first_session() -> None:
     cfg = CFG.replace(heartbeat_interval=0.2)
     async with EmbeddingSender(LAYOUT, cfg) as s, raw_receiver(s.address, LAYOUT, cfg) as raw:

@@ -201,7 +201,7 @@ async def _declared_dead(sender: EmbeddingSender, raw: RawReceiver, room: str, r
     with anyio.fail_after(DEAD_WITHIN):
         while sender.rooms_in_flight == 0:
             await anyio.sleep(0.01)
-        while sender.peers:  # silent: its session ends, and the room with it
+        while any(f"({receiver_id[:8]}," in p for p in sender.peers):  # silent: its session ends, and the room
             await anyio.sleep(0.01)
     assert sender.rooms_in_flight == 0
 
@@ -210,11 +210,13 @@ async def test_a_send_after_its_receiver_was_declared_dead_fails_at_once_naming_
     """A receiver asked for a room, then went silent before ``send()``: the room ended with its session and left
     no tombstone, so ``send()`` waited ``input_timeout`` (20 s here) for an INIT that no one would send, holding the
     caller's tensors, and ended in a ``TransferTimeout`` of phase 'init' that did not name the lost receiver. It
-    fails at once now with ``PeerDead`` naming the room and the receiver; and the receiver, should it come back and
-    ask for the room again, is told at once that the room is over (this ``send()`` failed) instead of waiting for
-    a ``send()`` that will not come."""
+    fails at once now with ``PeerDead`` naming the room and the receiver, once the receiver has had the time a
+    slow one takes to come back (``heartbeat_interval x heartbeat_misses`` after the drop); and the receiver, should
+    it come back later and ask for the room again, is told at once that the room is over (this ``send()`` failed)
+    instead of waiting for a ``send()`` that will not come."""
     async with EmbeddingSender(LAYOUT, HB) as sender, raw_receiver(sender.address, LAYOUT, HB) as raw:
         await _declared_dead(sender, raw, "r", "lost-receiver")
+        await anyio.sleep(HB.heartbeat_interval * HB.heartbeat_misses)  # it stays away
         t0 = time.monotonic()
         with anyio.fail_after(HB.input_timeout / 4), \
                 pytest.raises(PeerDead, match=r"room 'r'.*lost-rec.*silent") as err:
@@ -230,6 +232,76 @@ async def test_a_send_after_its_receiver_was_declared_dead_fails_at_once_naming_
         assert isinstance(told, Status) and told.room == "r" and told.state is TransferStatus.ABORTED
         assert "silent" in (told.error or "") and not told.fence
         assert sender.rooms_in_flight == 0
+
+
+async def _keep_alive(raw: RawReceiver, first: int = 1) -> None:
+    for nonce in range(first, first + 10_000):
+        raw.send(Ping(nonce=nonce))
+        await anyio.sleep(HB.heartbeat_interval / 2)
+
+
+async def test_a_send_right_after_the_drop_waits_and_a_receiver_the_room_is_handed_to_serves_it() -> None:
+    """Just after a receiver's session was dropped, a router hands the room to another receiver, and the encoder's
+    ``send()`` comes first, its INIT 50 ms later (a review's case): the ``send()`` must wait for that INIT (not
+    fail at once with ``PeerDead``, which would then have refused the INIT as a room the sender had ended)."""
+    async with EmbeddingSender(LAYOUT, HB) as sender, raw_receiver(sender.address, LAYOUT, HB) as a, \
+            raw_receiver(sender.address, LAYOUT, HB) as b:
+        b.send(b.hello(LAYOUT, HB, receiver_id="B"))
+        await b.expect(Welcome)
+        outcome: list[BaseException | None] = []
+
+        async def send() -> None:
+            try:
+                await sender.send("r", make_request(300, 1))
+                outcome.append(None)
+            except Exception as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_keep_alive, b)
+            await _declared_dead(sender, a, "r", "A")
+            tg.start_soon(send)
+            await anyio.sleep(0.05)
+            b.send(Init(room="r", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=1))
+            told = await b.expect(Status, timeout=5.0)
+            assert isinstance(told, Status) and told.state is TransferStatus.SUCCESS, told
+            with anyio.fail_after(5):
+                while not outcome:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        assert outcome == [None]
+
+
+async def test_a_rank_asking_after_another_ranks_session_was_dropped_is_served_with_it() -> None:
+    """A two-rank room: rank 0 asked, then its session was dropped (silent) before rank 1 asked. Rank 1's INIT
+    must open the room as usual, and rank 0, back in a new session, join it (a review found rank 1 answered
+    ABORTED by the tombstone the drop left, and the room rank 0 opened again waiting for rank 1 until
+    ``input_timeout``)."""
+    async with EmbeddingSender(LAYOUT, HB) as sender, raw_receiver(sender.address, LAYOUT, HB) as a, \
+            raw_receiver(sender.address, LAYOUT, HB) as b:
+        for raw, name, rank in ((a, "A", 0), (b, "B", 1)):
+            raw.send(raw.hello(LAYOUT, HB, receiver_id=name, rank=rank, world=2))
+            await raw.expect(Welcome)
+        init = Init(room="x", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_keep_alive, b)
+            a.send(init)
+            with anyio.fail_after(DEAD_WITHIN):
+                while sender.rooms_in_flight == 0:
+                    await anyio.sleep(0.01)
+                while any("(A," in p for p in sender.peers):  # A silent: dropped, and room x with it
+                    await anyio.sleep(0.01)
+            b.send(init)  # rank 1 asks a moment later
+            a.send(a.hello(LAYOUT, HB, receiver_id="A", rank=0, world=2, epoch=2))  # rank 0 back
+            await a.expect(Welcome)
+            tg.start_soon(_keep_alive, a, 20_000)
+            a.send(init)  # and opens the room again
+            with anyio.fail_after(5):
+                await sender.send("x", make_request(300, 1))
+            for raw in (a, b):
+                told = await raw.expect(Status)
+                assert isinstance(told, Status) and told.state is TransferStatus.SUCCESS, told
+            tg.cancel_scope.cancel()
 
 
 async def test_a_room_its_receiver_asks_for_again_in_a_new_session_is_sent_after_the_drop() -> None:

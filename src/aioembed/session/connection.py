@@ -503,8 +503,9 @@ class SenderConnection:
             self.keeper.fence_released(self.writer, msg.room, settle=FENCE_SETTLE)
 
     def _on_drained(self, msg: Drained) -> None:
-        # It can only vouch for sessions before the one it arrives in: never for the live one.
-        if self.sender_id is not None and self._ready.is_set():
+        # It can only vouch for sessions before the one it arrives in: never for the live one. Not while refused:
+        # a twin's WELCOME left sender_id naming the sender this connection reached before (see _refuse_twin).
+        if self.sender_id is not None and self.ready:
             self.keeper.drained(self.sender_id, min(msg.below_epoch, self.epoch), settle=FENCE_SETTLE)
 
     def _on_pong(self, msg: Pong) -> None:

@@ -220,9 +220,10 @@ class EmbeddingReceiver:
         return conn
 
     def _twin_of(self, conn: SenderConnection, sender_id: str) -> SenderConnection | None:
-        """Another open connection to the sender ``sender_id`` (it is reached under two addresses)."""
+        """Another connection holding a live session with the sender ``sender_id`` (it is reached under two
+        addresses). Only a live one: a connection keeps the id of a sender that has gone (restarted elsewhere)."""
         return next((c for c in self._conns.values()
-                     if c is not conn and not c.closed and c.sender_id == sender_id), None)
+                     if c is not conn and c.ready and c.sender_id == sender_id), None)
 
     async def _run_connection(self, conn: SenderConnection) -> None:
         """One sender's tasks, under one scope: stopped together when the connection is closed."""

@@ -112,10 +112,11 @@ that it returns and the sender finishes the unregister in a task of its own."""
 
 class _Ended(NamedTuple):
     """A room's tombstone: who ended it (``"sender"``, ``"receiver"``, or ``"session"``: a rank's session ended
-    before its ``send()``, which then fails at once), why, when; the receivers whose INIT of it is a new request
-    (those that ended it themselves, or whose session ended: in their next session they may open it again), not a
-    late one; the ranks that had asked for it when it ended (told of its end, so their next INIT is a new attempt
-    too); and whether an ``abort()`` or ABORT ended it (not a failure of its own ``send()``)."""
+    before its ``send()``, which fails at once if that receiver stays away, see ``_check_lost_rank``; any INIT of
+    it clears such a one), why, when; the receivers whose INIT of it is a new request (those that ended it
+    themselves, or whose session ended), not a late one; the ranks that had asked for it when it ended (told of its
+    end, so their next INIT is a new attempt too); and whether an ``abort()`` or ABORT ended it (not a failure of
+    its own ``send()``)."""
 
     by: str
     reason: str
@@ -531,14 +532,19 @@ class EmbeddingSender:
         return num_tokens, meta
 
     def _check_lost_rank(self, room: RoomId, tomb: _Ended) -> None:
-        """``room`` ended with a rank's session before this ``send()`` of it (``tomb``). While that receiver has no
-        session with the sender (gone, frozen, cut off), nothing will ask for the room again: the ``send()`` fails
-        at once (``PeerDead``), not after ``input_timeout`` spent waiting for an INIT with the caller's tensors held.
-        The room then ended as by any failed ``send()``: a receiver asking for it late (opening it again once back)
-        is told at once, not left waiting for a ``send()`` that failed. Once the receiver is back (a session, or its
-        handshake under way) it may ask again (it opens a room again when the sender dropped its session before
-        any row came, and its caller may retry): the ``send()`` waits for an INIT, as for any room."""
-        if any(self._peers.of(rid) is not None or any(h == rid for h, _ in self._handshaking) for rid in tomb.exempt):
+        """``room`` ended with a rank's session before this ``send()`` of it (``tomb``). For a while after the loss
+        (``heartbeat_interval x heartbeat_misses``, the time a receiver that was only slow takes to learn of the
+        drop and shake hands again), or once the receiver is back (a session, or its handshake under way), the
+        ``send()`` waits for an INIT as for any room: the receiver opens a room again when the sender dropped its
+        session before any row came, and a router may hand the room to another receiver. Past that, with the
+        receiver still away (gone, frozen, cut off) and no INIT of the room since (one would have cleared the
+        tombstone), it fails at once (``PeerDead``), not after ``input_timeout`` spent waiting with the caller's
+        tensors held; the room then ended as by any failed ``send()``, so a receiver asking for it late is told at
+        once, not left waiting for a ``send()`` that failed."""
+        cfg = self.config
+        back = any(self._peers.of(rid) is not None or any(h == rid for h, _ in self._handshaking)
+                   for rid in tomb.exempt)
+        if back or anyio.current_time() - tomb.at < cfg.heartbeat_interval * cfg.heartbeat_misses:
             del self._ended[room]
             return
         self._remember_ended(room, "sender", tomb.reason, ranks=tomb.ranks)
@@ -1078,14 +1084,18 @@ class EmbeddingSender:
     def _on_init(self, peer: PeerSession, msg: Init) -> None:
         room = msg.room
         tomb = self._tombstone(room) if room not in self._rooms else None
+        if tomb is not None and tomb.by == "session":
+            # Dropped with a rank's session, not ended by anyone: asked for again (that receiver back, another
+            # rank, or another receiver the room was handed to), it is a room like any other.
+            del self._ended[room]
+            tomb = None
         # A room the sender ended (abort(), a failure of its own) is over for any rank asking late. One that
         # receivers ended first (ABORT, REJECT) is over only for a rank of a multi-rank room that had not
         # asked yet: ranks told of its end, and the receivers that ended it, ask again with a new request.
         by_receivers = tomb is not None and (tomb.by == "receiver" or bool(tomb.exempt))
         if tomb is not None and peer.key.receiver not in tomb.exempt and (
                 not by_receivers or (msg.expected_ranks > 1 and peer.rank not in tomb.ranks)):
-            who = ("the sender" if not by_receivers else
-                   "the loss of another rank's session" if tomb.by == "session" else "another rank's receiver")
+            who = "another rank's receiver" if by_receivers else "the sender"
             self._answer_ended(peer, room, Status(
                 room=room, state=TransferStatus.ABORTED, total_tokens=0, sent_tokens=0, round=0,
                 error=plain_text(f"{who} ended this room before rank {peer.rank} asked: {tomb.reason}")))
