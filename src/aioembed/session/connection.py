@@ -166,8 +166,8 @@ class SenderConnection:
         self._disconnected = False
         self._gone_sender: str | None = None
         self._twin_of = twin_of
-        """Another connection of this receiver to the sender with this id, if any (the same sender under two
-        addresses: see :meth:`_refuse_twin`)."""
+        """Another connection of this receiver with a live session with the sender of this id, if any (the same
+        sender under two addresses: see :meth:`_refuse_twin`)."""
         self._twin_sender: str | None = None  # the sender id this connection found held by a twin
         self.clock = PeerClock(0.0)
         self._pings: deque[int] = deque(maxlen=8)
