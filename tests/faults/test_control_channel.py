@@ -278,13 +278,8 @@ async def test_a_send_zeromq_refuses_does_not_leave_arrived_input_unread() -> No
     look at ``zmq.EVENTS`` again: the I/O task slept on with the message queued (a receiver's HELLO left
     unanswered, for good if no later send went through)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    for opt, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1)):
-        router.setsockopt(opt, value)
-    router.bind("tcp://127.0.0.1:0")
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    router, dealer = _bare_router_and_dealer(ctx)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     got: list[bytes] = []
     chan = ControlSocket(router, lambda frames: got.append(frames[1]), name="test-router", routed=True,
                          bundles=True)

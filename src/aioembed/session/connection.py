@@ -119,8 +119,7 @@ class SenderConnection:
                  layout: Layout, pool: BlockPool, rank: int, world: int, receiver_id: str, keeper: BlockKeeper,
                  transport: GuardedTransport, returns: LeaseReturns, spawn: Callable[..., object],
                  next_epoch: Callable[[], int],
-                 twin_of: Callable[[SenderConnection, str], SenderConnection | None] = lambda conn, sender_id: None,
-                 ) -> None:
+                 twin_of: Callable[[SenderConnection, str], SenderConnection | None]) -> None:
         self.address = address
         self.config = config
         self.layout = layout
@@ -232,15 +231,12 @@ class SenderConnection:
             log.debug("%s: closed, %s not sent", self.name, type(msg).__name__)
             return False
         try:
-            frame = encode(msg)
+            self.chan.send([encode(msg)])
+            return True
         except ProtocolError as exc:  # a value of ours the wire cannot carry: lost like a refused frame
             why = f"{type(msg).__name__} for sender {self.address} cannot be encoded: {exc}"
-        else:
-            try:
-                self.chan.send([frame])
-                return True
-            except AioembedError as exc:  # the control socket refuses more for a peer that does not read
-                why = f"sender {self.address} reads nothing ({type(msg).__name__} not sent: {exc})"
+        except AioembedError as exc:  # the control socket refuses more for a peer that does not read
+            why = f"sender {self.address} reads nothing ({type(msg).__name__} not sent: {exc})"
         if self.ready:
             self.session_lost(LossKind.SILENT, why)  # which logs it
         else:  # between sessions (a HELLO): the handshake says it again later

@@ -1232,9 +1232,7 @@ class EmbeddingSender:
     def _session_ended(self, peer: PeerSession, reason: str) -> None:
         """The session is over: no new write or frame goes to it; its rooms fail. One that no ``send()`` drives
         yet is forgotten, remembered as ended with the session (``reason`` names it): its ``send()``, when it comes,
-        fails at once while the receiver is not back (:meth:`_check_lost_rank`). The receiver's INIT of it in a
-        later session is a new request, which the tombstone lets through (it opens a room again when the sender
-        dropped its session before any row came)."""
+        fails at once if the receiver stays away (:meth:`_check_lost_rank`); any INIT of it is a new request."""
         log.warning("sender: %s; failing its %d rooms", reason, len(peer.rooms))
         peer.alive = False
         self._peers.remove(peer)
