@@ -46,12 +46,15 @@ async def owner(options: dict[str, Any], sizes: dict[str, int]) -> None:
     loop = asyncio.get_running_loop()
     while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip():
         # {"rows": {field: bytes}}: the checksum of the fields' first bytes, which are then zeroed, so that a
-        # later write that lands nowhere is not passed by an earlier one's bytes
+        # later write that lands nowhere is not passed by an earlier one's bytes. Zeroed before the answer: the
+        # next size's writes start once it is read, and zeroing after it raced them (CI once found 256 tokens'
+        # first rows zero).
         rows = json.loads(line)["rows"]
-        out.write(json.dumps(checksum({k: pool[k][:n] for k, n in rows.items()})) + "\n")
-        out.flush()
+        summed = checksum({k: pool[k][:n] for k, n in rows.items()})
         for k, n in rows.items():
             pool[k][:n].zero_()
+        out.write(json.dumps(summed) + "\n")
+        out.flush()
     await t.aclose()
 
 
