@@ -32,11 +32,12 @@ from aioembed import (
     TransferError,
     TransferStatus,
 )
-from aioembed.protocol.messages import Abort, Hello, Init, Resume, Status
+from aioembed.protocol.messages import Abort, Hello, Init, Resume, Status, decode
 from aioembed.protocol.ownership import GrantState
 from aioembed.session.copy_out import RoundCopier
 from aioembed.session.handle import TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
+from aioembed.session.stream import LeasedChunk
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 from aioembed.testing.event_loops import AnyioBackend, backend_and_options
 
@@ -533,3 +534,49 @@ async def test_a_room_ended_while_its_sender_reads_nothing_fences_its_blocks_and
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.send, "r", src)
             assert_same((await receiver.receive("r")).tensors, src)
+
+
+@pytest.mark.parametrize("mode", ["copy", "stream", "zero-copy stream"])
+async def test_a_landed_round_is_given_back_when_the_next_resume_cannot_be_sent(mode: str) -> None:
+    """A round whose STATUS came is READABLE, and only the room's step refers to it until it is copied out or
+    handed on. The next round is announced first (so the sender writes on while this one is copied): when that
+    RESUME could not be queued (the sender reads nothing), the room failed with the landed round held by nobody,
+    READABLE for good, the pool short of its blocks (found by a review). Now the room's end consumes it: its
+    write is over."""
+    cfg = TransferConfig(block_size=16, default_tokens=256, max_round_tokens=256, pool_tokens=4096,
+                         resume_reserve_tokens=512, handshake_timeout=1.0)
+    async with running(cfg) as (sender, (receiver,)):
+        conn = receiver._conns[sender.address]
+        real = conn.chan.send
+        resumes = 0
+
+        def second_resume_refused(frames: Any) -> None:
+            nonlocal resumes
+            if isinstance(decode(bytes(frames[0])), Resume):
+                resumes += 1
+                if resumes == 2:  # what the channel says of a peer that does not read
+                    raise AioembedError("control socket: 65536 messages queued and not sent (not reading?); "
+                                        "refusing more")
+            real(frames)
+
+        conn.chan.send = second_resume_refused
+
+        async def send() -> None:
+            with pytest.raises(AioembedError):
+                await sender.send("r", make_request(1000, 1))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            with pytest.raises(TransferError):
+                if mode == "copy":
+                    await receiver.receive("r")
+                else:
+                    async with receiver.stream("r", zero_copy=mode != "stream") as chunks:
+                        async for chunk in chunks:
+                            if isinstance(chunk, LeasedChunk):
+                                chunk.release()
+        assert resumes >= 2
+        assert not receiver.keeper.ledger.grants(state=GrantState.READABLE)
+        conn.chan.send = real
+        await receiver.wait_connected(timeout=5)
+        await wait_pools_free(sender, receiver)  # the fenced ones come back with the new session's DRAINED

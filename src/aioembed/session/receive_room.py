@@ -141,6 +141,9 @@ class ReceiveRoomDriver:
         self._claim: int | None = None  # a zero-copy room's claim on the pool: the grant it is keyed to, once made
         self._round_seconds = 0.0  # how long the round that landed last took, from its announcement
         self._readable: list[tuple[int, int]] = []  # zero-copy: (grant, tokens), in token order
+        self._landed: int | None = None
+        """The grant of a round whose STATUS came, until it is copied out or handed on: nothing else refers to it,
+        so a room that fails in between (its next RESUME refused) must consume it, or it stays READABLE for good."""
         self._split = 0  # zero-copy stream: blocks of the round's grant already handed out in chunks
         self._sender_ended = False
         self._wait_scope: anyio.CancelScope | None = None
@@ -385,6 +388,7 @@ class ReceiveRoomDriver:
         if self.zero_copy and self.stream is None:  # a whole-room lease keeps every round
             self._trim(grant, arrived.count)
             self._readable.append((grant, arrived.count))
+            self._landed = None
             if self._claim is None:
                 self._admit_zero_copy(arrived.total, grant)
         if not arrived.complete:
@@ -497,6 +501,9 @@ class ReceiveRoomDriver:
         for g, _ in self._readable:
             keeper.apply(ledger.consumed(g))  # fully written and announced: nothing can reach them
         self._readable = []
+        if self._landed is not None:  # its STATUS came (its write is over), it was neither copied nor handed out
+            keeper.apply(ledger.consumed(self._landed))
+            self._landed = None
         self._end_claim()
 
     def abandon(self) -> None:
@@ -607,6 +614,7 @@ class ReceiveRoomDriver:
         if self._next is not None:
             self._round_started = self._ahead_at
         keeper.apply(ledger.landed(grant))  # only this room moves its announced grant: still ANNOUNCED
+        self._landed = grant
         if arrived.complete:
             self._sender_ended = True
         return arrived, grant
@@ -825,6 +833,8 @@ class ReceiveRoomDriver:
         finally:
             if consume:
                 keeper.apply(keeper.ledger.consumed(grant))  # read (or given up): nothing else writes it
+                if grant == self._landed:
+                    self._landed = None
         self._add_phase("copy", t0)
 
     async def _deliver(self, arrived: Arrived, grant: int) -> None:
@@ -854,6 +864,8 @@ class ReceiveRoomDriver:
                 views[name].extend(vs)
             item = LeasedChunk(room=self.room, start=arrived.start, end=end, total=arrived.total, views=views,
                                metadata=self._metadata, grants=[held], returns=self.ctx.returns)
+            if held == self._landed:
+                self._landed = None  # the chunk's lease holds it now
         if not arrived.partial:
             self._split = 0
         try:
