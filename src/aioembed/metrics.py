@@ -49,6 +49,12 @@ class TransferObserver:
         """Fenced blocks went back to the pool; ``proof`` says why that is safe (``status``,
         ``abort_ack``, ``fence_release``, ``drained``, ``revoked``, ``writer_gone``, ...)."""
 
+    def disconnect_probed(self, *, sender: str, verdict: str) -> None:
+        """On a receiver: the control connection to the sender at ``sender`` dropped, and its address was asked
+        whether anything still listens there; ``verdict``: ``refused`` (its process is gone: its blocks are freed
+        after the transport's orphan lifetime), ``answered`` (the next handshake tells), ``no_answer`` or
+        ``unknown`` (after the sender went silent: its blocks stay fenced, and it is asked again)."""
+
     def sender_closed(self, *, sender: str) -> None:
         """On a receiver: its connection to the sender at ``sender`` closed (idle for ``sender_idle_timeout``,
         closed to make room under ``max_senders``, or the receiver closing). Per-sender series can go: an
@@ -123,6 +129,9 @@ class PrometheusMetrics(TransferObserver):
                                    ["reason", "sender"], namespace=namespace, registry=reg)
         self.fence_releases = prom.Counter("blocks_unfenced", "Fenced blocks released, by the proof that made it safe",
                                            ["proof", "sender"], namespace=namespace, registry=reg)
+        self.disconnect_probes = prom.Counter("sender_disconnect_probes", "Probes of a sender's address after its "
+                                              "control connection dropped, by verdict (refused: gone)",
+                                              ["verdict", "sender"], namespace=namespace, registry=reg)
         self._watched: dict[tuple[int, tuple[str, ...]], weakref.ref[Any]] = {}
         """(metric, label values) -> the object whose gauge it reads (see :meth:`watch_receiver`)."""
         self._sender_series: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}
@@ -155,6 +164,9 @@ class PrometheusMetrics(TransferObserver):
 
     def fence_released(self, *, proof: str, blocks: int, sender: str) -> None:
         self._per_sender(self.fence_releases, sender, proof, sender).inc(blocks)
+
+    def disconnect_probed(self, *, sender: str, verdict: str) -> None:
+        self._per_sender(self.disconnect_probes, sender, verdict, sender).inc()
 
     def sender_closed(self, *, sender: str) -> None:
         for metric, labels in self._sender_series.pop(sender, ()):

@@ -12,6 +12,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +33,8 @@ from aioembed import (
     TransferFailed,
     TransferStatus,
 )
+from aioembed.control.address_probe import ProbeVerdict
+from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import MAX_FRAME_BYTES, Abort, AbortAck, Hello, Init, Reject, Status, Welcome
 from aioembed.session import connection
 from aioembed.testing.ports import fixed_port
@@ -119,6 +124,94 @@ async def test_a_sender_that_went_silent_and_then_exited_releases_its_blocks() -
         with anyio.fail_after(5):
             while r.allocator.stats.free != r.allocator.stats.total:
                 await anyio.sleep(0.02)
+
+
+class _Probes(TransferObserver):
+    def __init__(self) -> None:
+        self.verdicts: list[str] = []
+
+    def disconnect_probed(self, *, sender: str, verdict: str) -> None:
+        self.verdicts.append(verdict)
+
+
+async def test_a_silent_sender_whose_connection_drops_keeps_its_blocks_fenced_until_its_address_refuses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drop after the sender went silent is what the *receiver's* kernel does to a host that is paused or cut off
+    (after about 15 minutes of retransmits): that host's writes land when it resumes (over Mooncake's TCP transport
+    the data connection stays open). Such blocks were freed ``orphan_lifetime`` after the drop. Now only the address
+    refusing a connection proves the process gone; while it gives no answer the blocks stay fenced, and it is asked
+    again. (The probe is scripted here: a paused host cannot be made on one machine; the probe's verdicts on real
+    sockets are tested in test_address_probe.)"""
+    verdict = ProbeVerdict.NO_ANSWER
+    asked: list[str] = []
+
+    async def probe(address: str, timeout: float) -> ProbeVerdict:
+        asked.append(address)
+        return verdict
+
+    monkeypatch.setattr(connection, "probe_address", probe)
+    monkeypatch.setattr(connection, "PROBE_RETRY_FIRST", 0.1)
+    monkeypatch.setattr(connection, "PROBE_RETRY_MAX", 0.2)
+    probes = _Probes()
+    cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=3, input_timeout=30.0)
+    async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable(), observer=probes) as r:
+        async with raw_sender() as raw:
+            handle = r.start(1, sender=raw.address)
+            raw.welcome(await raw.expect(Hello), 0.1)
+            await raw.expect(Init)
+            raw.pong = False
+            with pytest.raises(PeerDead, match="silent"):
+                await handle.result()
+            fenced = r.allocator.stats.fenced
+            assert fenced > 0
+        with anyio.fail_after(5):
+            while len(asked) < 3:  # the connection dropped: asked, and asked again
+                await anyio.sleep(0.02)
+        assert r.allocator.stats.fenced == fenced  # well past orphan_lifetime (0.3 s): still fenced
+        assert set(probes.verdicts) == {"no_answer"}
+        verdict = ProbeVerdict.REFUSED  # the host is back, and nothing listens there: the process is gone
+        with anyio.fail_after(5):
+            while r.allocator.stats.free != r.allocator.stats.total:
+                await anyio.sleep(0.02)
+        assert probes.verdicts[-1] == "refused"
+
+
+def _kill_connections_to(port: int) -> None:
+    """Destroy this host's TCP sockets whose peer port is ``port`` (``ss -K``: root, and a kernel built with
+    INET_DIAG_DESTROY), as the receiver's kernel does to a connection it gave up on."""
+    ss = shutil.which("ss")
+    if ss is None or os.geteuid() != 0:
+        pytest.skip("killing a TCP connection needs root and `ss`")
+    subprocess.run([ss, "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True, timeout=10,
+                   check=False)
+
+
+async def test_a_connection_reset_in_a_live_session_is_no_proof_while_the_address_answers() -> None:
+    """The control connection of a live session dropped, but the sender still listens (a middlebox reset it; here
+    the receiver's kernel destroys it): its writes may still be landing. They were taken as a process gone, its
+    blocks freed ``orphan_lifetime`` later; now they wait for its next handshake, or for proof it is gone."""
+    probes = _Probes()
+    cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=30, input_timeout=30.0)
+    async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable(), observer=probes) as r:
+        async with raw_sender() as raw:
+            handle = r.start(1, sender=raw.address)
+            raw.welcome(await raw.expect(Hello), 0.1)
+            await raw.expect(Init)
+            fenced_before = r.allocator.stats.fenced
+            _kill_connections_to(int(raw.address.rsplit(":", 1)[1]))
+            with pytest.raises(PeerDead, match="closed the control connection"):
+                await handle.result()
+            with anyio.fail_after(5):
+                while not probes.verdicts:
+                    await anyio.sleep(0.02)
+            assert probes.verdicts == ["answered"]
+            await anyio.sleep(1.0)  # past orphan_lifetime (0.3 s)
+            assert r.allocator.stats.fenced > fenced_before
+            # The receiver shook hands again; the raw sender does not answer. It ends: its address refuses.
+        with anyio.fail_after(5):
+            while r.allocator.stats.free != r.allocator.stats.total:
+                await anyio.sleep(0.02)
+        assert probes.verdicts[-1] == "refused"
 
 
 async def test_a_refused_handshake_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,8 +12,12 @@ shakes hands again:
 
 * ``SILENT``: no frame for ``heartbeat_interval x heartbeat_misses`` (our own stalls forgiven);
 * ``DROPPED``: the sender answered ``unknown_peer`` (it restarted, or declared *us* dead);
-* ``DISCONNECTED``: the sender closed the control connection (its process ended or closed the
-  sender); with a new sender id at the same address this counts as the old process being gone.
+* ``DISCONNECTED``: the control connection dropped. That the sender's process is gone (what it wrote can land
+  for the transport's ``orphan_lifetime`` at most) is taken only from its host: its address refusing a connection
+  (:mod:`aioembed.control.address_probe`), or a new sender id answering there. A drop in a live session with an
+  address that does not answer counts too: the sender's side closed it while we still heard it (a process killed
+  with its network namespace). A drop after the sender went silent is what the *receiver's* kernel does to a host
+  that is paused or cut off, whose writes may still land: its blocks stay fenced until proof, probed again and again.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import math
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -33,6 +37,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from aioembed.config import TransferConfig
+from aioembed.control.address_probe import ProbeVerdict, probe_address
 from aioembed.control.channel import ControlSocket
 from aioembed.control.sockets import make_dealer
 from aioembed.errors import (
@@ -84,9 +89,26 @@ REFUSAL_RETRY = 5.0
 """Seconds between handshakes with a sender that refused ours (incompatible settings or protocol)."""
 _MIN_PING_INTERVAL = 0.01
 """However short the sender's heartbeat interval, at most 100 PINGs a second."""
+PROBE_TIMEOUT = 5.0
+"""Seconds a probe of a dropped sender's address waits for an answer."""
+PROBE_RETRY_FIRST = 1.0
+PROBE_RETRY_MAX = 60.0
+"""Seconds between probes of an address that did not answer (doubling from the first to the most)."""
 FENCE_SETTLE = 0.2
 """Seconds of our running time between a FENCE_RELEASE or DRAINED and the free: bytes the
 sender's transport already handed to our kernel (e.g. while we were frozen) land meanwhile."""
+
+
+@dataclass(slots=True)
+class _Drops:
+    """What a connection knows of the drops of its control connection, for the probe of the sender's address."""
+
+    probing: str | None = None
+    """The sender whose address a probe task asks."""
+    live: bool = False
+    """The last drop ended a live session."""
+    again: anyio.Event = field(default_factory=anyio.Event)
+    """Set at a drop: cuts a probe's wait short."""
 
 
 class LossKind(enum.Enum):
@@ -162,8 +184,8 @@ class SenderConnection:
         """Cancelled to close this connection (its tasks run under it)."""
         self.last_used = 0.0
         """When a room last started on this connection (``anyio.current_time()``)."""
-        self._disconnected = False
         self._gone_sender: str | None = None
+        self._drops = _Drops()
         self._twin_of = twin_of
         """Another connection of this receiver with a live session with the sender of this id, if any (the same
         sender under two addresses: see :meth:`_refuse_twin`)."""
@@ -364,9 +386,6 @@ class SenderConnection:
         self._lost.set()
         log.warning("%s: session %d lost (%s): %s; %d rooms affected", self.name, writer.epoch, kind.value,
                     reason, sum(1 for r in self.rooms.values() if r.writer == writer))
-        if kind is LossKind.DISCONNECTED:
-            self._gone_sender = writer.sender
-            self.keeper.writer_gone(writer.sender, lifetime=self.transport.orphan_lifetime)
         if self.transport.capabilities.revocable and self.writer_id and kind is not LossKind.CLOSING:
             # Cut off the links this sender opened so far (our sessions up to this one).
             self._spawn(self._revoke, writer.sender, self.writer_id, writer.epoch + 1)
@@ -404,7 +423,6 @@ class SenderConnection:
             log.info("%s: sender %s is back; it was not gone after all", self.name, old[:8])
             self.keeper.writer_back(old)
         self._gone_sender = None
-        self._disconnected = False
         self.sender_id = msg.sender_id
         self.writer_id = msg.writer_id
         self._peer_interval = msg.heartbeat_interval
@@ -441,21 +459,84 @@ class SenderConnection:
             log.debug("%s: unreadable monitor event: %r", self.name, exc)
             return
         if event["event"] == zmq.EVENT_DISCONNECTED and not self._closed:
-            self._disconnected = True
             # Frames that arrived before the disconnect (a last STATUS) are still queued on the
             # data socket, and this event can overtake them: take them first.
             self.chan.receive_pending()
-            if self._ready.is_set():
-                self.session_lost(LossKind.DISCONNECTED,
-                                  f"sender {self.address} closed the control connection (process ended?)")
-            elif self.sender_id is not None and self._gone_sender != self.sender_id:
-                # The session was lost already (the sender went silent: frozen?), and now its process closed
-                # the connection: what it wrote can land for orphan_lifetime at most. Without this its fenced
-                # blocks waited for a DRAINED from a process that no longer exists. (Back after all: WELCOME.)
-                log.info("%s: sender %s closed the control connection after its session was lost",
-                         self.name, self.sender_id[:8])
-                self._gone_sender = self.sender_id
-                self.keeper.writer_gone(self.sender_id, lifetime=self.transport.orphan_lifetime)
+            live = self._ready.is_set()
+            if live:
+                self.session_lost(LossKind.DISCONNECTED, f"sender {self.address} closed the control connection")
+            drops = self._drops
+            drops.live = live
+            drops.again.set()
+            sender = self.sender_id
+            if sender is not None and sender not in (self._gone_sender, drops.probing):
+                drops.probing = sender
+                self._spawn(self._probe_gone, sender)
+
+    def sender_gone(self, sender: str, why: str) -> None:
+        """Sender ``sender``'s process is known gone (``why``): what it wrote can land for ``orphan_lifetime``
+        at most, and then its fenced blocks are free. (Back after all: its WELCOME says so.)"""
+        if self._gone_sender == sender:
+            return
+        self._gone_sender = sender
+        log.info("%s: sender %s is gone (%s); its writes are waited out for %.1f s", self.name, sender[:8], why,
+                 self.transport.orphan_lifetime)
+        self.keeper.writer_gone(sender, lifetime=self.transport.orphan_lifetime)
+
+    def _undecided(self, sender: str) -> bool:
+        """Nothing since the drop tells whether ``sender`` is gone: no session with it again, no other
+        sender at the address, no proof taken."""
+        return (not self._closed and not self._ready.is_set() and self.sender_id == sender
+                and self._gone_sender != sender)
+
+    async def _probe_gone(self, sender: str) -> None:
+        """After the control connection dropped: ask the address whether ``sender``'s process is gone (see the
+        module docstring), until something tells. A drop that ended a live session (the sender's side closed it
+        while we heard it) needs less proof than one after the sender went silent."""
+        delay = PROBE_RETRY_FIRST
+        told = False
+        drops = self._drops
+        try:
+            while self._undecided(sender):
+                drops.again = anyio.Event()
+                live = drops.live
+                verdict = await probe_address(self.address, PROBE_TIMEOUT)
+                if not self._undecided(sender):
+                    return  # a handshake (or a close) answered meanwhile
+                self.keeper.observer.disconnect_probed(sender=self.address, verdict=verdict.value)
+                if verdict is ProbeVerdict.REFUSED:
+                    self.sender_gone(sender, f"its address {self.address} refuses connections")
+                    return
+                if verdict is ProbeVerdict.ANSWERED:
+                    # The sender is there (its connection was reset on the way), or a new one: its handshake tells
+                    # (DRAINED from the same sender frees the fenced blocks, a new sender id proves the old gone).
+                    log.warning("%s: the control connection to sender %s dropped, but its address still answers: "
+                                "not taken as the sender gone; its fenced blocks wait for its next handshake",
+                                self.name, sender[:8])
+                    return
+                if live:
+                    self.sender_gone(sender, f"it closed the control connection in a live session, and its address "
+                                             f"{self.address} no longer answers ({verdict.value})")
+                    return
+                if verdict is ProbeVerdict.UNKNOWN:
+                    log.warning("%s: the control connection to silent sender %s dropped; %s cannot be asked whether "
+                                "anything listens there, so its fenced blocks stay fenced until it comes back, a new "
+                                "sender answers there, or declare_sender_gone()", self.name, sender[:8], self.address)
+                    return
+                if not told:
+                    log.warning("%s: the control connection to sender %s dropped after it went silent, and its "
+                                "address does not answer: its host may be paused or cut off, and its writes may "
+                                "still land when it resumes. Its fenced blocks stay fenced until it comes back, a "
+                                "new sender answers there, its address refuses connections (asked every %.0f-%.0f "
+                                "s), or declare_sender_gone()", self.name, sender[:8], PROBE_RETRY_FIRST,
+                                PROBE_RETRY_MAX)
+                told = True
+                with anyio.move_on_after(delay):
+                    await drops.again.wait()  # dropped again meanwhile (a session came and went): ask now
+                delay = min(PROBE_RETRY_MAX, delay * 2)
+        finally:
+            if drops.probing == sender:
+                drops.probing = None
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 1:

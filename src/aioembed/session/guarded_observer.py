@@ -58,5 +58,8 @@ class GuardedObserver(TransferObserver):
     def fence_released(self, *, proof: str, blocks: int, sender: str) -> None:
         self._call("fence_released", proof=proof, blocks=blocks, sender=sender)
 
+    def disconnect_probed(self, *, sender: str, verdict: str) -> None:
+        self._call("disconnect_probed", sender=sender, verdict=verdict)
+
     def sender_closed(self, *, sender: str) -> None:
         self._call("sender_closed", sender=sender)

@@ -606,7 +606,7 @@ class EmbeddingReceiver:
         assert self._transport is not None
         log.warning("receiver[%d]: sender %s declared gone by the application", self.rank, conn.address)
         conn.session_lost(LossKind.DISCONNECTED, f"sender {conn.address} declared gone by the application")
-        self.keeper.writer_gone(conn.sender_id, lifetime=self._transport.orphan_lifetime)
+        conn.sender_gone(conn.sender_id, "declared gone by the application")
 
     # -- internals ---------------------------------------------------------------------------
 
