@@ -68,6 +68,24 @@ async def test_a_release_from_another_thread_waits_for_its_fence_too() -> None:
         assert returned == [[7]]
 
 
+async def test_a_release_from_another_thread_wakes_the_loop_and_still_waits_for_its_fence() -> None:
+    returned: list[list[int]] = []
+    async with anyio.create_task_group() as tg:
+        returns = LeaseReturns(returned.append, tg.start_soon)
+        fence = HandFence()
+        await anyio.to_thread.run_sync(returns.release, [7], fence)  # no heartbeat drains the queue here
+        with anyio.fail_after(5):
+            while returns.pending:  # the woken loop takes it up ...
+                await anyio.sleep(0.005)
+        await anyio.sleep(0.05)
+        assert returned == [] and returns.fenced == 1  # ... but the consumer's work is not done
+        fence.complete()
+        with anyio.fail_after(5):
+            while not returned:
+                await anyio.sleep(0.005)
+        assert returned == [[7]]
+
+
 async def test_cpu_tensors_need_no_fence() -> None:
     assert fence_after([torch.zeros(4)]) is None
     await wait_fence(None)  # nothing to wait for

@@ -1,15 +1,19 @@
 """Leases given back on the receiver's edges: a cancel just as a room finished, a release off the loop
 just before close, a room in parts cancelled as its parts complete. Each case left pool blocks READABLE
-after the room (or the receiver) ended, or handed out a released lease (found by a review)."""
+after the room (or the receiver) ended, or handed out a released lease (found by a review). And leases given
+back late: released off the loop while a room waits for their blocks, or stream chunks the caller dropped."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
+import warnings
 from typing import Any
 
 import anyio
 import pytest
+import torch
 
 from aioembed import Part
 from aioembed.config import TransferConfig
@@ -17,8 +21,13 @@ from aioembed.errors import TransferAborted, TransferError
 from aioembed.protocol.messages import Status, TransferStatus
 from aioembed.protocol.ownership import GrantState
 from aioembed.samples import deterministic_request, standard_layout
+from aioembed.session.handle import TransferStats
+from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
+from aioembed.testing.event_loops import AnyioBackend, backend_and_options
+
+from .conftest import assert_same, make_request, running
 
 pytestmark = pytest.mark.anyio
 
@@ -52,9 +61,9 @@ async def test_lease_after_cancel_of_a_finished_room_raises() -> None:
 
 # A lease released off the loop's thread just before the receiver closes (CPU pool).
 #
-# A release from another thread (or a lease's finalizer) only queues its grants; the loop returns them at
-# its next release, reservation or heartbeat. The receiver's close ran none of these, so such grants were
-# never returned: the ledger kept them READABLE and the allocator short after ``aclose()``. (A CUDA lease
+# A release from another thread (or a lease's finalizer) only queues its grants and wakes the loop, which
+# returns them. One still queued when the receiver closes (the wake-up not yet run) was never returned: the
+# ledger kept it READABLE and the allocator short after ``aclose()``. (A CUDA lease
 # released with its fence pending while the receiver closes had the same fate through a refused spawn; that
 # needs a GPU and is not tested here.)
 async def test_lease_released_from_a_thread_before_close_goes_back() -> None:
@@ -66,6 +75,7 @@ async def test_lease_released_from_a_thread_before_close_goes_back() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(sender.send, "a", deterministic_request(LAYOUT, 50, "a"))
                 lease = await receiver.receive_leased("a")
+            receiver._room_ctx.returns._call_soon = None  # the loop does not get to the wake-up before close
             worker = threading.Thread(target=lease.release)  # a consumer thread lets go of it
             worker.start()
             worker.join()
@@ -141,3 +151,113 @@ async def test_parts_completing_as_the_room_is_cancelled_release_their_leases() 
         assert not left, f"parts ended {finished}; their leases still hold {left}"
         with anyio.fail_after(10):
             await receiver.allocator.wait_all_free()
+
+
+# A lease released off the loop's thread (the language model's own thread) while another room waits for its
+# blocks. The release only queued the grants, and the waiting room had drained the queue before it began to
+# wait: it got them at the connection's next heartbeat (or timed out first, with round_timeout shorter).
+async def test_a_room_waiting_for_memory_gets_a_lease_released_from_a_thread_at_once() -> None:
+    cfg = TransferConfig(transport="loopback", block_size=16, default_tokens=256, pool_tokens=512,
+                         resume_reserve_tokens=256, heartbeat_interval=30.0, round_timeout=60.0, input_timeout=60.0)
+    async with running(cfg) as (sender, (receiver,)):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "a", make_request(200, 1))
+            lease = await receiver.receive_leased("a")
+        src = make_request(200, 2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "b", src)
+            handle = receiver.start("b")
+            with anyio.fail_after(10):
+                while receiver.allocator.stats.waiters == 0:  # the pool fits one room: b waits for a's blocks
+                    await anyio.sleep(0.01)
+            worker = threading.Thread(target=lease.release)
+            worker.start()
+            worker.join()
+            with anyio.fail_after(5):  # the next heartbeat is 30 s away
+                got = await handle.result()
+        assert_same(got.tensors, src)
+
+
+# Zero-copy stream chunks that the caller uses and drops without release(). The stream kept every chunk it
+# handed out, so none was collected and no finalizer gave its blocks back: the next round, which needs the
+# blocks of the first (the room is twice the pool), timed out.
+async def test_stream_chunks_dropped_without_release_go_back_to_the_pool() -> None:
+    cfg = TransferConfig(transport="loopback", block_size=16, default_tokens=256, max_round_tokens=256,
+                         pool_tokens=512, resume_reserve_tokens=256, round_timeout=30.0, input_timeout=30.0)
+    src = make_request(1024, 7)
+    async with running(cfg) as (sender, (receiver,)):
+        seen = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(sender.send, "s", src)
+                    async with receiver.stream("s", zero_copy=True, chunk_tokens=0) as chunks:
+                        async for chunk in chunks:
+                            seen.append(chunk.to_tensors())  # a copy: the chunk is done with
+                            del chunk  # ... and dropped, not released
+                            gc.collect()
+        assert [w for w in caught if issubclass(w.category, ResourceWarning) and "'s'" in str(w.message)]
+        assert_same({k: torch.cat([s[k] for s in seen]) for k in src}, src)
+        with anyio.fail_after(10):
+            await receiver.allocator.wait_all_free()
+
+
+def _lease(returns: LeaseReturns, grants: list[int]) -> Lease:
+    return Lease(room="t", views={}, metadata={}, num_tokens=0, rounds=1,
+                 stats=TransferStats(bytes=0, rounds=1, seconds=0.0), grants=grants, returns=returns)
+
+
+# A burst of releases from another thread wakes the loop once: the wake-up drains everything queued.
+async def test_a_burst_of_releases_from_a_thread_wakes_the_loop_once() -> None:
+    given: list[list[int]] = []
+    returns = LeaseReturns(given.append)
+    wakes: list[object] = []
+    call_soon = returns._call_soon
+    assert call_soon is not None
+
+    def counted(fn: Any) -> None:
+        wakes.append(fn)
+        call_soon(fn)
+
+    returns._call_soon = counted
+    leases = [_lease(returns, [i]) for i in range(50)]
+    worker = threading.Thread(target=lambda: [lease.release() for lease in leases])
+    worker.start()
+    worker.join()  # blocks the loop: nothing drains during the burst
+    assert len(wakes) == 1 and returns.pending == 50
+    with anyio.fail_after(5):
+        while returns.pending:
+            await anyio.sleep(0.005)
+    assert sorted(g for gs in given for g in gs) == list(range(50))
+    _lease(returns, [50]).release()  # on the loop's thread: at once
+    worker = threading.Thread(target=_lease(returns, [51]).release)  # a later burst wakes it again
+    worker.start()
+    worker.join()
+    with anyio.fail_after(5):
+        while len(given) < 52:
+            await anyio.sleep(0.005)
+
+
+# A release (or a finalizer) after the event loop closed has nothing to wake: it raises nothing, on any thread.
+def test_a_release_after_the_loop_closed_raises_nothing(anyio_backend: AnyioBackend) -> None:
+    given: list[list[int]] = []
+
+    async def make() -> LeaseReturns:
+        return LeaseReturns(given.append)
+
+    name, options = backend_and_options(anyio_backend)
+    returns = anyio.run(make, backend=name, backend_options=options)
+    errors: list[BaseException] = []
+
+    def release() -> None:
+        try:
+            _lease(returns, [1]).release()
+            returns.release_later([2])  # what a finalizer does
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=release)
+    worker.start()
+    worker.join()
+    assert errors == [] and given == [] and returns.pending == 2

@@ -10,17 +10,21 @@ A room's work runs in the caller's task (``send()``, ``receive()``) and in the o
 Those set sniffio's context variable for their own duration, where it is unset, to what sniffio found:
 the answer any later lookup in that task would give. The caller's context is left as it was once the
 call returns, so nothing changes for the application's own code.
+
+:func:`loop_caller` is the one other place that tells the loops apart: it captures the running loop so
+that another thread can have it run a callback.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextvars import Token
 from types import TracebackType
 
 import sniffio
 
-__all__ = ["KnownAsyncLibrary"]
+__all__ = ["KnownAsyncLibrary", "loop_caller"]
 
 
 class KnownAsyncLibrary:
@@ -45,3 +49,36 @@ class KnownAsyncLibrary:
             # its cleanup in a task of its own): reset() refuses, and the context it was set in is the one ending.
             with contextlib.suppress(ValueError):
                 sniffio.current_async_library_cvar.reset(token)
+
+
+def loop_caller() -> Callable[[Callable[[], object]], None] | None:
+    """A function that has the running event loop call ``fn()`` soon, from any thread (a finalizer too: it
+    only schedules); ``None`` outside an event loop. Call this on the loop's thread. Once the loop is closed,
+    the function raises ``RuntimeError`` (trio: ``RunFinishedError``, a subclass)."""
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return None
+    if library == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        return token.run_sync_soon  # runs fn in a trio task: sniffio knows the library there
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def call(fn: Callable[[], object]) -> None:
+        loop.call_soon_threadsafe(_as_library, library, fn)
+
+    return call
+
+
+def _as_library(library: str, fn: Callable[[], object]) -> None:
+    """Run ``fn`` with sniffio's answer set: asyncio runs a callback outside any task, where sniffio finds no
+    library and anyio calls (``Event()``, ``current_time()``) would fail."""
+    token = sniffio.current_async_library_cvar.set(library)
+    try:
+        fn()
+    finally:
+        sniffio.current_async_library_cvar.reset(token)

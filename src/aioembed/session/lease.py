@@ -4,13 +4,15 @@ A lease holds readable grants of the receiver's pool. Give it back with :meth:`L
 ``async with lease:`` or ``async with receiver.lease(room) as lease:``. A lease dropped without
 release is still given back, by a finalizer, with a ``ResourceWarning`` naming the room: the pool
 must not shrink because a caller forgot one. The finalizer may run on any thread, in the middle of
-any code (a garbage collection), so it only queues the grants; the receiver's loop returns them at
-its next release, reservation or heartbeat.
+any code (a garbage collection), so it only queues the grants and wakes the receiver's loop, which
+returns them at once (as for a release from another thread).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import threading
 import warnings
 import weakref
@@ -23,9 +25,12 @@ import torch
 from aioembed.errors import TransferError
 from aioembed.memory.device_order import Fence, fence_after, wait_fence
 from aioembed.protocol.messages import RoomId
+from aioembed.session.async_library import loop_caller
 from aioembed.session.handle import TransferStats
 
 __all__ = ["Lease", "LeaseReturns"]
+
+log = logging.getLogger("aioembed.session.receiver")
 
 
 class LeaseReturns:
@@ -37,6 +42,8 @@ class LeaseReturns:
         self._give_back = give_back
         self._spawn = spawn
         self._loop_thread = threading.get_ident()
+        self._call_soon = loop_caller()  # made on the loop's thread: a room waiting for memory needs the grants now
+        self._wake_pending = False
         self._pending: deque[tuple[list[int], Fence | None]] = deque()
         self._waiting: dict[int, tuple[Fence, list[int]]] = {}  # releases whose fence was still pending
         self._keys = itertools.count()
@@ -45,18 +52,38 @@ class LeaseReturns:
 
     def release(self, grants: list[int], fence: Fence | None = None) -> None:
         """Give ``grants`` back once ``fence`` is done: now if on the loop's thread (and no fence is
-        pending), else at the loop's next chance."""
+        pending), else as soon as the loop (woken) gets to them."""
         if threading.get_ident() == self._loop_thread:
             self._return(grants, fence)
             self.drain()
         else:
             self._pending.append((grants, fence))
+            self._wake()
 
     def release_later(self, grants: list[int], fence: Fence | None = None) -> None:
         """Give ``grants`` back at the loop's next chance, whatever the thread: for a finalizer, which a
         garbage collection may run in the middle of the allocator's or the ledger's own code (returning
         blocks there would corrupt their tables: a block could be handed to two rooms)."""
         self._pending.append((grants, fence))
+        self._wake()
+
+    def _wake(self) -> None:
+        """Have the loop drain the queue soon: a room already waiting for memory drains nothing itself, and the
+        heartbeat would only come ``heartbeat_interval`` later. One wake-up pending is enough (the flag); no
+        lock, since a finalizer may run inside this very method on the same thread: a race at worst schedules
+        a second, empty drain."""
+        if self._wake_pending or self._call_soon is None:
+            return
+        self._wake_pending = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing drains, the queue goes with it
+            self._call_soon(self._woken)
+
+    def _woken(self) -> None:
+        self._wake_pending = False  # before the drain: a release queued during it schedules another
+        try:
+            self.drain()
+        except Exception:  # a loop callback must not raise (on trio it would crash the whole run)
+            log.exception("giving released leases back to the pool failed")
 
     def drain(self) -> None:
         """Return grants released from other threads (called on the loop's thread)."""

@@ -11,7 +11,8 @@ visible before it is announced. Two flavours, like the whole-room API:
   a :class:`~aioembed.Lease` each. Release every chunk once consumed (``with chunk:``): the blocks
   of a round go back to the pool only when its chunks are released, so a caller that holds chunks
   holds pool memory; when the next round cannot get memory while this stream holds chunks, the
-  receiver logs it and the room's timeout names it.
+  receiver logs it and the room's timeout names it. A chunk dropped unreleased goes back through the
+  lease's finalizer (the stream holds it weakly).
 
 The room's metadata comes on every chunk (the sender gives it with its first announcement, so it is
 there from the first chunk on). A failure mid-stream raises the room's
@@ -23,6 +24,7 @@ it, handed out or not; after a complete stream, leased chunks live until the cal
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -94,7 +96,9 @@ class RoomStream(Generic[ItemT]):
         self.handle = handle
         self._chunks = chunks
         self._delivered = 0
-        self._held: list[LeasedChunk] = []
+        self._held: list[weakref.ref[LeasedChunk]] = []
+        """Chunks handed out, for aclose() to release; weakly, so that one the caller drops goes back through
+        its finalizer (the stream must not keep it, and its blocks, alive)."""
         self._sent: list[LeasedChunk] = []  # sent by the room's driver, not yet handed out (see _release_lost)
         self._finished = False
         self._total: int | None = None
@@ -137,8 +141,8 @@ class RoomStream(Generic[ItemT]):
         self._delivered = chunk.end
         self._total = chunk.total
         if isinstance(chunk, LeasedChunk):
-            self._held = [c for c in self._held if not c.released]
-            self._held.append(chunk)
+            self._held = [r for r in self._held if (c := r()) is not None and not c.released]
+            self._held.append(weakref.ref(chunk))
             self._sent = [c for c in self._sent if c.start >= self._delivered]
         return chunk  # type: ignore[return-value]  # the receiver's overloads tie ItemT to zero_copy
 
@@ -152,8 +156,9 @@ class RoomStream(Generic[ItemT]):
             self.handle.cancel("the stream was closed before the room completed")
             with anyio.CancelScope(shield=True):
                 await self.handle.wait()
-            for c in self._held:
-                c.release()
+            for r in self._held:
+                if (c := r()) is not None:
+                    c.release()
         self._held = []
         self._release_lost()
         self._sent = []
