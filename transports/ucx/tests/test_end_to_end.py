@@ -105,3 +105,53 @@ async def test_sends_from_registered_source_buffers() -> None:
             EmbeddingReceiver(LAYOUT, cfg, connect=sender.address) as receiver:
         await receiver.wait_connected(timeout=10)
         await check_registered_sources(sender, receiver, LAYOUT, tokens=16384)
+
+
+async def test_a_cancelled_send_leaves_another_room_to_the_same_receiver_alone() -> None:
+    """The caller of one room's send() is cancelled (its client went away) while another room to the same
+    receiver is in flight on the same link: the other room succeeds (the cancelled write aborted the link's
+    UCX endpoint, and with it the other room's write)."""
+    layout = Layout(embeddings=Field((3584,), torch.bfloat16), token_ids=Field((), torch.int32))
+    n = 4096  # 29 MB per room: both writes are in flight together
+    cfg = config(default_tokens=n, pool_tokens=4 * n)
+
+    def request(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {"embeddings": torch.randn(n, 3584, generator=g).to(torch.bfloat16),
+                "token_ids": torch.randint(0, 1000, (n,), dtype=torch.int32, generator=g)}
+
+    async with EmbeddingSender(layout, cfg) as sender, \
+            EmbeddingReceiver(layout, cfg, connect=sender.address) as receiver:
+        await receiver.wait_connected(timeout=10)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "warm", request(0), None)
+            await receiver.receive("warm")
+        want = request(2)
+        for i, delay in enumerate([0.003, 0.01, 0.03]):
+            results: dict[str, Any] = {}
+
+            async def receive(room: str, into: dict[str, Any] = results) -> None:
+                try:
+                    into[room] = await receiver.receive(room)
+                except Exception as exc:
+                    into[room] = exc
+
+            async def send_b(room: str, into: dict[str, Any] = results) -> None:
+                try:
+                    await sender.send(room, want, None)
+                except Exception as exc:
+                    into["send " + room] = exc
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(receive, f"A{i}")
+                tg.start_soon(receive, f"B{i}")
+                await anyio.sleep(0.05)
+                with anyio.CancelScope() as handler:  # room A's request handler
+                    async with anyio.create_task_group() as inner:
+                        inner.start_soon(sender.send, f"A{i}", request(1), None)
+                        tg.start_soon(send_b, f"B{i}")
+                        await anyio.sleep(delay)
+                        handler.cancel()
+            got = results[f"B{i}"]
+            assert not isinstance(got, Exception), f"room B failed after A was cancelled at {delay} s: {results}"
+            assert_same(got.tensors, want)

@@ -1,5 +1,5 @@
-"""Opening, closing and reopening endpoints and links: closes that race writes or cancellations, a port
-reused by a restarted owner, connects that wait on a frozen owner, and what stays behind."""
+"""Opening, closing and reopening endpoints and links: closes that race writes or cancellations, writes cancelled in
+flight, a port reused by a restarted owner, connects that wait on a frozen owner, and what stays behind."""
 
 from __future__ import annotations
 
@@ -81,6 +81,113 @@ async def test_a_cancelled_aclose_still_closes_everything() -> None:
     assert owner.port is None, "the listener stayed open"
     assert not owner._serving and not owner._server_eps
     assert not writer_._links
+
+
+BIG = 32 << 20
+
+
+@pytest.mark.parametrize("how", ["task", "scope"])
+async def test_a_write_cancelled_in_flight_runs_to_its_end_and_leaves_the_others_on_the_link_alone(how: str) -> None:
+    """Two writes in flight on one link (two rooms to one receiver); the caller of one is cancelled. It must not
+    abort the endpoint both share: the other write completes (it failed with "Request canceled"), and so does the
+    cancelled one, whose cancellation comes once it has ended (asyncio's at once, anyio's at the next await)."""
+    a = await open_transport("ucx", dict(UCX_OPTIONS))
+    b = await open_transport("ucx", dict(UCX_OPTIONS))
+    src = torch.randint(0, 256, (2 * BIG,), dtype=torch.uint8)
+    dst = torch.zeros(2 * BIG, dtype=torch.uint8)
+    await a.register([region_of(src)])
+    await b.register([region_of(dst)])
+    try:
+        link = await a.connect(b.descriptor())
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
+        first = ucx_link(link)._ep
+        scope = anyio.CancelScope()
+
+        async def write_a() -> None:
+            with scope:
+                await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), BIG)])
+                await anyio.sleep(30)  # an anyio cancellation held back during the write ends this at once
+
+        task_a = asyncio.ensure_future(write_a())
+        task_b = asyncio.ensure_future(link.write([WriteOp(src.data_ptr() + BIG, dst.data_ptr() + BIG, BIG)]))
+        await asyncio.sleep(0.002)
+        assert not task_a.done() and not task_b.done(), "too fast to interleave on this host"
+        if how == "task":
+            task_a.cancel()  # asyncio's cancellation (an HTTP client gone), which passes anyio's shields
+            with pytest.raises(asyncio.CancelledError):
+                await task_a
+        else:
+            scope.cancel()  # a room deadline
+            await task_a
+            assert scope.cancelled_caught
+        await task_b
+        assert torch.equal(dst, src)  # both landed, the cancelled one too: it ran to its end
+        assert ucx_link(link)._ep is first  # never aborted
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_a_write_cancelled_at_any_step_keeps_the_endpoint() -> None:
+    """Cancelled before it posted anything (nothing to undo; a reconnect under way is given up) or at any later
+    step (it runs to its end, then raises the cancellation): the endpoint stays."""
+    a, b, src, dst = await _pair()
+    try:
+        link = await a.connect(b.descriptor())
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
+        first = ucx_link(link)._ep
+        for delay in range(8):
+            dst.zero_()
+            task = asyncio.ensure_future(link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SIZE)]))
+            for _ in range(delay):
+                await asyncio.sleep(0)
+            if task.cancel():  # not done yet
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert ucx_link(link)._ep is first
+            assert delay == 0 or torch.equal(dst, src)  # once started, it landed
+        ucx_link(link)._drop(first)  # as after a failed write: the next write reconnects
+        task = asyncio.ensure_future(link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SIZE)]))
+        await asyncio.sleep(0.001)  # inside the reconnect now
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ucx_link(link)._ep is None  # the endpoint it was opening is aborted with it
+        dst.zero_()
+        await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), SIZE)])
+        assert torch.equal(dst, src)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+@pytest.mark.parametrize("ended_by", ["stall", "aclose"])
+async def test_a_write_cancelled_in_flight_still_ends_at_a_stall_or_when_its_link_closes(ended_by: str) -> None:
+    """A cancelled write waits for its end, but no longer than the link's stall timer allows (which aborts the
+    endpoint: every write on it fails anyway), and not past the link's aclose()."""
+    timeout = 1.0 if ended_by == "stall" else 30.0
+    with owner_process() as (proc, info):
+        async with writer(write_timeout=timeout) as (w, src):
+            link = await w.connect(bytes.fromhex(info["descriptor"]))
+            await link.write([WriteOp(src.data_ptr(), info["address"], 4096)])
+            os.kill(proc.pid, signal.SIGSTOP)
+            task = asyncio.ensure_future(link.write([WriteOp(src.data_ptr(), info["address"], src.numel())]))
+            await asyncio.sleep(0.2)
+            start = time.monotonic()
+            task.cancel()
+            await asyncio.sleep(0.2)
+            assert not task.done()  # the owner is frozen: the write waits, the endpoint stays
+            assert ucx_link(link)._ep is not None
+            if ended_by == "aclose":
+                start = time.monotonic()
+                await link.aclose()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            elapsed = time.monotonic() - start
+            print(f"cancelled write on a frozen owner ended {elapsed:.2f} s after its {ended_by} began")
+            assert elapsed < (3.0 if ended_by == "stall" else 1.0)
+            assert ucx_link(link)._ep is None  # aborted
 
 
 async def test_a_restarted_owner_listens_again_on_its_fixed_port_at_once() -> None:

@@ -200,6 +200,7 @@ def _ucxx() -> types.SimpleNamespace:
         Tag=ucxx_types.Tag, TagMaskFull=ucxx_types.TagMaskFull,
         hash64bits=importlib.import_module("ucxx._lib_async.utils").hash64bits,
         UCXCloseError=libucxx.UCXCloseError,
+        UCXCanceledError=libucxx.UCXCanceledError,
     )
 
 
@@ -339,7 +340,8 @@ def post(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> Posted:
 
 
 async def wait_posted(posted: Sequence[Posted], on_done: Callable[[], None] | None = None) -> None:
-    """Until every posted message completed; ``on_done()`` after each. Raises the first error seen."""
+    """Until every posted message completed; ``on_done()`` after each. Raises the first error seen. A cancelled
+    wait leaves them posted and can be repeated."""
     requests = [p.request for p in posted if p.future is None]
     if requests:
         driver = _driver()
@@ -350,7 +352,13 @@ async def wait_posted(posted: Sequence[Posted], on_done: Callable[[], None] | No
         if on_done is not None:
             for f in futures:  # as the armed path: progress is a message that completed, not one that failed
                 f.add_done_callback(lambda f: on_done() if not f.cancelled() and f.exception() is None else None)
-        await asyncio.gather(*futures)
+        # Not gather: a cancelled wait leaves the messages waited for, so that it can be waited again.
+        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        for f in futures:
+            if f.cancelled():  # by cancel_posted: not the waiter's cancellation (a wait again would spin)
+                raise _ucxx().UCXCanceledError("a posted message was cancelled")
+            if f.done() and (exc := f.exception()) is not None:
+                raise exc
 
 
 def cancel_posted(posted: Sequence[Posted]) -> None:

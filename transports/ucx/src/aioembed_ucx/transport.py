@@ -15,7 +15,9 @@ carries that id in its tag, so neither side serialises them.
 Failure: an endpoint error (peer gone) fails pending operations within milliseconds on a
 live host; a frozen peer is caught by ``write_timeout``. Either way the UCX endpoint is
 aborted (the owning side's pending receives into the pool are cancelled with it) and the
-write raises :class:`~aioembed.errors.TransportError`; the next write reconnects.
+write raises :class:`~aioembed.errors.TransportError`; the next write reconnects. A write
+whose caller is cancelled once it posted runs to its end first (see :meth:`UcxLink._write`):
+the endpoint is shared by every write on the link.
 """
 
 from __future__ import annotations
@@ -751,36 +753,68 @@ class UcxLink(Link):
         # Without the owner's go-ahead: small CPU-to-CPU writes, up to what the owner announced it takes so.
         eager = total <= min(local.options.eager_bytes, self._peer.eager_bytes) and all(
             sd == dd == "cpu" for _, _, _, sd, dd in merged)
-        timeout = local.options.write_timeout
+        held: list[asyncio.CancelledError] = []  # the caller's cancellation, held back while the write ran
+        try:
+            await self._write(direct, inline, eager, f"write of {total} bytes ({len(merged)} ops) to {self.peer}",
+                              held)
+        except (Exception, asyncio.CancelledError) as exc:
+            if held and exc is not held[0]:
+                raise held[0] from exc
+            raise
+        if held:
+            raise held[0]  # the write landed; the caller was cancelled meanwhile
+
+    async def _write(self, direct: Sequence[tuple[int, int, int, str]], inline: Sequence[tuple[int, int, int]],
+                     eager: bool, what: str, held: list[asyncio.CancelledError]) -> None:
+        """The write, on the link's endpoint. Once something of it is posted it runs to its end, shielded from
+        the caller's cancellation (kept in ``held``): giving up then means aborting the endpoint, which every
+        other write on the link shares and fails with. Only a stall, or a failure, aborts it."""
+        timeout = self._local.options.write_timeout
+        shield = anyio.CancelScope()
         ep: Any = None
         try:
-            with _StallTimeout(self._progress, timeout) as stall:
-                ep = await self._endpoint()
-                await self._write_on(ep, direct, inline, eager)
+            # The stall's scope inside the shield: the shield holds off only cancellations from outside.
+            with shield, _StallTimeout(self._progress, timeout) as stall:
+                ep = await self._endpoint()  # cancelled here: nothing posted (a new endpoint is aborted)
+                shield.shield = True  # no await since: nothing of the write is posted yet
+                await self._write_on(ep, direct, inline, eager, stall=stall, held=held)
         except _Refused:
             raise
         except TransportError:
             self._drop(ep)
             raise
-        except local._errors as exc:
+        except self._local._errors as exc:
             self._drop(ep)
-            raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} failed: "
-                                 f"{exc!r}") from exc
+            raise TransportError(f"{what} failed: {exc!r}") from exc
         except BaseException:
-            # Cancelled (or worse) mid-write: the wire state is unknown, so abort the endpoint,
-            # which also cancels the owning side's receives into its pool.
+            # Not a cancellation of the caller once the write was posted (_wait holds those back): one before
+            # (ep is None), one that raced the stall, or worse; the wire state is unknown, so abort the
+            # endpoint, which also cancels the owning side's receives into its pool.
             self._drop(ep)
             raise
         if stall.expired:
             self._drop(ep)
-            raise TransportError(f"write of {total} bytes ({len(merged)} ops) to {self.peer} did not complete: "
-                                 f"no progress on the link within write_timeout={timeout} s; the UCX endpoint "
-                                 "was aborted")
+            raise TransportError(f"{what} did not complete: no progress on the link within write_timeout={timeout} "
+                                 "s; the UCX endpoint was aborted")
+
+    async def _wait(self, posted: Sequence[Posted], stall: _StallTimeout, held: list[asyncio.CancelledError]) -> None:
+        """Until ``posted`` completed (see :func:`wait_posted`). A cancellation of the caller does not stop it
+        (it is kept in ``held``, for write() to raise at the end); the stall does. The shield holds off anyio's
+        cancellations (but one already delivered as it went up); asyncio's (``Task.cancel``) pass any shield."""
+        while True:
+            try:
+                await wait_posted(posted, self._progress.tick)
+                return
+            except asyncio.CancelledError as exc:
+                if stall.expired:
+                    raise
+                if not held:
+                    held.append(exc)
 
     async def _write_on(self, ep: Any, direct: Sequence[tuple[int, int, int, str]],
-                        inline: Sequence[tuple[int, int, int]], eager: bool) -> None:
+                        inline: Sequence[tuple[int, int, int]], eager: bool, *, stall: _StallTimeout,
+                        held: list[asyncio.CancelledError]) -> None:
         # Every message of a step is posted at once (in wire order) and awaited together in this task.
-        tick = self._progress.tick
         wid = next(self._wids)
         body = w.encode_ops([(d, n) for _, d, n, _ in direct], [(d, n) for _, d, n in inline])
         kind = w.KIND_EAGER if eager else w.KIND_WRITE
@@ -793,7 +827,7 @@ class UcxLink(Link):
             if not eager:
                 reply = bytearray(w.REPLY_SIZE)
                 posted.append(post(ep, reply, w.t_reply(wid), send=False))
-                await wait_posted(posted, tick)
+                await self._wait(posted, stall, held)
                 status, message = w.decode_reply(reply)
                 if status != w.OK:
                     raise _Refused(f"{self.peer} refused the write: {message}")
@@ -807,8 +841,8 @@ class UcxLink(Link):
                     off += n
                 sends.append(post(ep, blob, w.t_data(wid, len(direct)), send=True))
             posted += sends
-            await wait_posted(posted, tick)  # the go-ahead's messages completed already, if any
-            await wait_posted(ack_recv, tick)
+            await self._wait(posted, stall, held)  # the go-ahead's messages completed already, if any
+            await self._wait(ack_recv, stall, held)
         except _Refused:
             raise  # before any data was posted, with everything it posted completed
         except BaseException:
