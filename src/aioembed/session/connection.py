@@ -510,9 +510,9 @@ class SenderConnection:
                 if verdict is ProbeVerdict.ANSWERED:
                     # The sender is there (its connection was reset on the way), or a new one: its handshake tells
                     # (DRAINED from the same sender frees the fenced blocks, a new sender id proves the old gone).
-                    log.warning("%s: the control connection to sender %s dropped, but its address still answers: "
-                                "not taken as the sender gone; its fenced blocks wait for its next handshake",
-                                self.name, sender[:8])
+                    log.info("%s: the control connection to sender %s dropped, but its address still answers: "
+                             "not taken as the sender gone; its fenced blocks wait for its next handshake",
+                             self.name, sender[:8])
                     return
                 if live:
                     self.sender_gone(sender, f"it closed the control connection in a live session, and its address "

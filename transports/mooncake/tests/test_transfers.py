@@ -14,6 +14,7 @@ import aioembed_mooncake._transfers as transfers
 from aioembed_mooncake._transfers import (
     DONE,
     PENDING,
+    SLOW,
     CompletionForecast,
     Credits,
     CreditsClosed,
@@ -391,6 +392,84 @@ async def test_a_waiter_at_its_deadline_looks_at_its_own_transfers_before_giving
     assert await poller.wait([mine], deadline=anyio.current_time() + 0.020) is True
     assert mine.status == DONE and engine.checked(2) == 1  # seen once: by the look at the deadline
     poller.forget([head])
+
+
+class SlowEngine:
+    """An RDMA engine with ``MC_SLICE_TIMEOUT`` set (no RDMA here): a transfer reports PENDING, then SLOW (a slice
+    past the timeout: still in flight, id not freed) from ``slow_after``, then DONE (id freed) at ``ends_after``."""
+
+    def __init__(self, slow_after: float, ends_after: float) -> None:
+        self.slow_after, self.ends_after = slow_after, ends_after
+        self.submitted: dict[int, float] = {}
+        self.freed: set[int] = set()
+        self.slow_seen = False
+
+    def transfer_submit_write(self, session: str, src: int, dst: int, n: int) -> int:
+        batch = len(self.submitted) + 1
+        self.submitted[batch] = time.monotonic()
+        return batch
+
+    def transfer_check_status(self, batch: int) -> int:
+        assert batch not in self.freed, "polled a freed id"
+        age = time.monotonic() - self.submitted[batch]
+        if age >= self.ends_after:
+            self.freed.add(batch)
+            return DONE
+        if age >= self.slow_after:
+            self.slow_seen = True
+            return SLOW
+        return PENDING
+
+
+def slow_link(engine: SlowEngine, transfer_timeout: float | None = None) -> tuple[Any, Any, list[Any]]:
+    """An endpoint on ``engine`` (its transfer_timeout shortened for the test), a link to a fake peer region, and
+    one write op to it."""
+    import ctypes
+
+    from aioembed.transports.base import MemoryRegion, RegionSet, WriteOp
+
+    from aioembed_mooncake._regions import Piece, PieceIndex
+    from aioembed_mooncake.transport import MooncakeLink, MooncakeTransport, _Config
+
+    t = MooncakeTransport(_Config({"protocol": "tcp", "hostname": "127.0.0.1"}), engine, "127.0.0.1:1", 1)
+    if transfer_timeout is not None:
+        t._transfer_timeout = transfer_timeout  # type: ignore[assignment]  # the engine's minimum is 5 s
+    src = (ctypes.c_char * 4096)()
+    dst = 0x10000000
+    link = MooncakeLink(t, "peer:2", RegionSet([MemoryRegion(dst, 4096)]), PieceIndex([Piece(dst, dst + 4096)]))
+    t._links.add(link)
+    return t, link, [WriteOp(ctypes.addressof(src), dst, 4096), src]
+
+
+async def test_a_transfer_the_engine_reports_slow_is_still_in_flight_and_the_write_waits_for_its_end() -> None:
+    """-2 (a slice past ``MC_SLICE_TIMEOUT``) was taken as final: the write failed without ``settled`` (its blocks
+    fenced only ``write_lifetime`` while the transfer could still land), its credit came back at once, and its
+    engine id was never polled again, so never freed (found by a review)."""
+    engine = SlowEngine(slow_after=0.02, ends_after=0.2)
+    t, link, (op, _src) = slow_link(engine)
+    started = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(link.write, [op])
+        await anyio.sleep(0.1)
+        assert engine.slow_seen and link._credits.available == link._credits.total - 1  # in flight: credit held
+    assert time.monotonic() - started >= engine.ends_after  # the write returned only once the transfer ended
+    assert engine.freed == {1} and t._poller.pending == 0 and link._credits.available == link._credits.total
+
+
+async def test_a_write_whose_slow_transfer_outlasts_transfer_timeout_fails_with_settled() -> None:
+    from aioembed.errors import TransportError
+
+    engine = SlowEngine(slow_after=0.02, ends_after=0.4)
+    t, link, (op, _src) = slow_link(engine, transfer_timeout=0.1)
+    with pytest.raises(TransportError) as err:
+        await link.write([op])
+    assert err.value.may_land is True and err.value.settled is not None
+    assert "1 of them reported past MC_SLICE_TIMEOUT" in str(err.value)
+    assert not engine.freed and link._credits.available == link._credits.total - 1  # still in flight: held
+    with anyio.fail_after(5):
+        await err.value.settled()
+    assert time.monotonic() - engine.submitted[1] >= engine.ends_after
+    assert engine.freed == {1} and t._poller.pending == 0 and link._credits.available == link._credits.total
 
 
 # -- credits --------------------------------------------------------------------------------------

@@ -2,10 +2,14 @@
 
 ``TransferEngine.transfer_submit_write`` queues one transfer and returns its id at once;
 ``transfer_check_status`` says, in well under a microsecond and without blocking, whether it is
-done (1), failed (-1) or timed out (-2), or still pending (0). The engine offers no completion
-callback or file descriptor, so completions are polled: by one poll loop per endpoint, run by
-whichever waiting task holds the baton (no background task, no thread). It stops as soon as
-nothing is pending. A final status frees the id inside the engine, so an id is never polled again.
+done (1) or failed (-1), both final, or still pending (0), or slow (-2: one of its slices is older
+than ``MC_SLICE_TIMEOUT``; only RDMA slices are timed). A slow transfer is not cancelled, and a later
+check says 1 or -1, so -2 counts as pending here: taken as an end, it freed the write's blocks and
+its credit while the transfer could still land. The engine offers no completion callback or file
+descriptor, so completions are polled: by one poll loop per endpoint, run by whichever waiting task
+holds the baton (no background task, no thread). It stops as soon as nothing is pending. A final
+status frees the id inside the engine (-2 does not), so an id is polled until it has one, and never
+again.
 
 When to look: a sleep on the event loop lasts at least a millisecond (the selector's resolution),
 longer than a small transfer takes, while looking on every loop turn keeps a core busy. So the loop
@@ -44,8 +48,8 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 
 import anyio
 
-__all__ = ["DONE", "PENDING", "CompletionForecast", "Credits", "CreditsClosed", "PendingTransfer", "TransferPoller",
-           "queue_key"]
+__all__ = ["DONE", "PENDING", "SLOW", "CompletionForecast", "Credits", "CreditsClosed", "PendingTransfer",
+           "TransferPoller", "queue_key"]
 
 _POLL_FIRST = 0.00005
 _POLL_MAX = 0.002
@@ -64,7 +68,8 @@ _SWEEP_EVERY = 0.001
 the most a transfer that ended before an earlier one of its queue waits to be seen (the sweep is the first poll
 after it is due)."""
 
-DONE, PENDING = 1, 0
+DONE, PENDING, SLOW = 1, 0, -2
+"""``transfer_check_status`` results (-1 is failed, final too); ``SLOW`` is not final (see the module docstring)."""
 
 _sched_yield = getattr(os, "sched_yield", None)  # POSIX only, as the engine is
 
@@ -111,7 +116,8 @@ class CompletionForecast:
 class PendingTransfer:
     """One submitted transfer: its engine id, and its final status once known."""
 
-    __slots__ = ("batch", "length", "on_done", "pending_at", "queue", "spin_from", "spin_until", "status", "submitted")
+    __slots__ = ("batch", "length", "on_done", "pending_at", "queue", "slow", "spin_from", "spin_until", "status",
+                 "submitted")
 
     def __init__(self, batch: int, length: int, queue: Hashable | None = None) -> None:
         self.batch = batch
@@ -128,6 +134,8 @@ class PendingTransfer:
         """When a poll last saw it pending."""
         self.spin_from = self.spin_until = 0.0
         """Around its expected end: look on every loop turn within (empty before the forecast knows)."""
+        self.slow = False
+        """The engine reported it ``SLOW`` (past ``MC_SLICE_TIMEOUT``) at least once: for error messages."""
 
 
 class TransferPoller:
@@ -192,8 +200,10 @@ class TransferPoller:
 
     def _finished(self, t: PendingTransfer, now: float) -> bool:
         status = int(self._check(t.batch))
-        if status == PENDING:
+        if status in (PENDING, SLOW):  # SLOW: still in flight, and its id still held by the engine
             t.pending_at = now
+            if status == SLOW:
+                t.slow = True
             return False
         t.status = status
         if status == DONE:

@@ -9,9 +9,11 @@ the endpoint's one poll loop (:mod:`aioembed_mooncake._transfers`) waits for the
 its own bound on transfers in flight and on submit threads, so a peer that stops reading stalls
 only its own link. The transport works under asyncio and trio alike.
 
-Failure semantics (see the README): the engine cannot cancel a transfer; a write returns (or
-raises) only once every transfer it submitted has a final status, after which only bytes already
-in the peer's socket buffers can still land there.
+Failure semantics (see the README): the engine cannot cancel a transfer. A write returns (or
+raises) once every transfer it submitted has a final status (done or failed: one reported past
+``MC_SLICE_TIMEOUT`` is still in flight), after which only bytes already in socket buffers can
+still land; or it raises at ``transfer_timeout`` with transfers still in flight, and its error's
+``settled`` says when they ended.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from aioembed.transports.base import (
     WriteOp,
 )
 from aioembed.transports.close_once import CloseOnce
+from aioembed.transports.tcp_orphans import orphan_retransmit_horizon
 
 from aioembed_mooncake._engine import (
     ENGINE_DEFAULT_TIMEOUT,
@@ -94,7 +97,7 @@ holds at most this many threads, not the endpoint's."""
 
 _OPTIONS = (
     "protocol", "device_name", "hostname", "metadata_server", "threads",
-    "max_batch_bytes", "max_batch_ops", "transfer_timeout",
+    "max_batch_bytes", "max_batch_ops", "transfer_timeout", "tcp_orphan_seconds",
 )
 _PROTOCOLS = ("auto", "rdma", "tcp")
 _HOST_RE = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -221,6 +224,13 @@ class _Config:
             timeout = math.ceil(timeout)
         self.transfer_timeout: int | None = timeout
 
+        orphan = options.get("tcp_orphan_seconds")
+        if orphan is not None and (not isinstance(orphan, (int, float)) or isinstance(orphan, bool)
+                                   or math.isnan(orphan) or not 0 <= orphan <= 86400):
+            raise ConfigError(f"transport_options.tcp_orphan_seconds must be a number of seconds in [0, 86400], "
+                              f"got {orphan!r}")
+        self.tcp_orphan_seconds: float | None = None if orphan is None else float(orphan)
+
     def engine_settings(self) -> EngineSettings:
         return EngineSettings(
             hostname=self.hostname,
@@ -239,8 +249,10 @@ class MooncakeTransport(Transport):
     endpoint at), ``metadata_server`` (default ``P2PHANDSHAKE``), ``threads`` (worker threads for
     registration where it blocks: RDMA or a metadata server; default 4), ``max_batch_bytes``
     (largest single engine transfer, default 16 MiB), ``max_batch_ops`` (transfers submitted at once per write, default
-    ``1024 // threads``) and ``transfer_timeout`` (seconds, at least 5; engine default 30: a
-    transfer that makes no progress for that long fails).
+    ``1024 // threads``), ``transfer_timeout`` (seconds, at least 5; engine default 30: a
+    transfer that makes no progress for that long fails) and ``tcp_orphan_seconds`` (over TCP, how long a
+    closed socket's bytes may still arrive; default: what this host's kernel retransmits, 102 s with Linux's
+    defaults; lower it only where no partition can hold packets that long, e.g. every process on one host).
     """
 
     name: ClassVar[str] = "mooncake"
@@ -252,7 +264,8 @@ class MooncakeTransport(Transport):
         # progress: no time bounds them, so its TransportError says when they ended (``settled``, which
         # the poller learns) and the sender fences until then. write_lifetime covers the other failures
         # (transfers that ended failed, whose bytes may still sit in the peer's socket buffers). A writer
-        # process that ended had its connections closed by its kernel: only buffered bytes can land.
+        # process that ended had its connections closed by its kernel: only buffered bytes can land. Over TCP
+        # both are at least what a closed socket's kernel goes on retransmitting (the endpoint's properties).
         write_lifetime=32.0,
         orphan_lifetime=2.0,
     )
@@ -273,6 +286,10 @@ class MooncakeTransport(Transport):
         """Registration calls on the loop's thread (see :meth:`_register_call`)."""
         self._tcp_sources = config.protocol == "tcp"
         """Writes may read unregistered CPU sources (:meth:`reads_unregistered`)."""
+        self._orphan_horizon = None if config.protocol != "tcp" else (
+            config.tcp_orphan_seconds if config.tcp_orphan_seconds is not None else orphan_retransmit_horizon())
+        """Over TCP, how long a closed socket's bytes may still arrive (read once: the lifetimes are asked after
+        every write)."""
         self._limiter = anyio.CapacityLimiter(config.threads)
         self._poller = TransferPoller(engine.transfer_check_status)
         self._scratch_address = ctypes.addressof(_SCRATCH)
@@ -311,8 +328,24 @@ class MooncakeTransport(Transport):
     def write_lifetime(self) -> float:
         """How long a failed write may still land once its transfers ended (what the peer's socket buffers
         hold, and the engine's lanes dropping a connection that makes no progress). A write that timed out
-        with transfers still moving is not bounded by time: its error's ``settled`` says when they ended."""
-        return float(self.progress_timeout) + 2.0
+        with transfers still moving is not bounded by time: its error's ``settled`` says when they ended.
+        Over TCP, a lane that failed closed its socket gracefully: its kernel retransmits what it had queued for
+        :func:`~aioembed.transports.tcp_orphans.orphan_retransmit_horizon` (102 s by default), delivered if a
+        partition heals meanwhile (32 s, the progress timeout alone, left that window open)."""
+        lifetime = float(self.progress_timeout) + 2.0
+        if self._orphan_horizon is not None:
+            lifetime = max(lifetime, self._orphan_horizon + 2.0)
+        return lifetime
+
+    @property
+    def orphan_lifetime(self) -> float:
+        """How long the writes of a writer whose process ended may still land: over RDMA, what was in flight
+        (the kernel destroys the process's queue pairs); over TCP, what its kernel goes on retransmitting for
+        the closed sockets (see :attr:`write_lifetime`), which a partition healing after the process died
+        delivers."""
+        if self._orphan_horizon is not None:
+            return self._orphan_horizon + 2.0
+        return self.capabilities.orphan_lifetime
 
     @property
     def progress_timeout(self) -> int:
@@ -679,8 +712,8 @@ class MooncakeTransport(Transport):
             raise TransportError(
                 f"mooncake write to peer {link.session} did not complete within transfer_timeout="
                 f"{self.transfer_timeout}s: {len(stuck)} engine transfers ({sum(t.length for t in stuck)} of {total} "
-                f"bytes) still pending. The engine cannot cancel them: they may still land for as long as they "
-                "make progress, so the destination is not reused before they ended", may_land=True,
+                f"bytes) still pending{_slow_note(stuck)}. The engine cannot cancel them: they may still land for as "
+                "long as they make progress, so the destination is not reused before they ended", may_land=True,
                 settled=functools.partial(self._settled, stuck))
         if failed or refused:
             self._raise_failed(link, failed, refused=refused, total=total, pieces=len(pieces), ops=len(ops),
@@ -726,8 +759,8 @@ class MooncakeTransport(Transport):
         that did not complete is given ``write_lifetime`` more. One the engine reports failed (-1) has ended in
         every lane, its connection closed first, but that close is graceful: what the sender's kernel still
         had queued for the socket (MiBs) is delivered, or retransmitted after a partition heals, whenever the
-        peer reads again, and so is what sits in the peer's buffers. ``orphan_lifetime`` (2 s of the sender's
-        time) does not bound that; the ledger's floor (``write_lifetime`` from the write's failure) covers a
+        peer reads again, and so is what sits in the peer's buffers. ``orphan_lifetime`` (of a process gone)
+        does not bound that; the ledger's floor (``write_lifetime`` from the write's failure) covers a
         leftover that ends near the write's deadline, but not one that kept moving long after it."""
         await self._poller.watch(lambda: all(t.status != PENDING for t in stuck), max_delay=_SETTLE_POLL_MAX)
         if any(t.status != DONE for t in stuck):
@@ -796,6 +829,13 @@ def _region(item: Any) -> MemoryRegion:
             and all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
         raise ValueError(f"bad region entry {item!r}")
     return MemoryRegion(int(item[0]), int(item[1]))
+
+
+def _slow_note(stuck: Sequence[PendingTransfer]) -> str:
+    """Why a write timed out, where the engine said so: it reports a transfer with a slice past its slice timeout
+    (RDMA), which stays in flight."""
+    slow = sum(t.slow for t in stuck)
+    return f" ({slow} of them reported past MC_SLICE_TIMEOUT by the engine)" if slow else ""
 
 
 def _any_failed(reads: Sequence[PendingTransfer]) -> bool:
