@@ -25,7 +25,9 @@ pytestmark = pytest.mark.anyio
 
 CONFIG: dict[str, Any] = {
     "transport": "mooncake",
-    "transport_options": {"protocol": "tcp", "hostname": "127.0.0.1"},
+    # Every process on one host: no partition can hold a closed socket's bytes (the default lifetimes wait out
+    # what a kernel retransmits, 104 s), so a killed side's blocks come back within the rounds' deadlines.
+    "transport_options": {"protocol": "tcp", "hostname": "127.0.0.1", "tcp_orphan_seconds": 1.0},
     "default_tokens": 1024,
     "pool_tokens": 8192,
     "heartbeat_interval": 0.5,

@@ -214,6 +214,67 @@ async def test_a_connection_reset_in_a_live_session_is_no_proof_while_the_addres
         assert probes.verdicts[-1] == "refused"
 
 
+async def test_a_probe_verdict_counts_only_for_the_drop_it_was_asked_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live session's connection was reset; while the probe was out, the same sender shook hands again and that
+    session was lost SILENT (its host paused or cut off). The probe's "no answer" was judged with the flag of the
+    earlier, live, drop: the sender was taken as gone and its blocks freed (a review found it). Now a verdict
+    asked before a session came and went is asked again, and a WELCOME clears the flag: the blocks stay fenced."""
+    async def probe(address: str, timeout: float) -> ProbeVerdict:
+        await anyio.sleep(timeout)  # a cut-off host: no answer until the timeout
+        return ProbeVerdict.NO_ANSWER
+
+    monkeypatch.setattr(connection, "probe_address", probe)
+    monkeypatch.setattr(connection, "PROBE_TIMEOUT", 1.5)
+    probes = _Probes()
+    cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=3, input_timeout=30.0)
+    async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable(), observer=probes) as r:
+        async with raw_sender() as raw:
+            handle = r.start(1, sender=raw.address)
+            raw.welcome(await raw.expect(Hello), 0.1)
+            await raw.expect(Init)
+            _kill_connections_to(int(raw.address.rsplit(":", 1)[1]))  # reset in a live session: a probe goes out
+            with pytest.raises(PeerDead, match="closed the control connection"):
+                await handle.result()
+            fenced = r.allocator.stats.fenced
+            assert fenced > 0
+            raw.welcome(await raw.expect(Hello), 0.1)  # the same sender, back (no DRAINED yet) ...
+            conn = r._conns[raw.address]
+            with anyio.fail_after(2):
+                while not conn.ready:
+                    await anyio.sleep(0.01)
+            raw.pong = False  # ... and silent: lost with no drop
+            with anyio.fail_after(2):
+                while conn.ready:
+                    await anyio.sleep(0.01)
+            await anyio.sleep(2.5)  # past the probe (1.5 s) and orphan_lifetime (0.3 s)
+            assert r.allocator.stats.fenced == fenced and conn._gone_sender is None, probes.verdicts
+
+
+async def test_an_address_that_answered_is_asked_again_and_a_sender_gone_before_it_reconnected_is_seen() -> None:
+    """A live session's connection was reset while the sender still listened (answered: its handshake would tell);
+    then its process ended before ZeroMQ reconnected, so no drop ever followed, and no handshake. The probe had
+    stopped at the answer: the blocks stayed fenced for good, where before the change they came back (a review
+    found it). Now it asks again until something tells: the address refuses."""
+    probes = _Probes()
+    cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=30, input_timeout=30.0)
+    async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable(), observer=probes) as r:
+        async with raw_sender() as raw:
+            handle = r.start(1, sender=raw.address)
+            raw.welcome(await raw.expect(Hello), 0.1)
+            await raw.expect(Init)
+            _kill_connections_to(int(raw.address.rsplit(":", 1)[1]))
+            with anyio.fail_after(5):
+                while not probes.verdicts:
+                    await anyio.sleep(0.001)
+        # the raw sender is gone, before the receiver reconnected
+        with pytest.raises(PeerDead):
+            await handle.result()
+        with anyio.fail_after(10):
+            while r.allocator.stats.free != r.allocator.stats.total:
+                await anyio.sleep(0.02)
+        assert probes.verdicts[0] == "answered" and probes.verdicts[-1] == "refused", probes.verdicts
+
+
 async def test_a_refused_handshake_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(connection, "REFUSAL_RETRY", 0.3)
     address = f"tcp://127.0.0.1:{fixed_port()}"

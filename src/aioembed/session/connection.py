@@ -423,6 +423,7 @@ class SenderConnection:
             log.info("%s: sender %s is back; it was not gone after all", self.name, old[:8])
             self.keeper.writer_back(old)
         self._gone_sender = None
+        self._drops.live = False  # a drop of an earlier session says nothing of how this one ends
         self.sender_id = msg.sender_id
         self.writer_id = msg.writer_id
         self._peer_interval = msg.heartbeat_interval
@@ -491,46 +492,47 @@ class SenderConnection:
 
     async def _probe_gone(self, sender: str) -> None:
         """After the control connection dropped: ask the address whether ``sender``'s process is gone (see the
-        module docstring), until something tells. A drop that ended a live session (the sender's side closed it
-        while we heard it) needs less proof than one after the sender went silent."""
+        module docstring), again and again until something tells (a handshake, a refusal, the close). A drop that
+        ended a live session (the sender's side closed it while we heard it) needs less proof than one after the
+        sender went silent. A verdict counts only for the drop it was asked after: a session that came and went
+        while the probe was out makes it ask again (that session's end, not the earlier drop, says how it ended)."""
         delay = PROBE_RETRY_FIRST
-        told = False
+        warned = False
         drops = self._drops
         try:
             while self._undecided(sender):
                 drops.again = anyio.Event()
-                live = drops.live
+                sessions = self.sessions
                 verdict = await probe_address(self.address, PROBE_TIMEOUT)
                 if not self._undecided(sender):
                     return  # a handshake (or a close) answered meanwhile
+                if self.sessions != sessions:
+                    continue  # a session came and went while the probe was out
                 self.keeper.observer.disconnect_probed(sender=self.address, verdict=verdict.value)
                 if verdict is ProbeVerdict.REFUSED:
                     self.sender_gone(sender, f"its address {self.address} refuses connections")
                     return
-                if verdict is ProbeVerdict.ANSWERED:
-                    # The sender is there (its connection was reset on the way), or a new one: its handshake tells
-                    # (DRAINED from the same sender frees the fenced blocks, a new sender id proves the old gone).
-                    log.info("%s: the control connection to sender %s dropped, but its address still answers: "
-                             "not taken as the sender gone; its fenced blocks wait for its next handshake",
-                             self.name, sender[:8])
-                    return
-                if live:
-                    self.sender_gone(sender, f"it closed the control connection in a live session, and its address "
-                                             f"{self.address} no longer answers ({verdict.value})")
-                    return
-                if verdict is ProbeVerdict.UNKNOWN:
+                if verdict is ProbeVerdict.UNKNOWN and not drops.live:
                     log.warning("%s: the control connection to silent sender %s dropped; %s cannot be asked whether "
                                 "anything listens there, so its fenced blocks stay fenced until it comes back, a new "
                                 "sender answers there, or declare_sender_gone()", self.name, sender[:8], self.address)
                     return
-                if not told:
-                    log.warning("%s: the control connection to sender %s dropped after it went silent, and its "
-                                "address does not answer: its host may be paused or cut off, and its writes may "
-                                "still land when it resumes. Its fenced blocks stay fenced until it comes back, a "
-                                "new sender answers there, its address refuses connections (asked every %.0f-%.0f "
-                                "s), or declare_sender_gone()", self.name, sender[:8], PROBE_RETRY_FIRST,
-                                PROBE_RETRY_MAX)
-                told = True
+                if verdict is not ProbeVerdict.ANSWERED and drops.live:
+                    self.sender_gone(sender, f"it closed the control connection in a live session, and its address "
+                                             f"{self.address} no longer answers ({verdict.value})")
+                    return
+                # ANSWERED (the sender is there and its handshake is coming, or a new one: a new sender id proves the
+                # old gone), or NO_ANSWER after the sender went silent (a host paused or cut off): ask again later,
+                # since no drop follows if the process dies before ZeroMQ reconnects.
+                if not warned and (verdict is ProbeVerdict.NO_ANSWER or delay > PROBE_RETRY_FIRST):
+                    warned = True
+                    log.warning("%s: the control connection to sender %s dropped%s, and %s. Its fenced blocks stay "
+                                "fenced until it shakes hands again, a new sender answers there, its address refuses "
+                                "connections (asked every %.0f-%.0f s), or declare_sender_gone()", self.name,
+                                sender[:8], "" if drops.live else " after it went silent",
+                                "its address does not answer: its host may be paused or cut off, and its writes "
+                                "may still land when it resumes" if verdict is ProbeVerdict.NO_ANSWER else
+                                "its address answers but no handshake comes", PROBE_RETRY_FIRST, PROBE_RETRY_MAX)
                 with anyio.move_on_after(delay):
                     await drops.again.wait()  # dropped again meanwhile (a session came and went): ask now
                 delay = min(PROBE_RETRY_MAX, delay * 2)
