@@ -14,7 +14,11 @@ from .conftest import NIXL_TCP_OPTIONS
 
 class TestPartition(PartitionSuite):
     transport_name = "nixl"
-    fenced_when_y_is_done = False  # X proves its writes over (DRAINED) a write lifetime after they failed
+    # X's writes can complete after the heal, within write_timeout, and X then proves them over (DRAINED) at once:
+    # its blocks need not be fenced when Y is done (1 of 2 runs had none, with the 104 s lifetimes over TCP).
+    fenced_when_y_is_done = False
 
     def transport_options(self, ip: str) -> dict[str, Any]:
-        return dict(NIXL_TCP_OPTIONS)  # NIXL's UCX uses the namespace's one link (and its loopback)
+        # NIXL's UCX uses the namespace's one link (and its loopback). The kernel's default horizon: this network
+        # can hold a closed socket's bytes (not the one-host tests' tcp_orphan_seconds).
+        return {k: v for k, v in NIXL_TCP_OPTIONS.items() if k != "tcp_orphan_seconds"}

@@ -13,6 +13,10 @@ UCX_OPTIONS: dict[str, Any] = {
     "progress_mode": os.environ.get("AIOEMBED_UCX_TEST_PROGRESS", "blocking"),
     "write_timeout": 5.0,
     "connect_timeout": 5.0,
+    # Every process of these tests on one host: no partition can hold a closed socket's bytes, and a killed or
+    # restarted writer's blocks come back within the tests' waits (the default over TCP, what the kernel
+    # retransmits, is 104 s). Not for the partition suite, whose network can hold them.
+    "tcp_orphan_seconds": 1.0,
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioembed.errors import ConfigError
+from aioembed.transports.tcp_orphans import orphan_retransmit_horizon
 
 __all__ = ["NETWORK_BACKENDS", "NixlOptions"]
 
@@ -26,7 +27,8 @@ _KNOWN_TLS = frozenset({
 _UCX_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
 _PARAM_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-_KNOWN = ("backend", "backend_params", "ucx_tls", "ucx_options", "progress_delay", "write_timeout")
+_KNOWN = ("backend", "backend_params", "ucx_tls", "ucx_options", "progress_delay", "write_timeout",
+          "tcp_orphan_seconds")
 
 
 def _seconds(name: str, value: object, lo: float, hi: float) -> float:
@@ -64,6 +66,10 @@ class NixlOptions:
     (``nixlAgentConfig.pthrDelay``). NIXL's Python API hard-codes 0 there, which spins a core."""
     write_timeout: float = 30.0
     """Seconds a ``Link.write`` may take before it fails (its transfer cannot be cancelled: see README)."""
+    tcp_orphan_seconds: float | None = None
+    """Where the backend may move bytes over TCP (:meth:`may_use_tcp`), how long a closed socket's bytes may still
+    reach the owner; None: what this host's kernel retransmits
+    (:func:`~aioembed.transports.tcp_orphans.orphan_retransmit_horizon`). The floor of both lifetimes (+ 2 s)."""
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> NixlOptions:
@@ -130,7 +136,38 @@ class NixlOptions:
             kw["progress_delay"] = _seconds("progress_delay", options["progress_delay"], 0.001, 10.0)
         if "write_timeout" in options:
             kw["write_timeout"] = _seconds("write_timeout", options["write_timeout"], 0.01, 86400.0)
+        if options.get("tcp_orphan_seconds") is not None:
+            kw["tcp_orphan_seconds"] = _seconds("tcp_orphan_seconds", options["tcp_orphan_seconds"], 0.0, 86400.0)
         return cls(**kw)
+
+    def may_use_tcp(self, environ: Mapping[str, str]) -> bool:
+        """Whether the backend may move a write's bytes over TCP, where a closed socket's kernel still delivers
+        what was queued (see :mod:`aioembed.transports.tcp_orphans`). UCX: its transports are ``ucx_tls``, else
+        ``UCX_TLS`` in ``environ`` (what UCX reads when the backend is created), else all of them; TCP may be
+        used where that list names ``tcp`` or ``all``, or is an exclusion list (``^...``) that does not exclude
+        ``tcp``. Unset, UCX picks per peer (shared memory on one host, TCP between hosts without RDMA), which the
+        endpoint cannot know in advance: counted as TCP. LIBFABRIC: it picks a provider itself (``tcp`` among
+        them), which the plugin cannot see: counted as TCP too."""
+        if self.backend != "UCX":
+            return True
+        tls = self.ucx_tls if self.ucx_tls is not None else environ.get("UCX_TLS", "")
+        tls = tls.strip().lower()
+        if not tls:
+            return True
+        # "tcp:aux" (an auxiliary transport) counted as tcp: erring long costs a wait, erring short a corruption.
+        names = {n.strip().split(":", 1)[0] for n in tls.removeprefix("^").split(",")}
+        if tls.startswith("^"):
+            return "tcp" not in names
+        return bool(names & {"tcp", "all"})
+
+    def orphan_horizon(self, environ: Mapping[str, str]) -> float | None:
+        """Seconds a closed TCP socket's bytes may still reach the owner (``tcp_orphan_seconds``, else this host's
+        kernel's retransmission horizon), or None where the backend does not use TCP."""
+        if not self.may_use_tcp(environ):
+            return None
+        if self.tcp_orphan_seconds is not None:
+            return self.tcp_orphan_seconds
+        return orphan_retransmit_horizon()
 
     def environment(self) -> dict[str, str]:
         """The ``UCX_*`` variables the backend must see when it is created."""

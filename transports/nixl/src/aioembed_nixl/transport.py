@@ -17,6 +17,7 @@ the plugin declares for it is in the README.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -87,8 +88,9 @@ class NixlTransport(Transport):
         # Nothing the owner can call stops a writer: remove_remote_agent and deregister_memory on the owner
         # leave later writes landing, and shared-memory writes (cma) need no help from the owner at all.
         revocable=False,
-        write_lifetime=30.0,  # per endpoint: write_timeout (see the property)
-        # A writer whose process ended: its kernel still delivers what it had sent (socket buffers).
+        write_lifetime=30.0,  # per endpoint: write_timeout, over TCP at least the orphan horizon (see the property)
+        # A writer whose process ended: its kernel still delivers what it had sent (socket buffers). Over shared
+        # memory (cma) and RDMA; over TCP per endpoint, much longer (see the property).
         orphan_lifetime=2.0,
     )
 
@@ -104,6 +106,9 @@ class NixlTransport(Transport):
         self._devices: dict[str, RegionSet] = {}
         self._links: set[NixlLink] = set()
         self._reg_lock = anyio.Lock()
+        self._orphan_horizon = options.orphan_horizon(os.environ)
+        """Over TCP, how long a closed socket's bytes may still land here (None: no TCP): see :attr:`orphan_lifetime`.
+        ``UCX_TLS`` is read as UCX read it when the backend was created (just now, in :meth:`open`)."""
         self._quick_registration = options.backend == "UCX" and not rdma_devices()
         """Registering CPU memory pins nothing (UCX with no RDMA device to register it with): a call of about
         10 us, made on the event loop when the worker thread is idle (:meth:`_registration_call`)."""
@@ -127,8 +132,30 @@ class NixlTransport(Transport):
     def write_lifetime(self) -> float:
         """A write that failed keeps moving (NIXL cannot abort it). Its error says when its transfers ended
         (``settled``: the worker tracks them); this covers the rest (a NIXL call that raised mid-transfer),
-        and is the floor of that wait: as long again as the write was given."""
-        return self.options.write_timeout
+        and is the floor of that wait: as long again as the write was given. Over TCP at least
+        :attr:`orphan_lifetime`: a transfer that ended because UCX closed its connection, or because the agent
+        was destroyed, leaves what the socket had queued with the kernel (see there)."""
+        lifetime = self.options.write_timeout
+        if self._orphan_horizon is not None:
+            lifetime = max(lifetime, self._orphan_horizon + 2.0)
+        return lifetime
+
+    @property
+    def orphan_lifetime(self) -> float:
+        """How long the writes of a writer whose process ended (or whose agent was destroyed, or whose UCX closed
+        the connection) may still land here. Over shared memory (cma: the copy is done inside ``transfer()``) and
+        RDMA (the kernel destroys the queue pairs), what was already sent: 2 s. Over TCP, what the writer's kernel
+        goes on retransmitting for the closed socket (graceful: UCX sets no ``SO_LINGER``; a destroyed agent still
+        delivered 7.9 % of a 256 MiB write, see the README), about 102 s by default: a partition healing meanwhile
+        delivers it, and this (passive) owner's UCX worker reads an RMA put straight from the socket into the
+        registered address (``uct_tcp_ep_progress_put_rx``: ``recv`` into ``put_req->addr``). Nothing closes the
+        owner's end first: it learns of the writer's end only from the socket, after the queued bytes (the FIN
+        follows them), or from its kernel giving up on a silent peer, which takes 28 s at best (UCX's keepalive,
+        10 s idle + 9 probes 2 s apart, set only on connections this side opened) and ~15 min where it has
+        unacknowledged data of its own in flight (a put's ACK, UCX's keepalive message: ``tcp_retries2``)."""
+        if self._orphan_horizon is not None:
+            return self._orphan_horizon + 2.0
+        return self.capabilities.orphan_lifetime
 
     @property
     def writer_id(self) -> str:

@@ -48,12 +48,13 @@ from aioembed.transports.base import (
     WriteOp,
 )
 from aioembed.transports.close_once import CloseOnce
+from aioembed.transports.tcp_orphans import orphan_retransmit_horizon
 
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import context_settings, ensure_context, load_ucxx
 from aioembed_ucx._graveyard import GRAVEYARD as _GRAVEYARD
 from aioembed_ucx._listener import Listener
-from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions, tls_may_use_rdma
+from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions, tls_may_use_rdma, tls_may_use_tcp
 from aioembed_ucx._progress import (
     Posted,
     cancel_posted,
@@ -196,6 +197,7 @@ class UcxTransport(Transport):
     # Not cancel-safe: after a write failed and the writer aborted its endpoint, bytes it had
     # already sent can still be delivered into the owner's posted receives until the owner
     # processes the disconnect (milliseconds on a running owner, at thaw for a frozen one).
+    # Both lifetimes are 2 s where UCX cannot use TCP; over TCP much longer, per endpoint (see the properties).
     capabilities = TransportCapabilities(
         cuda=True, asyncio_only=True, cross_process=True, cancel_safe_writes=False, revocable=False,
         write_lifetime=2.0, orphan_lifetime=2.0,
@@ -211,6 +213,11 @@ class UcxTransport(Transport):
         tls, mode = context_settings(ucxx)
         self._unregistered_cpu = not tls_may_use_rdma(tls, _rdma_devices()) and not mode.startswith("thread")
         """Writes read unregistered CPU sources (:meth:`reads_unregistered`); fixed for the endpoint's life."""
+        self._orphan_horizon: float | None = None
+        """Over TCP, how long a closed socket's bytes may still land here (None: no TCP): :attr:`orphan_lifetime`."""
+        if tls_may_use_tcp(tls):
+            self._orphan_horizon = options.tcp_orphan_seconds if options.tcp_orphan_seconds is not None \
+                else orphan_retransmit_horizon()
         self._ucxx = ucxx
         self._errors: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError,)
         self._listener: Listener | None = None
@@ -227,6 +234,35 @@ class UcxTransport(Transport):
     def regions(self) -> RegionSet:
         """Every registered region (with repeats), for inspection."""
         return self._memory.all
+
+    @property
+    def write_lifetime(self) -> float:
+        """How long a failed write may still land: see :attr:`orphan_lifetime` (the writer aborts the endpoint of
+        a failed write, which closes its TCP socket just as a process's end does)."""
+        return self.orphan_lifetime
+
+    @property
+    def orphan_lifetime(self) -> float:
+        """How long the writes of a writer that is gone (its process ended, or it aborted the endpoint) may still
+        land here. Where UCX does not use TCP, 2 s: what was already sent is taken at once by a running owner.
+
+        Over TCP the writer's socket is closed gracefully (UCX sets no ``SO_LINGER``; the kernel closes a dead
+        process's sockets the same way), and its kernel goes on retransmitting what was queued, about 102 s by
+        default (:func:`~aioembed.transports.tcp_orphans.orphan_retransmit_horizon`): a partition that heals
+        meanwhile delivers it. What lands is what matches a receive this owner posted into its pool, and the owner
+        does not cancel those in time. It learns that the writer went away only from the connection: the FIN comes
+        after the queued bytes; across a partition its kernel gives up on the connection after ~15 min where it
+        has unacknowledged data in flight (an ACK, UCX's keepalive message: ``tcp_retries2``), 28 s at best.
+        Its own stall timer aborts the connection ``write_timeout`` (30 s by default) after the last progress,
+        but only while a write is being received: an idle connection has none, and an eager write's header and
+        payloads travel together, so a header still queued at the writer arrives with its payloads after the
+        heal, and the owner posts receives for it into memory that is registered (the check it makes), however
+        the blocks were handed out since. So the lifetime covers the retransmission horizon (+ 2 s): once that is
+        over, the closed socket is gone and nothing of it can arrive, whatever is still posted. ``tcp_orphan_seconds``
+        lowers it where no partition can hold packets (every process on one host)."""
+        if self._orphan_horizon is not None:
+            return max(self.capabilities.orphan_lifetime, self._orphan_horizon + 2.0)
+        return self.capabilities.orphan_lifetime
 
     @property
     def port(self) -> int | None:
