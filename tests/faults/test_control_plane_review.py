@@ -37,11 +37,12 @@ from aioembed.control.address_probe import ProbeVerdict
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import MAX_FRAME_BYTES, Abort, AbortAck, Hello, Init, Reject, Status, Welcome
 from aioembed.session import connection
+from aioembed.session.handle import ReceiveHandle
 from aioembed.testing.ports import fixed_port
 from aioembed.transports.loopback import LoopbackTransport
 
 from ..session.conftest import LAYOUT, assert_same, make_request
-from .rawpeer import RawReceiver, raw_receiver, raw_sender
+from .rawpeer import RawReceiver, RawSender, raw_receiver, raw_sender
 
 pytestmark = pytest.mark.anyio
 
@@ -109,13 +110,19 @@ class _NonRevocable(LoopbackTransport):
     capabilities = dataclasses.replace(LoopbackTransport.capabilities, revocable=False, orphan_lifetime=0.3)
 
 
+async def _announce_a_room(r: EmbeddingReceiver, raw: RawSender) -> ReceiveHandle:
+    """Room 1 of ``r``, announced to ``raw`` in a live session (it answers the handshake, as a sender would)."""
+    handle = r.start(1, sender=raw.address)
+    raw.welcome(await raw.expect(Hello), 0.1)
+    await raw.expect(Init)
+    return handle
+
+
 async def test_a_sender_that_went_silent_and_then_exited_releases_its_blocks() -> None:
     cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=3, input_timeout=30.0)
     async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable()) as r:
         async with raw_sender() as raw:
-            handle = r.start(1, sender=raw.address)
-            raw.welcome(await raw.expect(Hello), 0.1)
-            await raw.expect(Init)
+            handle = await _announce_a_room(r, raw)
             raw.pong = False  # frozen: the receiver declares it silent and fences the room's blocks
             with pytest.raises(PeerDead, match="silent"):
                 await handle.result()
@@ -156,9 +163,7 @@ async def test_a_silent_sender_whose_connection_drops_keeps_its_blocks_fenced_un
     cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=3, input_timeout=30.0)
     async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable(), observer=probes) as r:
         async with raw_sender() as raw:
-            handle = r.start(1, sender=raw.address)
-            raw.welcome(await raw.expect(Hello), 0.1)
-            await raw.expect(Init)
+            handle = await _announce_a_room(r, raw)
             raw.pong = False
             with pytest.raises(PeerDead, match="silent"):
                 await handle.result()
@@ -194,9 +199,7 @@ async def test_a_connection_reset_in_a_live_session_is_no_proof_while_the_addres
     cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=30, input_timeout=30.0)
     async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable(), observer=probes) as r:
         async with raw_sender() as raw:
-            handle = r.start(1, sender=raw.address)
-            raw.welcome(await raw.expect(Hello), 0.1)
-            await raw.expect(Init)
+            handle = await _announce_a_room(r, raw)
             fenced_before = r.allocator.stats.fenced
             _kill_connections_to(int(raw.address.rsplit(":", 1)[1]))
             with pytest.raises(PeerDead, match="closed the control connection"):
@@ -229,9 +232,7 @@ async def test_a_probe_verdict_counts_only_for_the_drop_it_was_asked_after(monke
     cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=3, input_timeout=30.0)
     async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable(), observer=probes) as r:
         async with raw_sender() as raw:
-            handle = r.start(1, sender=raw.address)
-            raw.welcome(await raw.expect(Hello), 0.1)
-            await raw.expect(Init)
+            handle = await _announce_a_room(r, raw)
             _kill_connections_to(int(raw.address.rsplit(":", 1)[1]))  # reset in a live session: a probe goes out
             with pytest.raises(PeerDead, match="closed the control connection"):
                 await handle.result()
@@ -259,9 +260,7 @@ async def test_an_address_that_answered_is_asked_again_and_a_sender_gone_before_
     cfg = CFG.replace(heartbeat_interval=0.1, heartbeat_misses=30, input_timeout=30.0)
     async with EmbeddingReceiver(LAYOUT, cfg, transport=_NonRevocable(), observer=probes) as r:
         async with raw_sender() as raw:
-            handle = r.start(1, sender=raw.address)
-            raw.welcome(await raw.expect(Hello), 0.1)
-            await raw.expect(Init)
+            handle = await _announce_a_room(r, raw)
             _kill_connections_to(int(raw.address.rsplit(":", 1)[1]))
             with anyio.fail_after(5):
                 while not probes.verdicts:
