@@ -11,9 +11,14 @@ close; the peer's own buffers add nothing once it reads.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["orphan_retransmit_horizon"]
+from aioembed.errors import ConfigError
+
+__all__ = ["orphan_horizon", "orphan_retransmit_horizon", "tcp_orphan_seconds_option", "ucx_tls_may_use_tcp"]
 
 _RTO_MIN = 0.2
 _RTO_MAX = 120.0
@@ -32,3 +37,34 @@ def orphan_retransmit_horizon(retries: int | None = None) -> float:
             retries = 0
     retries = retries if retries > 0 else 8
     return sum(min(_RTO_MIN * 2.0**k, _RTO_MAX) for k in range(retries + 1))
+
+
+def tcp_orphan_seconds_option(options: Mapping[str, Any]) -> float | None:
+    """A plugin's ``tcp_orphan_seconds`` option (seconds in [0, 86400]; None: not set), checked."""
+    value = options.get("tcp_orphan_seconds")
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) or not 0 <= value <= 86400:
+        raise ConfigError(f"transport_options.tcp_orphan_seconds must be a number of seconds in [0, 86400], "
+                          f"got {value!r}")
+    return float(value)
+
+
+def orphan_horizon(tcp_orphan_seconds: float | None) -> float:
+    """The horizon an endpoint over TCP uses: its ``tcp_orphan_seconds`` option, else this host's
+    (:func:`orphan_retransmit_horizon`). Read once per endpoint: the lifetimes are asked after every write."""
+    return tcp_orphan_seconds if tcp_orphan_seconds is not None else orphan_retransmit_horizon()
+
+
+def ucx_tls_may_use_tcp(tls: str | None) -> bool:
+    """Whether UCX with this ``UCX_TLS`` setting may carry a write's bytes over TCP: ``tcp`` or ``all`` is named,
+    or an exclusion list (``^...``) leaves ``tcp`` in, or UCX chooses (no setting: TCP between hosts without RDMA,
+    which an endpoint cannot rule out in advance). ``sockcm`` only connects (it carries no write's data)."""
+    if not tls or not tls.strip():
+        return True
+    tls = tls.strip().lower()
+    # "tcp:aux" (auxiliary only) counted as tcp: erring long costs a wait, erring short a corruption.
+    names = {n.strip().split(":", 1)[0] for n in tls.removeprefix("^").split(",")}
+    if tls.startswith("^"):
+        return "tcp" not in names
+    return bool(names & {"tcp", "all"})

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 from aioembed.errors import ConfigError
-from aioembed.transports.tcp_orphans import orphan_retransmit_horizon
+from aioembed.transports.tcp_orphans import orphan_retransmit_horizon, ucx_tls_may_use_tcp
 
-from aioembed_ucx._options import UcxOptions, tls_may_use_tcp
+from aioembed_ucx._options import UcxOptions
 from aioembed_ucx.transport import UcxTransport
 
 
@@ -48,7 +48,7 @@ def test_without_tcp_the_lifetimes_stay_two_seconds(tls: str) -> None:
 def test_which_tls_settings_may_use_tcp() -> None:
     for tls, tcp in [(None, True), ("", True), ("all", True), ("TCP", True), ("^rc", True), ("^tcp,rc", False),
                      ("tcp:aux,rc", True), ("rc,ud", False), ("sockcm,rc", False)]:
-        assert tls_may_use_tcp(tls) is tcp, tls
+        assert ucx_tls_may_use_tcp(tls) is tcp, tls
 
 
 def test_tcp_orphan_seconds_sets_the_floor_and_is_checked() -> None:

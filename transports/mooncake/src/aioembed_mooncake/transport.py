@@ -42,7 +42,7 @@ from aioembed.transports.base import (
     WriteOp,
 )
 from aioembed.transports.close_once import CloseOnce
-from aioembed.transports.tcp_orphans import orphan_retransmit_horizon
+from aioembed.transports.tcp_orphans import orphan_horizon, tcp_orphan_seconds_option
 
 from aioembed_mooncake._engine import (
     ENGINE_DEFAULT_TIMEOUT,
@@ -224,12 +224,7 @@ class _Config:
             timeout = math.ceil(timeout)
         self.transfer_timeout: int | None = timeout
 
-        orphan = options.get("tcp_orphan_seconds")
-        if orphan is not None and (not isinstance(orphan, (int, float)) or isinstance(orphan, bool)
-                                   or math.isnan(orphan) or not 0 <= orphan <= 86400):
-            raise ConfigError(f"transport_options.tcp_orphan_seconds must be a number of seconds in [0, 86400], "
-                              f"got {orphan!r}")
-        self.tcp_orphan_seconds: float | None = None if orphan is None else float(orphan)
+        self.tcp_orphan_seconds = tcp_orphan_seconds_option(options)
 
     def engine_settings(self) -> EngineSettings:
         return EngineSettings(
@@ -286,8 +281,7 @@ class MooncakeTransport(Transport):
         """Registration calls on the loop's thread (see :meth:`_register_call`)."""
         self._tcp_sources = config.protocol == "tcp"
         """Writes may read unregistered CPU sources (:meth:`reads_unregistered`)."""
-        self._orphan_horizon = None if config.protocol != "tcp" else (
-            config.tcp_orphan_seconds if config.tcp_orphan_seconds is not None else orphan_retransmit_horizon())
+        self._orphan_horizon = orphan_horizon(config.tcp_orphan_seconds) if config.protocol == "tcp" else None
         """Over TCP, how long a closed socket's bytes may still arrive (read once: the lifetimes are asked after
         every write)."""
         self._limiter = anyio.CapacityLimiter(config.threads)

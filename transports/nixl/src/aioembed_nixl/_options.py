@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioembed.errors import ConfigError
-from aioembed.transports.tcp_orphans import orphan_retransmit_horizon
+from aioembed.transports.tcp_orphans import orphan_horizon, tcp_orphan_seconds_option, ucx_tls_may_use_tcp
 
 __all__ = ["NETWORK_BACKENDS", "NixlOptions"]
 
@@ -136,8 +136,8 @@ class NixlOptions:
             kw["progress_delay"] = _seconds("progress_delay", options["progress_delay"], 0.001, 10.0)
         if "write_timeout" in options:
             kw["write_timeout"] = _seconds("write_timeout", options["write_timeout"], 0.01, 86400.0)
-        if options.get("tcp_orphan_seconds") is not None:
-            kw["tcp_orphan_seconds"] = _seconds("tcp_orphan_seconds", options["tcp_orphan_seconds"], 0.0, 86400.0)
+        if (orphan := tcp_orphan_seconds_option(options)) is not None:
+            kw["tcp_orphan_seconds"] = orphan
         return cls(**kw)
 
     def may_use_tcp(self, environ: Mapping[str, str]) -> bool:
@@ -150,24 +150,12 @@ class NixlOptions:
         them), which the plugin cannot see: counted as TCP too."""
         if self.backend != "UCX":
             return True
-        tls = self.ucx_tls if self.ucx_tls is not None else environ.get("UCX_TLS", "")
-        tls = tls.strip().lower()
-        if not tls:
-            return True
-        # "tcp:aux" (an auxiliary transport) counted as tcp: erring long costs a wait, erring short a corruption.
-        names = {n.strip().split(":", 1)[0] for n in tls.removeprefix("^").split(",")}
-        if tls.startswith("^"):
-            return "tcp" not in names
-        return bool(names & {"tcp", "all"})
+        return ucx_tls_may_use_tcp(self.ucx_tls if self.ucx_tls is not None else environ.get("UCX_TLS"))
 
     def orphan_horizon(self, environ: Mapping[str, str]) -> float | None:
         """Seconds a closed TCP socket's bytes may still reach the owner (``tcp_orphan_seconds``, else this host's
         kernel's retransmission horizon), or None where the backend does not use TCP."""
-        if not self.may_use_tcp(environ):
-            return None
-        if self.tcp_orphan_seconds is not None:
-            return self.tcp_orphan_seconds
-        return orphan_retransmit_horizon()
+        return orphan_horizon(self.tcp_orphan_seconds) if self.may_use_tcp(environ) else None
 
     def environment(self) -> dict[str, str]:
         """The ``UCX_*`` variables the backend must see when it is created."""

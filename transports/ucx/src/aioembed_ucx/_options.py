@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioembed.errors import ConfigError
+from aioembed.transports.tcp_orphans import tcp_orphan_seconds_option
 
-__all__ = ["EAGER_BYTES", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions", "tls_may_use_rdma", "tls_may_use_tcp"]
+__all__ = ["EAGER_BYTES", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions", "tls_may_use_rdma"]
 
 PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
 
@@ -42,20 +43,6 @@ def tls_may_use_rdma(tls: str | None, rdma_devices: bool) -> bool:
         return rdma_devices
     return bool(names - _LOCAL_TLS)
 
-
-def tls_may_use_tcp(tls: str | None) -> bool:
-    """Whether UCX with this ``UCX_TLS`` setting may carry a write's messages over TCP, where a closed socket's
-    kernel still delivers what was queued (:mod:`aioembed.transports.tcp_orphans`): ``tcp`` or ``all`` is named,
-    or an exclusion list (``^...``) leaves ``tcp`` in, or UCX chooses (no setting: TCP between hosts without
-    RDMA, which an endpoint cannot rule out in advance). ``sockcm`` only connects (it carries no write's data)."""
-    if not tls or not tls.strip():
-        return True
-    tls = tls.strip().lower()
-    # "tcp:aux" (auxiliary only) counted as tcp: erring long costs a wait, erring short a corruption.
-    names = {n.strip().split(":", 1)[0] for n in tls.removeprefix("^").split(",")}
-    if tls.startswith("^"):
-        return "tcp" not in names
-    return bool(names & {"tcp", "all"})
 
 
 _UCX_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
@@ -105,9 +92,9 @@ class UcxOptions:
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     """Extra UCX settings without the ``UCX_`` prefix, e.g. ``{"RNDV_SCHEME": "put_zcopy"}``."""
     tcp_orphan_seconds: float | None = None
-    """Where UCX may use TCP (:func:`tls_may_use_tcp`), how long a closed socket's bytes may still reach the owner;
-    None: what this host's kernel retransmits (:func:`~aioembed.transports.tcp_orphans.orphan_retransmit_horizon`).
-    The floor of both lifetimes (+ 2 s)."""
+    """Where UCX may use TCP (:func:`~aioembed.transports.tcp_orphans.ucx_tls_may_use_tcp`), how long a closed
+    socket's bytes may still reach the owner; None: what this host's kernel retransmits
+    (:func:`~aioembed.transports.tcp_orphans.orphan_retransmit_horizon`). The floor of both lifetimes (+ 2 s)."""
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> UcxOptions:
@@ -175,12 +162,8 @@ class UcxOptions:
                                   f"got {eb!r}")
             kw["eager_bytes"] = eb
 
-        if (orphan := options.get("tcp_orphan_seconds")) is not None:
-            if not isinstance(orphan, (int, float)) or isinstance(orphan, bool) or math.isnan(orphan) \
-                    or not 0 <= orphan <= 86400:
-                raise ConfigError(f"transport_options.tcp_orphan_seconds must be a number of seconds in [0, 86400], "
-                                  f"got {orphan!r}")
-            kw["tcp_orphan_seconds"] = float(orphan)
+        if (orphan := tcp_orphan_seconds_option(options)) is not None:
+            kw["tcp_orphan_seconds"] = orphan
 
         if "ucx_options" in options:
             extra = options["ucx_options"]

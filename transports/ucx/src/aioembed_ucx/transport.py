@@ -48,13 +48,13 @@ from aioembed.transports.base import (
     WriteOp,
 )
 from aioembed.transports.close_once import CloseOnce
-from aioembed.transports.tcp_orphans import orphan_retransmit_horizon
+from aioembed.transports.tcp_orphans import orphan_horizon, ucx_tls_may_use_tcp
 
 from aioembed_ucx import _wire as w
 from aioembed_ucx._context import context_settings, ensure_context, load_ucxx
 from aioembed_ucx._graveyard import GRAVEYARD as _GRAVEYARD
 from aioembed_ucx._listener import Listener
-from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions, tls_may_use_rdma, tls_may_use_tcp
+from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions, tls_may_use_rdma
 from aioembed_ucx._progress import (
     Posted,
     cancel_posted,
@@ -215,9 +215,8 @@ class UcxTransport(Transport):
         """Writes read unregistered CPU sources (:meth:`reads_unregistered`); fixed for the endpoint's life."""
         self._orphan_horizon: float | None = None
         """Over TCP, how long a closed socket's bytes may still land here (None: no TCP): :attr:`orphan_lifetime`."""
-        if tls_may_use_tcp(tls):
-            self._orphan_horizon = options.tcp_orphan_seconds if options.tcp_orphan_seconds is not None \
-                else orphan_retransmit_horizon()
+        if ucx_tls_may_use_tcp(tls):
+            self._orphan_horizon = orphan_horizon(options.tcp_orphan_seconds)
         self._ucxx = ucxx
         self._errors: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError,)
         self._listener: Listener | None = None
