@@ -100,6 +100,30 @@ async def test_a_peer_at_its_high_water_mark_blocks_nobody_and_nothing_spins() -
         assert chan.queued == 0 and chan.blocked_peers == 0
 
 
+async def test_a_drain_ends_when_the_socket_closes_with_frames_still_queued() -> None:
+    async with router_with_two_peers() as (chan, _stuck, _healthy):
+        for _ in range(300):
+            chan.send([b"stuck", FRAME])
+        await anyio.sleep(0.3)
+        assert chan.queued > 0
+        ended = anyio.Event()
+
+        async def drain() -> None:
+            await chan.drain()
+            ended.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drain)
+            await anyio.sleep(0.05)
+            assert not ended.is_set()  # frames wait for the stuck peer
+            chan.close()  # they will never go now: a waiting drain must not wait for them (it did, for good)
+            with anyio.fail_after(2):
+                await ended.wait()
+        with anyio.fail_after(2):
+            await chan.drain()  # and a later one returns at once
+        assert chan.queued == 0
+
+
 async def test_the_outbox_limit_is_per_peer() -> None:
     from aioembed.errors import AioembedError
 

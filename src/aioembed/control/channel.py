@@ -307,11 +307,13 @@ class ControlSocket:
         await self._drained.wait()
 
     def close(self, linger_ms: int = 0) -> None:
-        """Close the socket; ZeroMQ keeps trying to deliver handed-over frames for ``linger_ms``."""
+        """Close the socket; ZeroMQ keeps trying to deliver handed-over frames for ``linger_ms``. A
+        :meth:`drain` waiting now, or called later, returns: nothing more will be sent."""
         if not self._closed:
             self._closed = True
             if self._queued:
                 log.warning("%s: closing with %d unsent messages", self.name, self._queued)
             self._outboxes.clear()
             self._queued = 0
+            self._drained.set()
             self.sock.close(linger=linger_ms)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
@@ -81,6 +82,16 @@ RoomId: TypeAlias = int | str | tuple[int | str, int]
 """A room id (int or str), or on the wire a part of a room: ``(room id, part index)``."""
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict = 3, 4, 4, 4
+_QUOTE.maxstring, _QUOTE.maxother = 60, 60
+
+
+def _quote(v: Any) -> str:
+    """A short repr of a value a peer sent, for an error message: bounded in depth and width (``repr()`` of a
+    1 KB frame's deeply nested list raised ``RecursionError``; of a wide one, cost more than decoding it)."""
+    return _QUOTE.repr(v)
 
 
 
@@ -159,7 +170,7 @@ def _block_list(name: str, v: Any) -> tuple[int, ...]:
         raise ProtocolError(f"field {name!r}: {len(v)} block ids, at most {MAX_BLOCKS_PER_MESSAGE}")
     for b in v:
         if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < (1 << 32):
-            raise ProtocolError(f"field {name!r}: block id {b!r} is not an int in [0, 2**32)")
+            raise ProtocolError(f"field {name!r}: block id {_quote(b)} is not an int in [0, 2**32)")
     if len(set(v)) != len(v):
         raise ProtocolError(f"field {name!r}: duplicate block ids")
     return tuple(v)
@@ -189,7 +200,7 @@ def validate_room(name: str, v: Any) -> RoomId:
     if isinstance(v, (list, tuple)):
         if len(v) != 2 or isinstance(v[1], bool) or not isinstance(v[1], int) or not 0 <= v[1] < MAX_PARTS:
             raise ProtocolError(f"field {name!r}: a room part must be [room id, part index in "
-                                f"0..{MAX_PARTS - 1}], got {v!r:.80}")
+                                f"0..{MAX_PARTS - 1}], got {_quote(v)}")
         return (_plain_room(name, v[0]), v[1])
     return _plain_room(name, v)
 
@@ -466,7 +477,7 @@ def _regions(name: str, v: Any) -> tuple[tuple[int, int], ...]:
     for item in v:
         if (not isinstance(item, (list, tuple)) or len(item) != 2
                 or not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < (1 << 64) for x in item)):
-            raise ProtocolError(f"field {name!r}: bad region {item!r}, expected [address, length]")
+            raise ProtocolError(f"field {name!r}: bad region {_quote(item)}, expected [address, length]")
         out.append((int(item[0]), int(item[1])))
     return tuple(out)
 
@@ -517,7 +528,7 @@ def _state(name: str, v: Any) -> TransferStatus:
 
 def _seconds(name: str, v: Any) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 86400:
-        raise ProtocolError(f"field {name!r}: expected seconds in (0, 86400], got {v!r}")
+        raise ProtocolError(f"field {name!r}: expected seconds in (0, 86400], got {_quote(v)}")
     return float(v)
 
 
@@ -620,11 +631,11 @@ def _message_class(body: dict[Any, Any], room: RoomId | None) -> type[_Base]:
     mtype = body.get("type")
     cls = _TYPES.get(mtype) if isinstance(mtype, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {mtype!r}; known: {sorted(_TYPES)}", room=room)
+        raise ProtocolError(f"unknown message type {_quote(mtype)}; known: {sorted(_TYPES)}", room=room)
     version = body.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         err = ProtocolError(
-            f"{cls.TYPE}: protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",
+            f"{cls.TYPE}: protocol version {_quote(version)} is not supported (this side speaks {PROTOCOL_VERSION})",
             room=room,
         )
         err.peer_version = version if isinstance(version, int) and not isinstance(version, bool) else -1

@@ -168,6 +168,9 @@ class Grant:
     """Length of that window, to restart it after a loop stall."""
     timed_proof: Proof | None = None
     """The proof the timed release stands for."""
+    proven: tuple[float, float, Proof] | None = None
+    """(release at, window, proof) of the earliest timed release resting on the writer's own word, not on its
+    being gone: what is left when :meth:`BlockLedger.writer_back` withdraws a ``WRITER_GONE`` release."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,11 +441,12 @@ class BlockLedger:
 
     def writer_back(self, sender: str) -> None:
         """``sender`` answered again after we thought its process gone: that was wrong, so the
-        releases that rested on it are withdrawn (its grants stay fenced until it proves them quiet)."""
+        releases that rested on it are withdrawn (its grants stay fenced until it proves them quiet; one its own
+        proof scheduled, a settle after DRAINED, FENCE_RELEASE or a late answer, stands)."""
         self._gone.pop(sender, None)
         for g in self.grants(sender=sender):
             if g.timed_proof is Proof.WRITER_GONE:
-                g.release_at, g.timed_proof = None, None
+                g.release_at, g.window, g.timed_proof = g.proven if g.proven is not None else (None, 0.0, None)
 
     # -- time --------------------------------------------------------------------------------
 
@@ -451,6 +455,9 @@ class BlockLedger:
         for g in self._grants.values():
             if g.release_at is not None:
                 g.release_at = max(g.release_at, now + g.window)
+            if g.proven is not None:
+                at, window, proof = g.proven
+                g.proven = (max(at, now + window), window, proof)
 
     def next_deadline(self) -> float | None:
         """The earliest timed release, if any."""
@@ -491,6 +498,8 @@ class BlockLedger:
         at = now + window
         if g.release_at is None or at < g.release_at:
             g.release_at, g.window, g.timed_proof = at, window, proof
+        if proof is not Proof.WRITER_GONE and (g.proven is None or at < g.proven[0]):
+            g.proven = (at, window, proof)
 
     def _free(self, g: Grant, proof: Proof) -> Free:
         was = g.state

@@ -223,6 +223,8 @@ class ReceiverRoomState:
             raise self._illegal(f"STATUS {msg.state} (no reservation outstanding)")
         if msg.state not in (TransferStatus.TRANSFERRING, TransferStatus.SUCCESS):
             raise self._bad(f"sender reported state {msg.state.name} with data", room=self.room)
+        if msg.fence:  # a failed write may still land: it contradicts the data (see BlockKeeper.late_fence)
+            raise self._bad(f"STATUS {msg.state.name} with fence (a fence comes with FAILED or ABORTED only)")
         total = msg.total_tokens
         end = self._check_frame("STATUS", msg.round, total)
         if msg.sent_tokens != end:

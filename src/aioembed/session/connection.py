@@ -129,7 +129,7 @@ class SessionLost:
     writer: Writer
 
 
-RoomFrame = Status | Progress | Total | Abort | AbortAck | Reject
+RoomFrame = Status | Progress | Total | Abort | AbortAck | Reject | FenceRelease
 """A frame of the sender about one room."""
 RoomEvent = RoomFrame | SessionLost
 
@@ -578,6 +578,12 @@ class SenderConnection:
             log.warning("%s: the sender rejected a frame: %s", self.name, msg.reason)
 
     def _on_fence_release(self, msg: FenceRelease) -> None:
+        room = self.rooms.get(msg.room)
+        if room is not None and room.writer is not None and room.writer == self.writer:
+            # Behind the STATUS(fence=True) it answers, which may still wait in the room's inbox: acted on here
+            # first, it found the grant still ANNOUNCED and was ignored, and the STATUS then fenced it for good.
+            room.deliver(msg)
+            return
         if self.writer is not None:
             self.keeper.fence_released(self.writer, msg.room, settle=FENCE_SETTLE)
 
@@ -648,6 +654,10 @@ class SenderConnection:
         or was still in the room's inbox when it ended): a proof (or doubt) about fenced blocks."""
         if isinstance(msg, Progress | Total):
             return  # the round goes on: a PROGRESS or TOTAL proves nothing about the end of its writes
+        if isinstance(msg, FenceRelease):
+            if writer is not None:
+                self.keeper.fence_released(writer, room, settle=FENCE_SETTLE)
+            return
         if isinstance(msg, Abort):
             self.send(AbortAck(room=room))
         elif self.held_ids.late(msg, room):

@@ -40,6 +40,7 @@ from aioembed.metrics import TransferObserver, outcome_of
 from aioembed.protocol.messages import (
     Abort,
     AbortAck,
+    FenceRelease,
     Init,
     Progress,
     Reject,
@@ -371,6 +372,9 @@ class ReceiveRoomDriver:
             return await self._on_session_lost(event)
         if isinstance(event, Total):
             self._on_total(event)
+            return None
+        if isinstance(event, FenceRelease):  # no fence of this room came before it: the ledger frees only fenced grants
+            self.conn.late(event, self.room, self.writer)
             return None
         return self._on_frame(event)
 
