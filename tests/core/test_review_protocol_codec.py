@@ -80,3 +80,13 @@ async def test_a_sender_answers_a_deeply_nested_frame_with_a_bad_frame_reject(
                 rej = await raw.expect(Reject)
             assert isinstance(rej, Reject) and rej.code == "bad_frame"
     assert not [r for r in caplog.records if r.exc_info], "a bad frame's traceback was logged"
+
+
+def test_unexpected_fields_are_named_up_to_a_bound() -> None:
+    """Every extra key was listed: a frame of 1.5 M keys gave a 17 MB error message."""
+    body = {"type": "PING", "v": 5, "nonce": 1, **{f"k{i}": 0 for i in range(10000)}}
+    with pytest.raises(ProtocolError, match=r"PING: unexpected fields 'k\d+', .* and 9992 more") as info:
+        decode(msgpack.packb(body, use_bin_type=True))
+    assert len(str(info.value)) < 300
+    with pytest.raises(ProtocolError, match=r"unexpected fields 'extra'$"):
+        decode(msgpack.packb({"type": "PING", "v": 5, "nonce": 1, "extra": 1}, use_bin_type=True))

@@ -133,6 +133,16 @@ async def test_incompatible_hello_is_rejected_with_what_differs() -> None:
         assert "fingerprint" in rej.reason and "block_size 64" in rej.reason
 
 
+@pytest.mark.parametrize(("rank", "world"), [(1, 1), (5, 2)])
+async def test_a_hello_whose_rank_is_outside_its_world_is_refused_at_the_handshake(rank: int, world: int) -> None:
+    """It was welcomed, and every INIT of it then refused one by one ("outside world")."""
+    async with running(CFG) as (sender, _), raw_receiver(sender.address, LAYOUT, CFG) as raw:
+        raw.send(dataclasses.replace(raw.hello(LAYOUT, CFG), rank=rank, world=world))
+        rej = await raw.expect(Reject)
+        assert isinstance(rej, Reject) and rej.code == "incompatible"
+        assert f"rank {rank} outside world {world}" in rej.reason
+
+
 @pytest.mark.parametrize(
     ("init", "needle"),
     [

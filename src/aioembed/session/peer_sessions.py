@@ -52,6 +52,8 @@ def handshake_problems(hello: Hello, layout: Layout, config: TransferConfig, tra
         problems.append(f"block_size {hello.block_size} != sender's {config.block_size}")
     if hello.transport != transport:
         problems.append(f"transport {hello.transport!r} != sender's {transport!r}")
+    if not 0 <= hello.rank < hello.world:
+        problems.append(f"rank {hello.rank} outside world {hello.world} (ranks are 0..world-1)")
     if len(hello.regions) != len(layout):
         problems.append(f"{len(hello.regions)} pool regions for {len(layout)} layout fields")
     else:
