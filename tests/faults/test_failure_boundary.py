@@ -313,6 +313,34 @@ async def test_a_write_lifetime_the_plugin_cannot_say_keeps_a_failed_write_fence
             assert sender.writes_in_flight == 1 and receiver.allocator.stats.fenced > 0
 
 
+class _CannotSayWhatItReads(MockTransport):
+    registrations = 0
+
+    def reads_unregistered(self, device: str) -> bool:
+        raise RuntimeError("engine not ready")
+
+    async def register(self, regions: Any) -> None:
+        self.registrations += 1
+        await super().register(regions)
+
+
+async def test_a_plugin_that_cannot_say_whether_it_reads_unregistered_sources_gets_them_registered(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The boundary turned the plugin's exception into a TransportError raised out of send(): no room named, and
+    the rank that asked not told. Registering is what every transport takes: the room goes through."""
+    writer = _CannotSayWhatItReads()
+    async with EmbeddingSender(LAYOUT, CFG, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG, connect=sender.address, transport=MockTransport()) as receiver:
+        before = writer.registrations
+        with caplog.at_level(logging.WARNING, logger="aioembed.transports"):
+            await _serves(sender, receiver, "r")
+        assert writer.registrations > before  # its sources were registered for the write
+        assert any("reads_unregistered('cpu') raised RuntimeError: engine not ready" in r.getMessage()
+                   for r in caplog.records)
+        await _serves(sender, receiver, "again")
+        await wait_pools_free(sender, receiver)
+
+
 class _RaisingObserver(TransferObserver):
     """Every hook raises (a metrics backend that is down)."""
 

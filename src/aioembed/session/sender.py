@@ -447,6 +447,12 @@ class EmbeddingSender:
             if self._room_is_waiting(room):
                 self._abort_key(room, f"send() failed: {failed}")
             raise failed from exc
+        except BaseException:
+            # Cancelled while its rows were made ready (a large copy off the loop, a CUDA producer's stream): as a
+            # cancel at any later await, the room ends on both sides (the ranks that asked learn it now).
+            if self._room_is_waiting(room):
+                self._abort_key(room, "send() was cancelled")
+            raise
 
     async def _input_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None,
                         stream: torch.cuda.Stream | None) -> tuple[int, dict[str, Any], list[torch.Tensor],
@@ -514,7 +520,10 @@ class EmbeddingSender:
         """Everything about a request that can be refused before a byte moves; (tokens, metadata)."""
         self._check_running()
         cfg = self.config
-        num_tokens = self.layout.validate(tensors)
+        try:
+            num_tokens = self.layout.validate(tensors)
+        except LayoutError as exc:  # names a field, not the room: say which of the sends in flight it was
+            raise LayoutError(f"room {room!r}: {exc}") from None
         if not 1 <= num_tokens <= cfg.max_request_tokens:
             raise InvalidRequest(f"room {room!r}: {num_tokens} tokens; allowed 1..{cfg.max_request_tokens} "
                                  "(max_request_tokens)")
@@ -1240,6 +1249,11 @@ class EmbeddingSender:
         for room in list(peer.rooms):
             r = self._rooms.get(room)
             if r is None:
+                continue
+            if peer.rank in r.finished and r.rank_peer.get(peer.rank) is peer:
+                # This rank was already told the room's end (its final STATUS, with every token, went out): no
+                # write or frame of the room goes to it any more, so its loss is no cause for the other ranks'
+                # room to fail (a one-rank room's send() has returned by then, whatever the session does next).
                 continue
             r.machine.fail(reason, peer_lost=True)
             r.poke()

@@ -93,7 +93,7 @@ class GuardedTransport(Transport):
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]  # the wrapped plugin's name, per instance
         self.capabilities = inner.capabilities
-        self._lifetime_warnings = WarningBudget(log)
+        self._warnings = WarningBudget(log)
         self._lifetimes: dict[str, float] = {}
         """The last write_lifetime / orphan_lifetime the plugin gave (see :meth:`_lifetime`)."""
 
@@ -102,10 +102,15 @@ class GuardedTransport(Transport):
         raise TransportError("open a plugin through open_guarded(), not GuardedTransport.open()")
 
     def reads_unregistered(self, device: str) -> bool:
+        """Never an exception: a plugin that cannot say gets its sources registered (or staged), which every
+        transport takes. Raised out of ``send()``, the error named no room and the ranks waiting were not told."""
         try:
             return bool(self.inner.reads_unregistered(device))
         except Exception as exc:
-            _reraise(self.name, f"reads_unregistered({device!r})", exc)
+            self._warnings.warn("reads_unregistered", "transport %r: reads_unregistered(%r) raised %s: "
+                                         "%s; its sources are registered", self.name, device, type(exc).__name__,
+                                         exc)
+            return False
 
     @property
     def write_lifetime(self) -> float:
@@ -136,7 +141,7 @@ class GuardedTransport(Transport):
         known = self._lifetimes.get(which)
         taken = f"the last value it gave ({known} s) is used" if known is not None else (
             "taken as forever: a failed write that may land stays fenced until the sender closes")
-        self._lifetime_warnings.warn(which, "transport %r: %s %s; %s", self.name, which, why, taken)
+        self._warnings.warn(which, "transport %r: %s %s; %s", self.name, which, why, taken)
         return known if known is not None else math.inf
 
     @property
