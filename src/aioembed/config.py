@@ -163,6 +163,10 @@ class TransferConfig:
         for name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeout",
                      "heartbeat_interval", "sender_idle_timeout"):
             _check_seconds(name, getattr(self, name))
+        if self.heartbeat_interval < MIN_HEARTBEAT_INTERVAL:
+            raise ConfigError(f"heartbeat_interval={self.heartbeat_interval} is out of range; allowed: "
+                              f"{MIN_HEARTBEAT_INTERVAL} <= heartbeat_interval <= 86400 seconds (a PING to every peer "
+                              "that often keeps both event loops busy)")
         self._warn_contradictory_timeouts()
         bs = self.block_size
         if self.resume_reserve_tokens is not None:
@@ -334,8 +338,11 @@ def _hashable(value: Any) -> Any:
 
 
 def _check_names(settings: Mapping[str, Any], where: str) -> None:
+    if not isinstance(settings, Mapping):  # a YAML/JSON document that is a list, a scalar or empty (None)
+        raise ConfigError(f"settings{where} must be a table (mapping of setting names to values), got "
+                          f"{type(settings).__name__}")
     known = {f.name for f in dataclasses.fields(TransferConfig)}
-    unknown = sorted(set(settings) - known)
+    unknown = sorted(set(settings) - known, key=repr)  # names of any type (a YAML key 8192 is an int)
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}{where}; known settings: {sorted(known)}")
 
@@ -345,6 +352,10 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
         raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
     if not lo <= value <= hi:
         raise ConfigError(f"{name}={value} is out of range; allowed: {lo} <= {name} <= {hi}")
+
+
+MIN_HEARTBEAT_INTERVAL = 0.01
+"""Seconds: the least ``heartbeat_interval`` taken (the tests run at 0.05)."""
 
 
 def _check_seconds(name: str, value: object) -> None:

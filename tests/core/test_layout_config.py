@@ -239,6 +239,9 @@ for _name in ("handshake_timeout", "input_timeout", "round_timeout", "room_timeo
     ]
 
 
+BAD_VALUES += [({"heartbeat_interval": v}, "heartbeat_interval") for v in (1e-300, 0.009)]  # a PING storm
+
+
 @pytest.mark.parametrize(("kwargs", "name"), BAD_VALUES, ids=[f"{k}" for k, _ in BAD_VALUES])
 def test_config_bad_values(kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -149,3 +149,63 @@ def test_known_async_library_left_in_another_context_does_not_raise() -> None:
 
     _under_asyncio_run(main)
     assert seen == [None]
+
+
+def test_a_background_task_that_raises_a_stray_cancel_is_logged_and_the_others_go_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A CancelledError nobody asked for (a future some other code cancelled) went out of the task and cancelled
+    the owner's whole task group (a sender's control socket, liveness, timers) without a log line."""
+    seen: list[str] = []
+
+    async def main() -> None:
+        tasks = BackgroundTasks("test", logging.getLogger("test"))
+        await tasks.enter()
+        others = asyncio.Event()
+
+        async def stray() -> None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.cancel()
+            await fut  # raises CancelledError while this task is not being cancelled
+
+        async def other() -> None:
+            await asyncio.sleep(0.2)
+            seen.append("other ran to its end")
+            others.set()
+
+        assert tasks.spawn(other) and tasks.spawn(stray)
+        await asyncio.wait_for(others.wait(), 5)
+        assert tasks.spawn(other)  # the owner still takes tasks
+        others.clear()
+        await asyncio.wait_for(others.wait(), 5)
+        await tasks.exit()
+
+    with caplog.at_level(logging.ERROR, logger="test"):
+        _under_asyncio_run(main)
+    assert seen == ["other ran to its end"] * 2
+    assert any("stray" in r.getMessage() and "CancelledError nobody asked for" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_background_tasks_still_end_when_cancelled() -> None:
+    ended: list[str] = []
+
+    async def main() -> None:
+        tasks = BackgroundTasks("test", logging.getLogger("test"))
+        await tasks.enter()
+        started = asyncio.Event()
+
+        async def forever() -> None:
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                ended.append("cancelled")
+
+        assert tasks.spawn(forever)
+        await started.wait()
+        tasks.cancel_all()
+        await tasks.wait_done(5)
+        await tasks.exit()
+
+    _under_asyncio_run(main)
+    assert ended == ["cancelled"]

@@ -18,6 +18,7 @@ import functools
 import itertools
 import logging
 import math
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -123,10 +124,18 @@ class EmbeddingReceiver:
         self._spawn = self._tasks.spawn
         self._closing = False
         self._closed = anyio.Event()
+        self._entered = False  # __aenter__ runs once: a second would open a second endpoint nobody closes
+        self._thread: int | None = None  # the thread whose event loop entered it (see _check_running)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        if self._entered or self._closing:
+            was = "closed" if self._closing else "entered"
+            raise AioembedError(f"this receiver was {was} already: an EmbeddingReceiver runs once (one `async with`, "
+                                "or one __aenter__() ... aclose()); make a new one")
+        self._entered = True
+        self._thread = threading.get_ident()
         cfg = self.config
         if self._given_transport is not None:
             self._transport = guard(self._given_transport)
@@ -306,6 +315,10 @@ class EmbeddingReceiver:
                                 "called): it takes no new rooms")
         if not self._tasks.entered:
             raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")
+        if threading.get_ident() != self._thread:
+            raise AioembedError(f"the receiver runs on the event loop of another thread (thread {self._thread}, "
+                                f"this is {threading.get_ident()}): call it from that loop (e.g. anyio.from_thread.run "
+                                f"or asyncio.run_coroutine_threadsafe), or make a receiver per event loop")
 
     # -- public API --------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -213,6 +214,8 @@ class EmbeddingSender:
         self._spawn = self._tasks.spawn
         self._closing = False
         self._closed = anyio.Event()
+        self._entered = False  # __aenter__ runs once: a second would open a second endpoint nobody closes
+        self._thread: int | None = None  # the thread whose event loop entered it (see _check_running)
         self._active_sends = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -226,6 +229,12 @@ class EmbeddingSender:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        if self._entered or self._closing:
+            was = "closed" if self._closing else "entered"
+            raise AioembedError(f"this sender was {was} already: an EmbeddingSender runs once (one `async with`, "
+                                "or one __aenter__() ... aclose()); make a new one")
+        self._entered = True
+        self._thread = threading.get_ident()
         cfg = self.config
         if self._given_transport is not None:
             self._transport = guard(self._given_transport)
@@ -361,6 +370,10 @@ class EmbeddingSender:
                                 "called): it takes no new rooms")
         if not self._tasks.entered:
             raise AioembedError("the sender is not running: use `async with EmbeddingSender(...)`")
+        if threading.get_ident() != self._thread:
+            raise AioembedError(f"the sender runs on the event loop of another thread (thread {self._thread}, "
+                                f"this is {threading.get_ident()}): call it from that loop (e.g. anyio.from_thread.run "
+                                f"or asyncio.run_coroutine_threadsafe), or make a sender per event loop")
 
     # -- public API --------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import anyio.abc
 import sniffio
 
 from aioembed.session.async_library import KnownAsyncLibrary
+from aioembed.transports.boundary import stray_cancel
 
 __all__ = ["BackgroundTasks"]
 
@@ -127,6 +128,13 @@ class BackgroundTasks:
                     await fn(*args)
                 except Exception:  # a bug: logged, and the owner goes on
                     self._log.exception("%s: background task %s failed", self.name, getattr(fn, "__name__", fn))
+                except BaseException as exc:
+                    if not stray_cancel(exc):
+                        raise
+                    # Not a cancel of this task (a future someone else cancelled): let through, it ended the
+                    # owner's whole task group (control socket, liveness, timers), silently.
+                    self._log.exception("%s: background task %s failed with a CancelledError nobody asked for",
+                                        self.name, getattr(fn, "__name__", fn))
                 finally:
                     self._scopes.discard(scope)
         finally:

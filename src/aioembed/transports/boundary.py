@@ -8,33 +8,58 @@ write that failed in a way the plugin did not explain counts as one that may sti
 (``may_land=True``): its blocks are fenced, never reused on a guess.
 
 ``ConfigError`` and ``TransportError`` pass through unchanged; cancellation and other
-``BaseException`` s (``KeyboardInterrupt``) are never swallowed.
+``BaseException`` s (``KeyboardInterrupt``) are never swallowed. An ``asyncio.CancelledError`` that is not
+a cancellation of the calling task (a plugin awaiting one of its own futures that it, or its engine's close,
+cancelled; or any under trio) is a plugin failure like any other: let through, anyio's task groups would
+drop it silently, and a round written chunk by chunk counted as landed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from aioembed.errors import AioembedError, ConfigError, TransportError
 from aioembed.log_budget import WarningBudget
 from aioembed.transports.base import Link, MemoryRegion, Transport, WriteOp
 
-__all__ = ["GuardedLink", "GuardedTransport", "foreign_error", "guard", "open_guarded"]
+__all__ = ["GuardedLink", "GuardedTransport", "foreign_error", "guard", "open_guarded", "stray_cancel"]
 
 log = logging.getLogger("aioembed.transports")
 
 
-def foreign_error(plugin: str, call: str, exc: Exception, *, may_land: bool | None = None) -> TransportError:
+def foreign_error(plugin: str, call: str, exc: BaseException, *, may_land: bool | None = None) -> TransportError:
     """A ``TransportError`` for an exception a plugin raised in ``call`` (the cause is kept)."""
     err = TransportError(f"transport {plugin!r}: {call} raised {type(exc).__name__}: {exc}", may_land=may_land)
     err.__cause__ = exc
     return err
 
 
-def _reraise(plugin: str, call: str, exc: Exception, *, may_land: bool | None = None) -> NoReturn:
+def stray_cancel(exc: BaseException) -> bool:
+    """True if ``exc`` is an ``asyncio.CancelledError`` that does not cancel the running task: nobody asked to
+    cancel it (asyncio's ``Task.cancelling()``, which anyio's cancel scopes and ``Task.cancel()`` raise), or it
+    runs under another event loop (trio). A real cancellation is never taken for one."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no asyncio loop here (trio): nothing of ours raises asyncio's cancellation
+        return True
+    return task is not None and task.cancelling() == 0
+
+
+_PLUGIN_ERRORS = (Exception, asyncio.CancelledError)
+"""What the guards catch: every plugin failure, and a CancelledError to tell apart (:func:`stray_cancel`)."""
+
+
+def _reraise(plugin: str, call: str, exc: BaseException, *, may_land: bool | None = None) -> NoReturn:
+    if not isinstance(exc, Exception) and not stray_cancel(exc):
+        raise exc  # a real cancellation: the caller's
+    if isinstance(exc, TransportError) and exc.settled is not None:
+        exc.settled = _guarded_settled(plugin, call, exc.settled)
     if isinstance(exc, (TransportError, ConfigError)):
         raise exc
     if isinstance(exc, AioembedError):  # another error of ours from inside a plugin: still a transport failure
@@ -42,11 +67,28 @@ def _reraise(plugin: str, call: str, exc: Exception, *, may_land: bool | None = 
     raise foreign_error(plugin, call, exc, may_land=may_land) from exc
 
 
+def _guarded_settled(plugin: str, call: str,
+                     settled: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """A failed write's ``settled`` (the plugin's own coroutine function, awaited by a sender's background task)
+    behind the boundary too: a stray cancel out of it cancelled every background task of the sender."""
+    if getattr(settled, "_guarded", False):
+        return settled
+
+    async def guarded() -> None:
+        try:
+            await settled()
+        except _PLUGIN_ERRORS as exc:
+            _reraise(plugin, f"settled() of a failed {call}", exc)
+
+    guarded._guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
 async def open_guarded(cls: type[Transport], options: Mapping[str, Any]) -> GuardedTransport:
     """Open ``cls`` through the boundary."""
     try:
         inner = await cls.open(options)
-    except Exception as exc:
+    except _PLUGIN_ERRORS as exc:
         _reraise(getattr(cls, "name", cls.__name__), "open()", exc)
     return GuardedTransport(inner)
 
@@ -67,20 +109,20 @@ class GuardedLink(Link):
     def peer(self) -> str:
         try:
             return str(self.inner.peer)
-        except Exception:
+        except _PLUGIN_ERRORS:
             return f"{self._plugin}:?"
 
     async def write(self, ops: Sequence[WriteOp]) -> None:
         try:
             await self.inner.write(ops)
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             # An unexplained failure may have moved some bytes and may move more: fence it.
             _reraise(self._plugin, f"write of {len(ops)} ops to {self.peer}", exc, may_land=True)
 
     async def aclose(self) -> None:
         try:
             await self.inner.aclose()
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             _reraise(self._plugin, f"closing the link to {self.peer}", exc)
 
 
@@ -107,9 +149,8 @@ class GuardedTransport(Transport):
         try:
             return bool(self.inner.reads_unregistered(device))
         except Exception as exc:
-            self._warnings.warn("reads_unregistered", "transport %r: reads_unregistered(%r) raised %s: "
-                                         "%s; its sources are registered", self.name, device, type(exc).__name__,
-                                         exc)
+            self._warnings.warn("reads_unregistered", "transport %r: reads_unregistered(%r) raised %s: %s; its "
+                                "sources are registered", self.name, device, type(exc).__name__, exc)
             return False
 
     @property
@@ -130,7 +171,7 @@ class GuardedTransport(Transport):
         revocation aside). Safe, and a warning says it."""
         try:
             value = float(getattr(self.inner, which))
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             return self._lifetime_unknown(which, f"raised {type(exc).__name__}: {exc}")
         if math.isnan(value):  # max(0.0, nan) is 0.0: no fence at all
             return self._lifetime_unknown(which, "is NaN")
@@ -148,25 +189,25 @@ class GuardedTransport(Transport):
     def writer_id(self) -> str:
         try:
             return str(self.inner.writer_id)
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             _reraise(self.name, "writer_id", exc)
 
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
         try:
             await self.inner.register(regions)
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             _reraise(self.name, f"register() of {len(regions)} region(s)", exc)
 
     async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
         try:
             await self.inner.unregister(regions)
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             _reraise(self.name, f"unregister() of {len(regions)} region(s)", exc)
 
     def descriptor(self) -> bytes:
         try:
             desc = self.inner.descriptor()
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             _reraise(self.name, "descriptor()", exc)
         if not isinstance(desc, bytes):
             raise TransportError(f"transport {self.name!r}: descriptor() returned {type(desc).__name__}, not bytes")
@@ -175,20 +216,20 @@ class GuardedTransport(Transport):
     async def connect(self, peer_descriptor: bytes) -> GuardedLink:
         try:
             link = await self.inner.connect(peer_descriptor)
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             _reraise(self.name, "connect()", exc)
         return GuardedLink(link, self.name)
 
     async def revoke(self, writer_id: str) -> None:
         try:
             await self.inner.revoke(writer_id)
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             _reraise(self.name, f"revoke({writer_id[:16]!r})", exc)
 
     async def aclose(self) -> None:
         try:
             await self.inner.aclose()
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:
             _reraise(self.name, "aclose()", exc)
 
     def __getattr__(self, name: str) -> Any:

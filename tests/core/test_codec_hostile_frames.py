@@ -1,4 +1,4 @@
-"""Review of the codec: whatever bytes a peer sends, decode() raises ProtocolError or returns a message."""
+"""The codec: whatever bytes a peer sends, decode() raises ProtocolError or returns a message."""
 
 from __future__ import annotations
 

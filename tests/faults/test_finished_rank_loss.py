@@ -1,4 +1,4 @@
-"""Review of the sender: in a room of several ranks, a rank that already holds every token (its final STATUS
+"""The sender: in a room of several ranks, a rank that already holds every token (its final STATUS
 went out) and whose session then ends (its receiver went silent for a while: a long stall on a busy rank, a
 restart) is not a cause for the room to fail: no write goes to it any more, and ``send()`` returns once every
 expected rank holds every token (README, "Failure semantics")."""

@@ -1,4 +1,4 @@
-"""Review of the sender: a ``send()`` cancelled while it prepares its rows (a large non-contiguous CPU copy
+"""The sender: a ``send()`` cancelled while it prepares its rows (a large non-contiguous CPU copy
 off the loop, a CUDA producer's stream being waited for) must abort the room on both sides, as a cancel at
 any later await does (README, "Failure semantics": cancelling ``send()`` aborts the room on both sides)."""
 

@@ -1,4 +1,4 @@
-"""Review of the sender: a request ``send()`` refuses says which room it was (a server sends many at once, and the
+"""The sender: a request ``send()`` refuses says which room it was (a server sends many at once, and the
 error is often logged far from the call), as every other refusal of ``send()`` does."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Review of the block ledger: a doubt withdrawn must not take a real proof with it."""
+"""The block ledger: a doubt withdrawn must not take a real proof with it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Review of block ownership across the receiver's frame routing: a FENCE_RELEASE must not overtake the
+"""Block ownership across the receiver's frame routing: a FENCE_RELEASE must not overtake the
 STATUS(fence=True) it answers.
 
 The sender sends ``STATUS(FAILED, fence=True)`` for a room, then ``FENCE_RELEASE`` once the write can no longer

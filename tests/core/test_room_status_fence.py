@@ -1,4 +1,4 @@
-"""Review of the room machines: frames whose fields contradict each other are refused, not half-believed."""
+"""The room machines: frames whose fields contradict each other are refused, not half-believed."""
 
 from __future__ import annotations
 
