@@ -84,7 +84,18 @@ RoomId: TypeAlias = int | str | tuple[int | str, int]
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-_QUOTE = reprlib.Repr()
+
+class _BoundedRepr(reprlib.Repr):
+    """``reprlib.Repr`` cuts a str before quoting it, but quotes bytes whole and then cuts the text (``repr_instance``):
+    a 15 MB bytes value built a 60 MB string on the event loop, 14x the cost of decoding the frame."""
+
+    def repr_bytes(self, x: bytes, level: int) -> str:
+        if len(x) <= self.maxother:
+            return repr(x)
+        return f"{x[:self.maxother]!r}... ({len(x)} bytes)"
+
+
+_QUOTE = _BoundedRepr()
 _QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict = 3, 4, 4, 4
 _QUOTE.maxstring, _QUOTE.maxother = 60, 60
 

@@ -125,13 +125,16 @@ class EmbeddingReceiver:
         self._closing = False
         self._closed = anyio.Event()
         self._entered = False  # __aenter__ runs once: a second would open a second endpoint nobody closes
+        self._started = False  # __aenter__ returned
         self._thread: int | None = None  # the thread whose event loop entered it (see _check_running)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
         if self._entered or self._closing:
-            was = "closed" if self._closing else "entered"
+            # After a failed __aenter__ (a bind or the transport refused) nothing ran: say so, not "entered".
+            was = ("closed" if self._closing else "entered" if self._started
+                   else "entered (that __aenter__() failed, or is still running)")
             raise AioembedError(f"this receiver was {was} already: an EmbeddingReceiver runs once (one `async with`, "
                                 "or one __aenter__() ... aclose()); make a new one")
         self._entered = True
@@ -159,6 +162,7 @@ class EmbeddingReceiver:
         self._spawn(self._deadlines.run)
         if self.connect_to is not None:
             self._connection(self.connect_to)
+        self._started = True
         return self
 
     async def __aexit__(

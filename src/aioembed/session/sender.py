@@ -215,6 +215,7 @@ class EmbeddingSender:
         self._closing = False
         self._closed = anyio.Event()
         self._entered = False  # __aenter__ runs once: a second would open a second endpoint nobody closes
+        self._started = False  # __aenter__ returned
         self._thread: int | None = None  # the thread whose event loop entered it (see _check_running)
         self._active_sends = 0
         self._idle = anyio.Event()
@@ -230,7 +231,9 @@ class EmbeddingSender:
 
     async def __aenter__(self) -> Self:
         if self._entered or self._closing:
-            was = "closed" if self._closing else "entered"
+            # After a failed __aenter__ (a bind or the transport refused) nothing ran: say so, not "entered".
+            was = ("closed" if self._closing else "entered" if self._started
+                   else "entered (that __aenter__() failed, or is still running)")
             raise AioembedError(f"this sender was {was} already: an EmbeddingSender runs once (one `async with`, "
                                 "or one __aenter__() ... aclose()); make a new one")
         self._entered = True
@@ -263,6 +266,7 @@ class EmbeddingSender:
         self._spawn(self._deadlines.run)
         log.info("sender: listening on %s (transport %s, id %s)", self.address, self._transport.name,
                  self.sender_id[:8])
+        self._started = True
         return self
 
     async def _open_staging(self) -> None:

@@ -148,7 +148,9 @@ class GuardedTransport(Transport):
         transport takes. Raised out of ``send()``, the error named no room and the ranks waiting were not told."""
         try:
             return bool(self.inner.reads_unregistered(device))
-        except Exception as exc:
+        except _PLUGIN_ERRORS as exc:  # a stray CancelledError too (a cancelled future's result()), as every guard
+            if not isinstance(exc, Exception) and not stray_cancel(exc):
+                raise
             self._warnings.warn("reads_unregistered", "transport %r: reads_unregistered(%r) raised %s: %s; its "
                                 "sources are registered", self.name, device, type(exc).__name__, exc)
             return False
