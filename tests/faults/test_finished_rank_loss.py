@@ -71,3 +71,65 @@ async def test_a_finished_ranks_lost_session_does_not_fail_the_room_for_the_othe
             assert not peer0.alive, "rank 0's session did not end while rank 1 was written: the test proves nothing"
         assert_same(got1.tensors, src)
         assert outcome == [None], outcome
+
+
+async def test_a_finished_rank_asking_again_in_a_new_session_is_told_why_while_the_others_are_served() -> None:
+    """Rank 0 got the whole room, but (in real life) its session ended before the final STATUS reached it, and it
+    asks again in its next session while rank 1 is still being served. Its INIT was refused as a duplicate (a bad
+    frame, with a protocol-violation warning at the sender); it is now told, in a FAILED STATUS, why its rows are
+    not sent again. Rank 1 is served to the end and ``send()`` returns."""
+    from aioembed.protocol.messages import Init, Ping, Reject, Resume, Status, TransferStatus, Welcome
+
+    from .rawpeer import RawReceiver, raw_receiver
+
+    cfg = BASE.replace(heartbeat_interval=0.2, heartbeat_misses=5)
+
+    async def keep_alive(raw: RawReceiver, first: int) -> None:
+        for nonce in range(first, first + 10_000):
+            raw.send(Ping(nonce=nonce))
+            await anyio.sleep(0.05)
+
+    async with EmbeddingSender(LAYOUT, cfg) as sender, raw_receiver(sender.address, LAYOUT, cfg) as a, \
+            raw_receiver(sender.address, LAYOUT, cfg) as b:
+        for raw, name, rank in ((a, "A", 0), (b, "B", 1)):
+            raw.send(raw.hello(LAYOUT, cfg, receiver_id=name, rank=rank, world=2))
+            await raw.expect(Welcome)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keep_alive, a, 1)
+            tg.start_soon(keep_alive, b, 1)
+            a.send(Init(room="x", blocks=tuple(range(8)), allocated_tokens=1024, expected_ranks=2))  # all of it
+            b.send(Init(room="x", blocks=(0,), allocated_tokens=128, expected_ranks=2))  # a round of 128 tokens
+            src = make_request(300, 7)
+            sending = anyio.Event()
+
+            async def send() -> None:
+                await sender.send("x", src)
+                sending.set()
+
+            tg.start_soon(send)
+            done = await a.expect(Status)
+            assert isinstance(done, Status) and done.state is TransferStatus.SUCCESS, done
+            first = await b.expect(Status)
+            assert isinstance(first, Status) and first.state is TransferStatus.TRANSFERRING, first
+            # Rank 0 again, in a new session (its receiver's next handshake replaces the old one) ...
+            a.send(a.hello(LAYOUT, cfg, receiver_id="A", rank=0, world=2, epoch=2))
+            await a.expect(Welcome)
+            a.send(Init(room="x", blocks=tuple(range(8, 16)), allocated_tokens=1024, expected_ranks=2))
+            told = await a.next()
+            while not isinstance(told, Status | Reject):  # PONGs, the DRAINED of session 1
+                told = await a.next()
+            assert not isinstance(told, Reject), told  # was: REJECT bad_frame "duplicate INIT from rank 0"
+            assert isinstance(told, Status) and told.state is TransferStatus.FAILED, told
+            assert "rank 0 was sent every token of this room in an earlier session" in (told.error or "")
+            # ... while rank 1 is served to the end.
+            sent = 128
+            for rnd in range(1, 3):
+                rest = min(128, 300 - sent)
+                b.send(Resume(room="x", round=rnd, sent_tokens=sent, blocks=(0,), allocated_tokens=rest))
+                st = await b.expect(Status)
+                assert isinstance(st, Status) and st.state in (TransferStatus.TRANSFERRING, TransferStatus.SUCCESS)
+                sent = st.sent_tokens
+            assert sent == 300 and st.state is TransferStatus.SUCCESS
+            with anyio.fail_after(5):
+                await sending.wait()
+            tg.cancel_scope.cancel()

@@ -1130,6 +1130,14 @@ class EmbeddingSender:
             raise ProtocolError(f"INIT expects {msg.expected_ranks} ranks but {peer} declared world {peer.world}",
                                 room=room)
         r = self._rooms.get(room)
+        if r is not None and peer.rank in r.finished and r.rank_peer.get(peer.rank) is not peer:
+            # This rank was sent the whole room in a session that ended before it heard (its final STATUS lost
+            # with it), while other ranks are still served: told so, not refused as a duplicate INIT (bad frame).
+            self._answer_ended(peer, room, Status(
+                room=room, state=TransferStatus.FAILED, total_tokens=0, sent_tokens=0, round=0,
+                error=plain_text(f"rank {peer.rank} was sent every token of this room in an earlier session, "
+                                 "which ended before it was told; its rows are not sent again")))
+            return
         new = r is None
         if r is None:
             if len(peer.rooms) >= self.config.max_rooms_per_peer:
@@ -1259,18 +1267,22 @@ class EmbeddingSender:
         """The session is over: no new write or frame goes to it; its rooms fail. One that no ``send()`` drives
         yet is forgotten, remembered as ended with the session (``reason`` names it): its ``send()``, when it comes,
         fails at once if the receiver stays away (:meth:`_check_lost_rank`); any INIT of it is a new request."""
-        log.warning("sender: %s; failing its %d rooms", reason, len(peer.rooms))
+        def finished(room: RoomId) -> bool:
+            # This rank was already told the room's end (its final STATUS, with every token, went out): no write
+            # or frame of the room goes to it any more, so its loss is no cause for the other ranks' room to fail
+            # (a one-rank room's send() has returned by then, whatever the session does next).
+            r = self._rooms.get(room)
+            return r is not None and peer.rank in r.finished and r.rank_peer.get(peer.rank) is peer
+
+        done = sum(1 for room in peer.rooms if finished(room))
+        log.warning("sender: %s; failing its %d rooms%s", reason, len(peer.rooms) - done,
+                    f" ({done} more it was sent in full, still sent to other ranks, go on)" if done else "")
         peer.alive = False
         self._peers.remove(peer)
         self._apply(self._ledger.session_closed(peer.key))
         for room in list(peer.rooms):
             r = self._rooms.get(room)
-            if r is None:
-                continue
-            if peer.rank in r.finished and r.rank_peer.get(peer.rank) is peer:
-                # This rank was already told the room's end (its final STATUS, with every token, went out): no
-                # write or frame of the room goes to it any more, so its loss is no cause for the other ranks'
-                # room to fail (a one-rank room's send() has returned by then, whatever the session does next).
+            if r is None or finished(room):
                 continue
             r.machine.fail(reason, peer_lost=True)
             r.poke()
