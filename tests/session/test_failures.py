@@ -343,6 +343,7 @@ async def test_sender_closing_ends_pending_receiver_rooms() -> None:
                 await handle.result()
             st = receiver.allocator.stats
             assert st.free == st.total and st.fenced == 0
+        assert sender.rooms_in_flight == 0  # told and forgotten (it stayed in the room table after aclose())
 
 
 async def test_a_write_that_never_ends_is_bounded_by_room_timeout_and_fenced() -> None:

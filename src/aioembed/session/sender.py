@@ -309,6 +309,7 @@ class EmbeddingSender:
                         r.poke()
                         if not r.active:
                             r.notify_end()
+                            self._drop_room(r)  # no send() drives it: told, and forgotten (rooms_in_flight)
                     await self._idle.wait()  # active send() calls notify their ranks
                     if self._chan is not None:
                         await self._chan.drain()  # the final STATUS / ABORT_ACK frames must leave
