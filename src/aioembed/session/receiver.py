@@ -18,7 +18,6 @@ import functools
 import itertools
 import logging
 import math
-import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -51,6 +50,7 @@ from aioembed.session.handle import Received, ReceiveHandle
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext, short_fields
 from aioembed.session.room_deadlines import RoomDeadlines
+from aioembed.session.run_once import RunOnce
 from aioembed.session.stream import Chunk, LeasedChunk, RoomStream, StreamItem
 from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import Transport
@@ -124,21 +124,12 @@ class EmbeddingReceiver:
         self._spawn = self._tasks.spawn
         self._closing = False
         self._closed = anyio.Event()
-        self._entered = False  # __aenter__ runs once: a second would open a second endpoint nobody closes
-        self._started = False  # __aenter__ returned
-        self._thread: int | None = None  # the thread whose event loop entered it (see _check_running)
+        self._run_once = RunOnce("receiver")
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        if self._entered or self._closing:
-            # After a failed __aenter__ (a bind or the transport refused) nothing ran: say so, not "entered".
-            was = ("closed" if self._closing else "entered" if self._started
-                   else "entered (that __aenter__() failed, or is still running)")
-            raise AioembedError(f"this receiver was {was} already: an EmbeddingReceiver runs once (one `async with`, "
-                                "or one __aenter__() ... aclose()); make a new one")
-        self._entered = True
-        self._thread = threading.get_ident()
+        self._run_once.enter(closing=self._closing)
         cfg = self.config
         if self._given_transport is not None:
             self._transport = guard(self._given_transport)
@@ -162,7 +153,7 @@ class EmbeddingReceiver:
         self._spawn(self._deadlines.run)
         if self.connect_to is not None:
             self._connection(self.connect_to)
-        self._started = True
+        self._run_once.started()
         return self
 
     async def __aexit__(
@@ -319,10 +310,7 @@ class EmbeddingReceiver:
                                 "called): it takes no new rooms")
         if not self._tasks.entered:
             raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")
-        if threading.get_ident() != self._thread:
-            raise AioembedError(f"the receiver runs on the event loop of another thread (thread {self._thread}, "
-                                f"this is {threading.get_ident()}): call it from that loop (e.g. anyio.from_thread.run "
-                                f"or asyncio.run_coroutine_threadsafe), or make a receiver per event loop")
+        self._run_once.check_thread()
 
     # -- public API --------------------------------------------------------------------------
 

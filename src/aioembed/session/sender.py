@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -93,6 +92,7 @@ from aioembed.session.liveness import LoopWatch, PeerClock
 from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
 from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.room_deadlines import RoomDeadlines
+from aioembed.session.run_once import RunOnce
 from aioembed.session.send_room import SendContext, SendRoomDriver
 from aioembed.session.source_buffers import RegisteredSources, SourceBufferIndex, check_source_tensors
 from aioembed.session.tasks import BackgroundTasks
@@ -214,9 +214,7 @@ class EmbeddingSender:
         self._spawn = self._tasks.spawn
         self._closing = False
         self._closed = anyio.Event()
-        self._entered = False  # __aenter__ runs once: a second would open a second endpoint nobody closes
-        self._started = False  # __aenter__ returned
-        self._thread: int | None = None  # the thread whose event loop entered it (see _check_running)
+        self._run_once = RunOnce("sender")
         self._active_sends = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -230,14 +228,7 @@ class EmbeddingSender:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        if self._entered or self._closing:
-            # After a failed __aenter__ (a bind or the transport refused) nothing ran: say so, not "entered".
-            was = ("closed" if self._closing else "entered" if self._started
-                   else "entered (that __aenter__() failed, or is still running)")
-            raise AioembedError(f"this sender was {was} already: an EmbeddingSender runs once (one `async with`, "
-                                "or one __aenter__() ... aclose()); make a new one")
-        self._entered = True
-        self._thread = threading.get_ident()
+        self._run_once.enter(closing=self._closing)
         cfg = self.config
         if self._given_transport is not None:
             self._transport = guard(self._given_transport)
@@ -266,7 +257,7 @@ class EmbeddingSender:
         self._spawn(self._deadlines.run)
         log.info("sender: listening on %s (transport %s, id %s)", self.address, self._transport.name,
                  self.sender_id[:8])
-        self._started = True
+        self._run_once.started()
         return self
 
     async def _open_staging(self) -> None:
@@ -375,10 +366,7 @@ class EmbeddingSender:
                                 "called): it takes no new rooms")
         if not self._tasks.entered:
             raise AioembedError("the sender is not running: use `async with EmbeddingSender(...)`")
-        if threading.get_ident() != self._thread:
-            raise AioembedError(f"the sender runs on the event loop of another thread (thread {self._thread}, "
-                                f"this is {threading.get_ident()}): call it from that loop (e.g. anyio.from_thread.run "
-                                f"or asyncio.run_coroutine_threadsafe), or make a sender per event loop")
+        self._run_once.check_thread()
 
     # -- public API --------------------------------------------------------------------------
 
