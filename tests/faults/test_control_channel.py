@@ -229,6 +229,22 @@ async def test_received_bundles_are_handed_over_one_message_at_a_time() -> None:
         assert _chan.received == 4
 
 
+async def test_a_bundle_over_the_byte_cap_is_dropped_and_later_messages_go_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Peers bundle several messages only up to 1 MiB together; a larger one (64 frames of a few MiB: each within
+    ZeroMQ's per-frame limit) was decoded whole in one turn of the loop."""
+    async with dealer_to_raw_router() as (_chan, router, handled):
+        with caplog.at_level(logging.WARNING):
+            router.send_multipart([b"dealer", b"x" * (600 << 10), b"y" * (600 << 10)])
+            router.send_multipart([b"dealer", b"z" * (2 << 20)])  # one message over the cap: alone, as peers send it
+            router.send_multipart([b"dealer", b"a", b"b"])
+            with anyio.fail_after(5):
+                while len(handled) < 3:
+                    await anyio.sleep(0.01)
+        assert handled == [[b"z" * (2 << 20)], [b"a"], [b"b"]]
+        assert any("dropped a bundle of 2 messages" in r.getMessage() for r in caplog.records)
+
+
 async def test_a_router_bundles_per_peer_and_splits_what_it_receives() -> None:
     async with router_with_two_peers(bundles=True) as (chan, stuck, healthy):
         got: list[list[bytes]] = []

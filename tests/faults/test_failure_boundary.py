@@ -341,6 +341,38 @@ async def test_a_plugin_that_cannot_say_whether_it_reads_unregistered_sources_ge
         await wait_pools_free(sender, receiver)
 
 
+class _Indescribable(MockTransport):
+    @property  # type: ignore[override]
+    def capabilities(self) -> Any:
+        raise RuntimeError("capabilities not known before the engine starts")
+
+    @capabilities.setter
+    def capabilities(self, value: Any) -> None:
+        pass  # MockTransport sets them at construction
+
+
+async def test_a_plugin_whose_capabilities_raise_fails_to_open_with_a_transport_error() -> None:
+    """Read unguarded, the plugin's own exception came out of ``__aenter__``; opened by name, its endpoint was left
+    open."""
+    from aioembed.errors import TransportError
+    from aioembed.transports.boundary import open_guarded
+
+    with pytest.raises(TransportError, match="reading its name and capabilities raised RuntimeError"):
+        async with EmbeddingSender(LAYOUT, CFG, transport=_Indescribable()):
+            pass
+    opened: list[_Indescribable] = []
+
+    class Opens(_Indescribable):
+        @classmethod
+        async def open(cls, options: Any) -> Any:
+            opened.append(cls())
+            return opened[-1]
+
+    with pytest.raises(TransportError, match="capabilities not known"):
+        await open_guarded(Opens, {})
+    assert len(opened) == 1 and opened[0].closed  # closed, not left registered with its engine
+
+
 class _RaisingObserver(TransferObserver):
     """Every hook raises (a metrics backend that is down)."""
 

@@ -260,6 +260,13 @@ class ControlSocket:
                     self._warnings.warn("bundle", "%s: dropped a ZeroMQ message of %d payload frames (a bundle "
                                         "holds 1..%d)", self.name, len(payloads), _BUNDLE_MAX)
                     continue
+                if len(payloads) > 1 and (size := sum(len(p) for p in payloads)) > _BUNDLE_BYTES:
+                    # A peer bundles messages only up to _BUNDLE_BYTES together (a larger one goes alone), while
+                    # ZeroMQ's MAXMSGSIZE bounds each frame: 64 frames near it would be decoded in one loop turn.
+                    self._warnings.warn("bundle", "%s: dropped a bundle of %d messages and %d bytes (a bundle of "
+                                        "several holds at most %d bytes)", self.name, len(payloads), size,
+                                        _BUNDLE_BYTES)
+                    continue
                 messages = [[frames[0], payload] for payload in payloads] if self._routed else [[p] for p in payloads]
                 budget -= len(messages) - 1
             for message in messages:

@@ -90,7 +90,17 @@ async def open_guarded(cls: type[Transport], options: Mapping[str, Any]) -> Guar
         inner = await cls.open(options)
     except _PLUGIN_ERRORS as exc:
         _reraise(getattr(cls, "name", cls.__name__), "open()", exc)
-    return GuardedTransport(inner)
+    try:
+        return GuardedTransport(inner)
+    except TransportError:
+        try:  # the endpoint it opened is nobody's: closed here, not left registered with its engine
+            await inner.aclose()
+        except _PLUGIN_ERRORS as exc:
+            if not isinstance(exc, Exception) and not stray_cancel(exc):
+                raise
+            log.warning("transport %r: closing an endpoint it could not describe: %s: %s",
+                        getattr(cls, "name", cls.__name__), type(exc).__name__, exc)
+        raise
 
 
 def guard(transport: Transport) -> GuardedTransport:
@@ -133,8 +143,11 @@ class GuardedTransport(Transport):
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
-        self.name = inner.name  # type: ignore[misc]  # the wrapped plugin's name, per instance
-        self.capabilities = inner.capabilities
+        try:
+            self.name = str(inner.name)  # type: ignore[misc]  # the wrapped plugin's name, per instance
+            self.capabilities = inner.capabilities
+        except _PLUGIN_ERRORS as exc:
+            _reraise(getattr(type(inner), "name", type(inner).__name__), "reading its name and capabilities", exc)
         self._warnings = WarningBudget(log)
         self._lifetimes: dict[str, float] = {}
         """The last write_lifetime / orphan_lifetime the plugin gave (see :meth:`_lifetime`)."""
