@@ -14,8 +14,10 @@ TEST_TIMEOUT ?= --timeout=300
 
 .PHONY: demo test install install-plugins system-deps check lint typecheck test-core test-plugins soak bench clean
 
+# A venv that failed half way (Debian/Ubuntu without python3-venv: no ensurepip) leaves bin/python behind; without
+# it, the next `make` would skip this step and fail with "No module named pip".
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV) || { rm -f $(PY); echo "could not make $(VENV) with $(PYTHON) (on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
 
 # The CPU wheel of torch is pinned first: an unpinned torch pulls a multi-GB CUDA build.
 install: $(VENV)/.core-installed

@@ -8,7 +8,8 @@ for a real deployment:
 * SIGINT / SIGTERM are handled by us, not by uvicorn (whose handler re-raises the signal after
   shutdown and ends in a ``KeyboardInterrupt`` traceback): a signal sets an event, the program
   lets the requests in flight finish (for a bounded time), HTTP serving stops, then the
-  receiver/sender close, and the process exits 0 (see ``StopSignal``).
+  receiver/sender close, and the process exits 0 (see ``StopSignal``). A second signal ends that
+  wait at once: what is still in flight is aborted (on both sides) and the program closes in order.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from starlette.types import ASGIApp
 
 from aioembed import TransferConfig
 
-__all__ = ["LOG_LEVELS", "StopSignal", "describe", "load_config", "port_number", "run_main", "serving"]
+__all__ = ["LOG_LEVELS", "StopSignal", "describe", "load_config", "port_number", "run_main", "serving", "wait_any"]
 
 log = logging.getLogger("examples")
 
@@ -105,19 +106,35 @@ async def serving(app: ASGIApp, host: str, port: int, *, log_level: str = "warni
             server.should_exit = True
 
 
+async def wait_any(*events: anyio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    async with anyio.create_task_group() as tg:
+        async def one(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(one, event)
+
+
 class StopSignal:
     """What SIGINT / SIGTERM do: ask a serving program to stop, or abort one still starting up.
 
     Stopping by *cancellation* would also cancel the sender's or receiver's own background tasks
     at once, so transfers in flight would fail instead of finishing. Once the program serves
     (``await stop.wait()``), the first signal therefore only sets an event and the program
-    winds down in order; a second signal, or one during startup, cancels everything.
+    winds down in order, letting requests in flight finish for a bounded time. The second sets
+    :attr:`hurry`: the services stop waiting and abort what is in flight at once, and the program
+    still closes in order (the drains run shielded, so a cancel would not shorten them). A third
+    signal, or one during startup, cancels everything.
     """
 
     def __init__(self, scope: anyio.CancelScope) -> None:
         self._scope = scope
         self._event = anyio.Event()
         self._serving = False
+        self.hurry = anyio.Event()
+        """Set by the second signal: a drain aborts the requests in flight without waiting for them."""
 
     async def wait(self) -> None:
         """Serve until a signal asks to stop."""
@@ -128,6 +145,8 @@ class StopSignal:
         """Called on each signal."""
         if self._serving and not self._event.is_set():
             self._event.set()
+        elif self._serving and not self.hurry.is_set():
+            self.hurry.set()
         else:
             self._scope.cancel()
 

@@ -49,16 +49,17 @@ class Running:
 
 @asynccontextmanager
 async def running_inprocess(config: TransferConfig, *, host: str = "127.0.0.1", encoder_port: int = 0,
-                            language_port: int = 0, seed: int = 0,
-                            log_level: str = "warning") -> AsyncIterator[Running]:
+                            language_port: int = 0, seed: int = 0, log_level: str = "warning",
+                            hurry: anyio.Event | None = None) -> AsyncIterator[Running]:
     """Run the encoder and language apps in this event loop while the block runs.
 
     Closes in the reverse order of opening, each side first letting its requests in flight
-    finish (for a bounded time): language HTTP, receiver, encoder HTTP, sender.
+    finish (for a bounded time, cut short once ``hurry`` is set): language HTTP, receiver, encoder HTTP,
+    sender.
     """
     model = build_model(seed)
     async with EmbeddingSender(LAYOUT, config) as sender:
-        enc = encoder_server.EncoderService(sender, model)
+        enc = encoder_server.EncoderService(sender, model, hurry=hurry)
         async with (
             serving(encoder_server.build_app(enc), host, encoder_port, log_level=log_level) as encoder_url,
             httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http,
@@ -66,7 +67,7 @@ async def running_inprocess(config: TransferConfig, *, host: str = "127.0.0.1", 
         ):
             await receiver.wait_connected()
             encoders = [language_server.Encoder(encoder_url, sender.address)]
-            lang = language_server.LanguageService(receiver, http, encoders)
+            lang = language_server.LanguageService(receiver, http, encoders, hurry=hurry)
             try:
                 async with serving(language_server.build_app(lang), host, language_port,
                                    log_level=log_level) as language_url:
@@ -117,7 +118,7 @@ async def amain(args: argparse.Namespace, stop: StopSignal) -> int:
     """Serve until a signal arrives, or run the demo and return."""
     config = load_config(args.config)
     async with running_inprocess(config, host=args.host, encoder_port=args.encoder_port,
-                                 language_port=args.port, log_level=args.log_level) as run:
+                                 language_port=args.port, log_level=args.log_level, hurry=stop.hurry) as run:
         print(f"disaggregated_inprocess: {describe(config)}", flush=True)
         print(f"disaggregated_inprocess: encoder {run.encoder_url} (control {run.control_address})", flush=True)
         print(f"disaggregated_inprocess: serving on {run.language_url} (POST /generate, GET /healthz)",

@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from aioembed import AioembedError, EmbeddingSender
 
-from app_common import LOG_LEVELS, StopSignal, describe, load_config, port_number, run_main, serving
+from app_common import LOG_LEVELS, StopSignal, describe, load_config, port_number, run_main, serving, wait_any
 from tiny_vit import LAYOUT, MODEL_NAME, PATCH, Image, TinyViT, build_model, encode
 
 log = logging.getLogger("encoder_server")
@@ -58,10 +58,12 @@ class EncoderService:
     client at once instead of waiting for a deadline.
     """
 
-    def __init__(self, sender: EmbeddingSender, model: TinyViT, *, drain_seconds: float = 5.0) -> None:
+    def __init__(self, sender: EmbeddingSender, model: TinyViT, *, drain_seconds: float = 5.0,
+                 hurry: anyio.Event | None = None) -> None:
         self.sender = sender
         self.model = model
         self.drain_seconds = drain_seconds
+        self._hurry = hurry  # once set, a drain cancels what is in flight without waiting (a second signal)
         self.limiter = anyio.CapacityLimiter(1)  # one forward pass at a time: the CPU is the bottleneck
         self.in_flight: dict[str, anyio.CancelScope] = {}
         self.sent = 0
@@ -92,7 +94,7 @@ class EncoderService:
         """Refuse new rooms, give those in flight ``drain_seconds``, then cancel the rest."""
         self._accepting = False
         with anyio.move_on_after(self.drain_seconds):
-            await self._idle.wait()
+            await wait_any(self._idle, *(e for e in (self._hurry,) if e is not None))
         for scope in self.in_flight.values():
             scope.cancel()
         await self._idle.wait()  # a cancelled send() ends promptly; an encode ends with its thread
@@ -206,7 +208,7 @@ async def amain(args: argparse.Namespace, stop: StopSignal) -> int:
     config = load_config(args.config)
     model = build_model(args.seed)
     async with EmbeddingSender(LAYOUT, config, bind=args.bind) as sender:
-        service = EncoderService(sender, model)
+        service = EncoderService(sender, model, hurry=stop.hurry)
         async with serving(build_app(service), args.host, args.port, log_level=args.log_level) as url:
             print(f"encoder_server: {describe(config)}", flush=True)
             print(f"encoder_server: control address {sender.address}", flush=True)

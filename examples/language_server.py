@@ -50,6 +50,7 @@ from aioembed import (
     AioembedError,
     Chunk,
     EmbeddingReceiver,
+    InvalidRequest,
     Part,
     Received,
     ReceiveHandle,
@@ -59,7 +60,7 @@ from aioembed import (
 )
 from aioembed.samples import checksum
 
-from app_common import LOG_LEVELS, StopSignal, describe, load_config, port_number, run_main, serving
+from app_common import LOG_LEVELS, StopSignal, describe, load_config, port_number, run_main, serving, wait_any
 from tiny_vit import IMAGE_PAD_ID, LAYOUT, Image, summarize_embeddings
 
 log = logging.getLogger("language_server")
@@ -74,6 +75,9 @@ class Encoder:
 
     url: str
     control: str
+    discovered: bool = False
+    """The control address was asked from the encoder's ``/healthz`` (not given): ask again if the encoder
+    restarted (on another port: the default ``--bind`` takes any free one)."""
     in_flight: int = 0
     """Images sent to it and not yet received."""
     images: int = 0
@@ -107,11 +111,12 @@ class LanguageService:
     """Turns one HTTP request into one room: route its images, ask the encoders, receive, summarise."""
 
     def __init__(self, receiver: EmbeddingReceiver, http: httpx.AsyncClient, encoders: Sequence[Encoder], *,
-                 drain_seconds: float = 10.0, chunk_tokens: int = 256) -> None:
+                 drain_seconds: float = 10.0, chunk_tokens: int = 256, hurry: anyio.Event | None = None) -> None:
         self.receiver = receiver
         self.http = http
         self.router = Router(encoders)
         self.drain_seconds = drain_seconds
+        self._hurry = hurry  # once set, a drain aborts what is in flight without waiting (a second signal)
         self.chunk_tokens = chunk_tokens
         self.served = 0
         self.accepting = True
@@ -127,7 +132,7 @@ class LanguageService:
         """
         self.accepting = False
         with anyio.move_on_after(self.drain_seconds):
-            await self._idle.wait()
+            await wait_any(self._idle, *(e for e in (self._hurry,) if e is not None))
         for handle in list(self._handles):
             handle.cancel("the language server is shutting down")
         await self._idle.wait()
@@ -140,25 +145,41 @@ class LanguageService:
         t0 = time.perf_counter()
         room = f"gen-{uuid.uuid4().hex}"
         chosen = [self.router.pick() for _ in images]
+        try:  # every way out gives the router its images back
+            return await self._generate(room, chosen, images, images_json, prompt_chars=len(prompt), t0=t0)
+        finally:
+            for enc in chosen:
+                enc.in_flight -= 1
+
+    async def _generate(self, room: str, chosen: Sequence[Encoder], images: Sequence[Image],
+                        images_json: Sequence[dict[str, Any]], *, prompt_chars: int,
+                        t0: float) -> tuple[int, dict[str, Any]]:
+        for enc in {id(e): e for e in chosen}.values():
+            await self.refresh(enc)
         # Start receiving *before* asking the encoders: the receive (handshakes, reservations, INIT
         # to each sender) runs concurrently with the HTTP calls and the encodes.
         stream: RoomStream[Chunk] | None = None
-        if len(images) == 1 and self.chunk_tokens > 0:
-            # One image: stream it, so that prefill could start on the first rows while the rest travel.
-            stream = self.receiver.stream(room, sender=chosen[0].control, chunk_tokens=self.chunk_tokens)
-            handle = stream.handle
-        elif len(images) == 1:
-            handle = self.receiver.start(room, sender=chosen[0].control)
-        else:
-            parts, at = [], 0
-            for enc, image in zip(chosen, images, strict=True):
-                parts.append(Part(enc.control, at, at + image.num_tokens))
-                at += image.num_tokens
-            handle = self.receiver.start(room, parts=parts)
+        try:
+            if len(images) == 1 and self.chunk_tokens > 0:
+                # One image: stream it, so that prefill could start on the first rows while the rest travel.
+                stream = self.receiver.stream(room, sender=chosen[0].control, chunk_tokens=self.chunk_tokens)
+                handle = stream.handle
+            elif len(images) == 1:
+                handle = self.receiver.start(room, sender=chosen[0].control)
+            else:
+                parts, at = [], 0
+                for enc, image in zip(chosen, images, strict=True):
+                    parts.append(Part(enc.control, at, at + image.num_tokens))
+                    at += image.num_tokens
+                handle = self.receiver.start(room, parts=parts)
+        except InvalidRequest as exc:  # refused before anything started (e.g. over max_request_tokens)
+            return 400, {"room": room, "error": f"{type(exc).__name__}: {exc}"}
+        except AioembedError as exc:  # the receiver is closing
+            return 503, {"room": room, "error": f"{type(exc).__name__}: {exc}"}
         self._handles.add(handle)
         self._idle = anyio.Event()
         try:
-            refused = await self._ask_encoders(room, chosen, images_json, len(prompt))
+            refused = await self._ask_encoders(room, chosen, images_json, prompt_chars)
             http_seconds = time.perf_counter() - t0
             if refused is not None:
                 handle.cancel("an encoder could not take its image")
@@ -173,8 +194,9 @@ class LanguageService:
             handle.cancel("the request was cancelled")
             raise
         finally:
-            for enc in chosen:
-                enc.in_flight -= 1
+            if stream is not None:  # also one never iterated (an encoder refused): aborts the room if not complete
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
             self._handles.discard(handle)
             if not self._handles:
                 self._idle.set()
@@ -183,6 +205,22 @@ class LanguageService:
         body.update(streamed)
         body["encoders"] = [enc.url for enc in chosen]
         return 200, body
+
+    async def refresh(self, enc: Encoder) -> None:
+        """Ask the encoder its control address again when the receiver holds no session with it and the address
+        was discovered: an encoder restarted on the default ``--bind`` listens on another port, and rooms named
+        after the old one would wait for a handshake nobody answers. (After ``sender_idle_timeout`` the receiver
+        closes an idle connection too: then the answer is the same address.)"""
+        if not enc.discovered or self.receiver.connected_to(enc.control):
+            return
+        try:
+            resp = await self.http.get(f"{enc.url}/healthz", timeout=2.0)
+            address = resp.json().get("control_address")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return  # unreachable now: the room fails (or the health check says so) as before
+        if isinstance(address, str) and address and address != enc.control:
+            log.warning("encoder %s: control address %s -> %s (it restarted)", enc.url, enc.control, address)
+            enc.control = address
 
     @staticmethod
     async def _prefill_in_chunks(stream: RoomStream[Chunk], t0: float) -> dict[str, Any]:
@@ -269,10 +307,25 @@ def build_app(service: LanguageService) -> Starlette:
         status, payload = await service.generate(images, images_json, prompt)
         return JSONResponse(payload, status_code=status)
 
+    async def connected(enc: Encoder) -> bool:
+        """A session with the encoder holds, or one can be made now: the receiver closes a connection that has
+        had no room for ``sender_idle_timeout``, and an idle server is as healthy as a busy one."""
+        if r.connected_to(enc.control):
+            return True
+        if not service.accepting:
+            return False
+        await service.refresh(enc)
+        try:
+            await r.wait_connected(timeout=1.0, sender=enc.control)
+        except AioembedError:
+            return False
+        return True
+
+    r = service.receiver
+
     async def healthz(request: Request) -> JSONResponse:
-        r = service.receiver
         st = r.allocator.stats
-        encoders = [{"url": e.url, "control_address": e.control, "connected": r.connected_to(e.control),
+        encoders = [{"url": e.url, "control_address": e.control, "connected": await connected(e),
                      "images": e.images, "in_flight": e.in_flight} for e in service.router.encoders]
         ok = service.accepting and all(e["connected"] for e in encoders)
         return JSONResponse({
@@ -317,7 +370,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="an encoder's control address, one per --encoder-url in the same order (default: asked "
                         "from each encoder's /healthz; $ENCODER_CONTROL_ADDRESSES, comma-separated)")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the encoder at startup")
-    p.add_argument("--chunk-tokens", type=int, default=int(os.environ.get("LANGUAGE_CHUNK_TOKENS", "256")),
+    p.add_argument("--chunk-tokens", type=_tokens, default=os.environ.get("LANGUAGE_CHUNK_TOKENS", "256"),
                    help="stream single-image rooms in chunks of this many tokens (as a chunked prefill would take "
                         "them); 0: receive whole (default 256)")
     p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning", help="logging level")
@@ -332,6 +385,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _tokens(text: str) -> int:
+    """``argparse`` type of ``--chunk-tokens``: a count >= 0 (a negative one failed every request with a 500)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is not a number of tokens (>= 0; 0: receive whole)")
+    return n
+
+
 def _env_list(name: str) -> list[str]:
     return [x.strip() for x in os.environ.get(name, "").split(",") if x.strip()]
 
@@ -342,12 +406,12 @@ async def amain(args: argparse.Namespace, stop: StopSignal) -> int:
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http:
         urls = [u.rstrip("/") for u in args.encoder_url]
         controls = args.control_address or [await discover_control_address(http, u, args.wait) for u in urls]
-        encoders = [Encoder(u, c) for u, c in zip(urls, controls, strict=True)]
+        encoders = [Encoder(u, c, discovered=not args.control_address) for u, c in zip(urls, controls, strict=True)]
         # One receiver and one pool for every encoder: each room names its sender (or its parts' senders).
         async with EmbeddingReceiver(LAYOUT, config) as receiver:
             for enc in encoders:
                 await receiver.wait_connected(sender=enc.control)  # fail fast on a transport or layout mismatch
-            service = LanguageService(receiver, http, encoders, chunk_tokens=args.chunk_tokens)
+            service = LanguageService(receiver, http, encoders, chunk_tokens=args.chunk_tokens, hurry=stop.hurry)
             async with serving(build_app(service), args.host, args.port, log_level=args.log_level) as url:
                 print(f"language_server: {describe(config)}", flush=True)
                 for enc in encoders:

@@ -18,6 +18,7 @@ from .conftest import EXAMPLES, clean_env
     ("encoder_server.py", [], {"ENCODER_PORT": "eighty"}, "argument --port: 'eighty' is not a port number"),
     ("language_server.py", ["--port", "-1"], {}, "argument --port: -1 is not a port"),
     ("language_server.py", ["--log-level", "loud"], {}, "argument --log-level: invalid choice: 'loud'"),
+    ("language_server.py", ["--chunk-tokens", "-1"], {}, "argument --chunk-tokens: -1 is not a number of tokens"),
     ("disaggregated_inprocess.py", ["--encoder-port", "65536"], {}, "argument --encoder-port: 65536 is not a port"),
 ])
 def test_a_bad_flag_is_a_usage_error(script: str, args: list[str], env: dict[str, str], said: str) -> None:
