@@ -101,10 +101,23 @@ async def test_a_peer_at_its_high_water_mark_blocks_nobody_and_nothing_spins() -
 
 
 async def test_a_drain_ends_when_the_socket_closes_with_frames_still_queued() -> None:
-    async with router_with_two_peers() as (chan, _stuck, _healthy):
-        for _ in range(300):
+    """The sides close their channel once its I/O task has stopped (``drain()`` first, under a timeout): a drain
+    still waiting then, or called later, waited until its caller's timeout for frames that will never go."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 4), (zmq.SNDBUF, 65536), (zmq.ROUTER_MANDATORY, 1)):
+        router.setsockopt(opt, value)
+    router.bind("tcp://127.0.0.1:0")
+    stuck = ctx.socket(zmq.DEALER)
+    for opt, value in ((zmq.LINGER, 0), (zmq.RCVHWM, 4), (zmq.RCVBUF, 65536), (zmq.ROUTING_ID, b"stuck")):
+        stuck.setsockopt(opt, value)
+    stuck.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    stuck.send(b"hi")
+    assert await anyio.to_thread.run_sync(_wire_messages, router, 1) == [[b"stuck", b"hi"]]
+    chan = ControlSocket(router, lambda frames: None, name="test-router", routed=True)
+    try:
+        for _ in range(300):  # the peer never reads: most of these stay queued
             chan.send([b"stuck", FRAME])
-        await anyio.sleep(0.3)
         assert chan.queued > 0
         ended = anyio.Event()
 
@@ -115,13 +128,17 @@ async def test_a_drain_ends_when_the_socket_closes_with_frames_still_queued() ->
         async with anyio.create_task_group() as tg:
             tg.start_soon(drain)
             await anyio.sleep(0.05)
-            assert not ended.is_set()  # frames wait for the stuck peer
-            chan.close()  # they will never go now: a waiting drain must not wait for them (it did, for good)
+            assert not ended.is_set()
+            chan.close()  # they will never go now
             with anyio.fail_after(2):
                 await ended.wait()
         with anyio.fail_after(2):
             await chan.drain()  # and a later one returns at once
         assert chan.queued == 0
+    finally:
+        chan.close()
+        stuck.close(linger=0)
+        ctx.term()
 
 
 async def test_the_outbox_limit_is_per_peer() -> None:
