@@ -58,6 +58,12 @@ class TransportConformance:
     """Size of the large-write test; lower it for slow transports."""
     peer_gone_timeout: ClassVar[float] = 30.0
     """Seconds within which a write to a closed peer must fail."""
+    quiet_window: ClassVar[float] = 1.0
+    """Seconds the suite watches a destination, once a write ended (cancelled, refused, its link or an endpoint
+    closed, its writer revoked), for bytes that land later than the transport's capabilities allow. Only a late
+    landing within the window is seen: raise it for a transport whose ``write_lifetime`` is longer."""
+    in_flight_bytes: ClassVar[int] = 8 << 20
+    """Size of the writes the suite cancels, revokes or closes around (large enough to be under way)."""
     closed_peer_seen_at_once: ClassVar[bool] = True
     """The first write after the peer's ``aclose()`` fails. False for a transport that cannot revoke a writer and
     may take a moment to learn of the close (NIXL over shared memory): writes may then succeed until one fails."""
@@ -103,6 +109,60 @@ class TransportConformance:
         for s, d, n in spans:
             out[d:d + n] = src[s:s + n]
         return out
+
+    @staticmethod
+    async def _landed_late(dst: torch.Tensor, src: torch.Tensor, deadline: float, window: float) -> list[float]:
+        """Watch ``dst`` for ``window`` seconds; from ``deadline`` (``anyio.current_time()``) on, its memory is
+        reused as the sessions would reuse it: ``dst`` zeroed (a pool block handed to the next room) and ``src``
+        scribbled over (a source released, its memory freed and reused). Returns, for each change seen after
+        that, how long past ``deadline`` it may have happened at the earliest (the time of the last look that saw
+        no change: a loaded host looks less often, which makes the check more lenient, never flaky). Nothing is
+        watched when ``deadline`` lies past the window: nothing could be told."""
+        start = anyio.current_time()
+        end = start + window
+        if deadline >= end:
+            return []
+        late: list[float] = []
+        reused = False
+        while True:
+            t = anyio.current_time()
+            if not reused and t >= deadline:
+                dst.zero_()
+                src.fill_(0x5A)
+                reused = True
+            seen = dst.clone()
+            if t >= end:
+                return late
+            await anyio.sleep(0.01)
+            if reused and not torch.equal(dst, seen):
+                late.append(t - deadline)
+
+    @staticmethod
+    def _late_message(what: str, late: list[float], allowed: str) -> str:
+        return (f"{what}: bytes landed {len(late)} time(s) after {allowed} (the first at least {late[0]:.3f} s "
+                "past it): a block the sessions free or hand on then is overwritten")
+
+    async def _write_in_flight(self, link: Link, ops: list[WriteOp], outcome: list[Any]) -> None:
+        """Write ``ops`` and note how it ended (``"landed"`` or the ``TransportError``) and when."""
+        try:
+            await link.write(ops)
+        except TransportError as exc:
+            outcome.append((exc, anyio.current_time()))
+        else:
+            outcome.append(("landed", anyio.current_time()))
+
+    def _keep_alive(self, *tensors: torch.Tensor) -> None:
+        """Keep ``tensors`` until the test's endpoints closed (the fixture ends after the test returns): a write
+        a test left under way, which a transport may let land for a while, must not meet freed memory."""
+        self.__dict__.setdefault("_kept", []).extend(tensors)
+
+    @staticmethod
+    async def _under_way() -> None:
+        """Give a write just started a moment to be under way (one that is done by then makes the test that
+        called this a plain one, never a failing one)."""
+        for _ in range(3):
+            await anyio.lowlevel.checkpoint()
+        await anyio.sleep(0.005)
 
     # -- tests ---------------------------------------------------------------------------
 
@@ -216,6 +276,55 @@ class TransportConformance:
         with pytest.raises(TransportError):
             await link.write([WriteOp(src.data_ptr(), dst.data_ptr() + (1 << 40), 16)])
         assert int(dst.sum()) == 0
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_a_refused_write_moves_nothing_of_its_good_ops(self, endpoints: tuple[Transport, Transport]) -> None:
+        """One bad op refuses the whole write *before anything moves*: the ops before it must not have landed (a
+        failed write whose blocks the sessions free at once, as ``may_land`` is false or the transport
+        cancel-safe). Nothing lands later either."""
+        a, _ = endpoints
+        src, dst, link = await self._setup(endpoints, 8192, 4096)
+        stray = torch.zeros(4096, dtype=torch.uint8)
+        bad_ops = [
+            [WriteOp(src.data_ptr() + 4096, stray.data_ptr(), 64)],  # destination never registered
+            [WriteOp(src.data_ptr(), dst.data_ptr() + 4096 - 100, 200)],  # runs past the end
+        ]
+        if not a.reads_unregistered("cpu"):
+            bad_ops.append([WriteOp(stray.data_ptr(), dst.data_ptr() + 2048, 64)])  # source never registered
+        for bad in bad_ops:
+            for where in ("last", "first"):
+                good = self._ops(src, dst, [(0, 0, 1024), (4096, 3072, 1024)])
+                ops = [*good, *bad] if where == "last" else [*bad, *good]
+                with pytest.raises(TransportError):
+                    await link.write(ops)
+                assert int(dst.sum()) == 0, f"a refused write ({where} op bad: {bad[0]}) moved its good ops' bytes"
+        late = await self._landed_late(dst, src, anyio.current_time(), min(self.quiet_window, 0.3))
+        assert int(stray.sum()) == 0
+        assert not late, self._late_message("refused writes", late, "they raised")
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_a_write_into_the_gap_between_announced_regions_is_refused(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        """Two destination regions with unregistered memory between them: a write into the gap, or across it, is
+        refused and moves nothing (the span of the regions is not the regions)."""
+        a, b = endpoints
+        src = _random_bytes(4096, 43)
+        whole = torch.zeros(3 * 4096, dtype=torch.uint8)
+        await a.register([region_of(src)])
+        await b.register([region_of(whole[:4096]), region_of(whole[2 * 4096:])])
+        link = await a.connect(b.descriptor())
+        base = whole.data_ptr()
+        await link.write([WriteOp(src.data_ptr(), base + 2 * 4096, 4096)])  # the second region: fine
+        assert torch.equal(whole[2 * 4096:], src)
+        whole.zero_()
+        for dst, n in [(base + 4096, 4096), (base + 4096 + 100, 64), (base + 4096 - 64, 128),
+                       (base + 2 * 4096 - 64, 128)]:
+            with pytest.raises(TransportError):
+                await link.write([WriteOp(src.data_ptr(), dst, n)])
+        assert int(whole.sum()) == 0, "a write landed outside the announced regions"
         await link.aclose()
 
     @pytest.mark.anyio
@@ -344,6 +453,31 @@ class TransportConformance:
         assert isinstance(a.writer_id, str)
 
     @pytest.mark.anyio
+    async def test_reads_unregistered_is_one_safe_answer_per_device(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        """``reads_unregistered`` never raises, is a bool, and does not change while the endpoint lives (a sender
+        asks once, at start, and then writes from its caller's tensors unstaged); true for a CUDA device only
+        where the transport moves CUDA memory (else its engine would read a device address as host memory)."""
+        a, _ = endpoints
+        devices = ["cpu", "cuda:0", "cuda:1", "cuda:7"]
+        plugin = getattr(a, "inner", a)  # the plugin's own answer: the boundary would hide a raise as "false"
+        first = {d: plugin.reads_unregistered(d) for d in devices}
+        assert all(isinstance(v, bool) for v in first.values()), first
+        for d in devices[1:]:
+            assert not first[d] or a.capabilities.cuda, (
+                f"reads_unregistered({d!r}) is true, but capabilities.cuda is false: the sender would hand the "
+                "transport device pointers to read as host memory")
+        src, dst, link = await self._setup(endpoints, 4096, 4096)
+        await link.write(self._ops(src, dst, [(0, 0, 4096)]))
+        answers = {d: plugin.reads_unregistered(d) for d in devices}
+        assert answers == first, f"the answer changed once memory was registered: {first} -> {answers}"
+        await a.unregister([region_of(src)])
+        answers = {d: plugin.reads_unregistered(d) for d in devices}
+        assert answers == first, f"the answer changed as memory was unregistered: {first} -> {answers}"
+        await link.aclose()
+
+    @pytest.mark.anyio
     @pytest.mark.parametrize("exc_type", FOREIGN)
     @pytest.mark.parametrize("method", ["register", "connect", "write"])
     async def test_foreign_exceptions_become_transport_errors(
@@ -395,3 +529,150 @@ class TransportConformance:
         assert torch.equal(dst[:64], src[:64])
         await link.aclose()
         await fresh.aclose()
+
+    # -- when a write that ended may still land (block ownership) ------------------------------------------
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("cancel_after", [0.0, 0.02])
+    async def test_a_cancelled_write_lands_only_as_its_capabilities_allow(
+        self, endpoints: tuple[Transport, Transport], cancel_after: float
+    ) -> None:
+        """A write cancelled under way (``fail_after`` around it, as the sessions' round timeout does): on a
+        ``cancel_safe_writes`` transport nothing of it lands once the cancellation reached the caller, nor is its
+        source read again (the sessions free its blocks and let go of its source at once); on any other, nothing
+        lands past ``write_lifetime`` (then the blocks are unfenced). From an unregistered source too, where the
+        endpoint reads those (the sender's caller then frees its tensors)."""
+        a, _ = endpoints
+        n = self.in_flight_bytes
+        src, dst, link = await self._setup(endpoints, n, n, seed=37)
+        self._keep_alive(src, dst)
+        sources = [src] + ([_random_bytes(n, 38)] if a.reads_unregistered("cpu") else [])
+        self._keep_alive(*sources)
+        for source in sources:
+            dst.zero_()
+            failed: TransportError | None = None
+            with anyio.move_on_after(cancel_after) as scope:
+                try:
+                    await link.write([WriteOp(source.data_ptr(), dst.data_ptr(), n)])
+                except TransportError as exc:  # a cancelled write may say so as a failure, with may_land / settled
+                    failed = exc
+            ended = anyio.current_time()
+            if failed is not None:
+                deadline, allowed = await self._failure_deadline(a, failed, ended)
+            elif not scope.cancelled_caught:
+                assert torch.equal(dst, source)  # done before the cancel came: it must then be whole
+                deadline, allowed = ended, "the write returned"
+            elif a.capabilities.cancel_safe_writes:
+                deadline, allowed = ended, "it was cancelled (cancel_safe_writes is true)"
+            else:
+                deadline, allowed = ended + a.write_lifetime, f"write_lifetime ({a.write_lifetime} s)"
+            late = await self._landed_late(dst, source, deadline, self.quiet_window)
+            assert not late, self._late_message(f"a write cancelled after {cancel_after} s", late, allowed)
+        await link.aclose()
+
+    async def _failure_deadline(self, a: Transport, failed: TransportError, ended: float) -> tuple[float, str]:
+        """From when a write that raised ``failed`` at ``ended`` may land nothing more, as the sessions read it:
+        at once with ``may_land`` false (or unset on a cancel-safe transport); else after ``write_lifetime``, and,
+        with ``settled``, not before ``orphan_lifetime`` after that returned (the later of the two)."""
+        may_land = failed.may_land if failed.may_land is not None else not a.capabilities.cancel_safe_writes
+        if not may_land:
+            return ended, "it failed with may_land false"
+        deadline, allowed = ended + a.write_lifetime, f"write_lifetime ({a.write_lifetime} s)"
+        if failed.settled is not None:
+            with anyio.fail_after(max(self.quiet_window, a.write_lifetime) + 30):
+                await failed.settled()
+            settled_at = anyio.current_time() + a.orphan_lifetime
+            if settled_at > deadline:
+                deadline, allowed = settled_at, "settled() returned, plus orphan_lifetime"
+        return deadline, allowed
+
+    @pytest.mark.anyio
+    async def test_a_write_failed_by_its_link_closing_lands_only_as_it_says(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        """The link closed under a write (a sender dropping a receiver): the write lands, or fails. A failure with
+        ``may_land`` false (or, unset, on a cancel-safe transport) lands nothing after it raised; any other lands
+        nothing past ``write_lifetime`` after it raised, and, if it has ``settled``, nothing past
+        ``orphan_lifetime`` after that returned (the sessions unfence at the later of the two)."""
+        a, _ = endpoints
+        n = self.in_flight_bytes
+        src, dst, link = await self._setup(endpoints, n, n, seed=39)
+        self._keep_alive(src, dst)
+        outcome: list[Any] = []
+        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
+                await self._under_way()
+                await link.aclose()
+        result, ended = outcome[0]
+        if result == "landed":
+            assert torch.equal(dst, src)
+            deadline, allowed = ended, "the write returned"
+        else:
+            deadline, allowed = await self._failure_deadline(a, result, ended)
+        late = await self._landed_late(dst, src, deadline, self.quiet_window)
+        assert not late, self._late_message("a write whose link closed under it", late, allowed)
+
+    @pytest.mark.anyio
+    async def test_revoke_returns_once_writes_already_landing_ended(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        """``revoke()`` with a write of the writer under way: once it returned nothing lands any more (the
+        receiver frees the writer's blocks on that proof alone), whether the write then ends as landed or not."""
+        a, b = endpoints
+        if not b.capabilities.revocable:
+            pytest.skip(f"transport {self.transport_name!r} is not revocable (the refusal is checked elsewhere)")
+        n = self.in_flight_bytes
+        src, dst, link = await self._setup(endpoints, n, n, seed=41)
+        self._keep_alive(src, dst)
+        outcome: list[Any] = []
+        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
+                await self._under_way()
+                await b.revoke(a.writer_id)
+                late = await self._landed_late(dst, src, anyio.current_time(), self.quiet_window)
+        assert not late, self._late_message("a write under way when its writer was revoked", late, "revoke() returned")
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_an_owner_closing_returns_once_writes_into_its_memory_ended(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        """The owner of the memory closes its endpoint with a peer's write under way: once ``aclose()`` returned,
+        nothing lands in that memory any more (a receiver frees its pool right after, fenced blocks included)."""
+        _, b = endpoints
+        n = self.in_flight_bytes
+        src, dst, link = await self._setup(endpoints, n, n, seed=43)
+        self._keep_alive(src, dst)
+        outcome: list[Any] = []
+        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
+                await self._under_way()
+                await b.aclose()
+                late = await self._landed_late(dst, src, anyio.current_time(), self.quiet_window)
+        assert not late, self._late_message("a write into an endpoint closing under it", late, "its aclose() returned")
+        await link.aclose()
+
+    @pytest.mark.anyio
+    async def test_a_writer_closing_lands_nothing_past_its_orphan_lifetime(
+        self, endpoints: tuple[Transport, Transport]
+    ) -> None:
+        """The writer closes its endpoint with one of its writes under way (a sender shutting down): nothing of it
+        lands past ``orphan_lifetime`` after ``aclose()`` returned, nor is its source read then (the sender frees
+        its staging memory once its endpoint closed)."""
+        a, _ = endpoints
+        n = self.in_flight_bytes
+        src, dst, link = await self._setup(endpoints, n, n, seed=47)
+        self._keep_alive(src, dst)
+        outcome: list[Any] = []
+        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
+                await self._under_way()
+                await a.aclose()
+                deadline = anyio.current_time() + a.orphan_lifetime
+                late = await self._landed_late(dst, src, deadline, self.quiet_window)
+        assert not late, self._late_message("a write whose endpoint closed under it", late,
+                                            f"aclose() returned, plus orphan_lifetime ({a.orphan_lifetime} s)")

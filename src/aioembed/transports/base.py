@@ -18,6 +18,12 @@ Contract every implementation keeps (checked by :mod:`aioembed.testing`):
   unregistered memory only on a device it answered true for (anything else is undefined: a
   device address read as host memory may crash the process). The sessions do.
 * After ``aclose()`` (of the link or the transport) writes raise ``TransportError``.
+* A refused write moves nothing, none of its ops; one that failed otherwise lands nothing once it raised
+  if ``may_land`` is false (or unset on a ``cancel_safe_writes`` transport), and a cancelled one likewise on a
+  ``cancel_safe_writes`` transport; neither reads its sources again.
+* ``aclose()`` of the endpoint that owns the memory returns only once no write lands in it any more (the
+  receiver frees its pool then, fenced blocks included); of a writer, nothing of its writes lands, nor is a
+  source read, past ``orphan_lifetime`` after it returned.
 * ``aclose()`` of a transport is idempotent and returns only once the endpoint is closed, also when
   another ``aclose()`` is under way.
 * ``write_lifetime`` bounds how long a failed write may still land at a *running* destination,

@@ -78,6 +78,7 @@ class LoopbackTransport(Transport):
         self._quiet = threading.Condition(self._lock)
         self._generation: dict[str, int] = {}
         self._landing: Counter[str] = Counter()
+        self._writing = 0  # as a writer: writes of this endpoint's links under way (aclose() waits for them)
         _ENDPOINTS[self.id] = self
 
     @property
@@ -203,7 +204,11 @@ class LoopbackTransport(Transport):
             busy = bool(self._landing)
         for link in list(self._links):
             await link.aclose()
-        if busy:  # writes landing in our memory right now end before it may be released
+        with self._lock:
+            writing = self._writing > 0
+        if busy or writing:
+            # Writes landing in our memory right now end before it may be released; so do our own writes under
+            # way (a worker thread still copying from our sources), before the caller frees those.
             await anyio.to_thread.run_sync(self._wait_all_quiet)
         _ENDPOINTS.pop(self.id, None)
         # Closed, this endpoint starts no write again (its links refuse before they land anything), so the other
@@ -215,8 +220,22 @@ class LoopbackTransport(Transport):
 
     def _wait_all_quiet(self) -> None:
         with self._lock:
-            while self._landing:
+            while self._landing or self._writing:
                 self._quiet.wait()
+
+    def _write_started(self) -> bool:
+        """Count a write of ours under way; False (nothing counted) once this endpoint is closing."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._writing += 1
+            return True
+
+    def _write_ended(self) -> None:
+        with self._lock:
+            self._writing -= 1
+            if not self._writing:
+                self._quiet.notify_all()
 
 
 class LoopbackLink(Link):
@@ -258,13 +277,19 @@ class LoopbackLink(Link):
     async def _land(self, ops: Sequence[WriteOp], total: int, generation: int) -> None:
         """Move the bytes, unless the owner revoked this writer since ``generation``."""
         writer = self._local.id
-        if not self._peer._begin_landing(writer, generation):
-            raise TransportError(f"write of {total} bytes to {self.peer} refused: the peer revoked this link "
-                                 "or closed", may_land=False)
+        if not self._local._write_started():  # closed meanwhile (a write that waited first, as a mock's may)
+            raise TransportError(f"write of {total} bytes to {self.peer} refused: this endpoint closed",
+                                 may_land=False)
         try:
-            await self._copy(ops, total)
+            if not self._peer._begin_landing(writer, generation):
+                raise TransportError(f"write of {total} bytes to {self.peer} refused: the peer revoked this link "
+                                     "or closed", may_land=False)
+            try:
+                await self._copy(ops, total)
+            finally:
+                self._peer._end_landing(writer)
         finally:
-            self._peer._end_landing(writer)
+            self._local._write_ended()
 
     async def _copy(self, ops: Sequence[WriteOp], total: int) -> None:
         if total <= self._local._inline_bytes:
