@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, ClassVar
 
 import anyio
@@ -150,6 +151,22 @@ class TransportConformance:
             outcome.append((exc, anyio.current_time()))
         else:
             outcome.append(("landed", anyio.current_time()))
+
+    @asynccontextmanager
+    async def _write_under_way(self, endpoints: tuple[Transport, Transport], seed: int
+                               ) -> AsyncIterator[tuple[torch.Tensor, torch.Tensor, Link, list[Any]]]:
+        """A link from the first endpoint into the second's memory, with a write of ``in_flight_bytes`` under way
+        in a task while the block runs (its outcome noted in the list: see :meth:`_write_in_flight`); the tensors
+        are kept until the endpoints closed. The block waits for the write's end on leaving."""
+        n = self.in_flight_bytes
+        src, dst, link = await self._setup(endpoints, n, n, seed=seed)
+        self._keep_alive(src, dst)
+        outcome: list[Any] = []
+        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
+                await self._under_way()
+                yield src, dst, link, outcome
 
     def _keep_alive(self, *tensors: torch.Tensor) -> None:
         """Keep ``tensors`` until the test's endpoints closed (the fixture ends after the test returns): a write
@@ -595,15 +612,8 @@ class TransportConformance:
         nothing past ``write_lifetime`` after it raised, and, if it has ``settled``, nothing past
         ``orphan_lifetime`` after that returned (the sessions unfence at the later of the two)."""
         a, _ = endpoints
-        n = self.in_flight_bytes
-        src, dst, link = await self._setup(endpoints, n, n, seed=39)
-        self._keep_alive(src, dst)
-        outcome: list[Any] = []
-        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
-                await self._under_way()
-                await link.aclose()
+        async with self._write_under_way(endpoints, seed=39) as (src, dst, link, outcome):
+            await link.aclose()
         result, ended = outcome[0]
         if result == "landed":
             assert torch.equal(dst, src)
@@ -622,16 +632,9 @@ class TransportConformance:
         a, b = endpoints
         if not b.capabilities.revocable:
             pytest.skip(f"transport {self.transport_name!r} is not revocable (the refusal is checked elsewhere)")
-        n = self.in_flight_bytes
-        src, dst, link = await self._setup(endpoints, n, n, seed=41)
-        self._keep_alive(src, dst)
-        outcome: list[Any] = []
-        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
-                await self._under_way()
-                await b.revoke(a.writer_id)
-                late = await self._landed_late(dst, src, anyio.current_time(), self.quiet_window)
+        async with self._write_under_way(endpoints, seed=41) as (src, dst, link, _):
+            await b.revoke(a.writer_id)
+            late = await self._landed_late(dst, src, anyio.current_time(), self.quiet_window)
         assert not late, self._late_message("a write under way when its writer was revoked", late, "revoke() returned")
         await link.aclose()
 
@@ -642,16 +645,9 @@ class TransportConformance:
         """The owner of the memory closes its endpoint with a peer's write under way: once ``aclose()`` returned,
         nothing lands in that memory any more (a receiver frees its pool right after, fenced blocks included)."""
         _, b = endpoints
-        n = self.in_flight_bytes
-        src, dst, link = await self._setup(endpoints, n, n, seed=43)
-        self._keep_alive(src, dst)
-        outcome: list[Any] = []
-        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
-                await self._under_way()
-                await b.aclose()
-                late = await self._landed_late(dst, src, anyio.current_time(), self.quiet_window)
+        async with self._write_under_way(endpoints, seed=43) as (src, dst, link, _):
+            await b.aclose()
+            late = await self._landed_late(dst, src, anyio.current_time(), self.quiet_window)
         assert not late, self._late_message("a write into an endpoint closing under it", late, "its aclose() returned")
         await link.aclose()
 
@@ -663,16 +659,9 @@ class TransportConformance:
         lands past ``orphan_lifetime`` after ``aclose()`` returned, nor is its source read then (the sender frees
         its staging memory once its endpoint closed)."""
         a, _ = endpoints
-        n = self.in_flight_bytes
-        src, dst, link = await self._setup(endpoints, n, n, seed=47)
-        self._keep_alive(src, dst)
-        outcome: list[Any] = []
-        with anyio.fail_after(self.peer_gone_timeout + self.quiet_window + 30):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._write_in_flight, link, self._ops(src, dst, [(0, 0, n)]), outcome)
-                await self._under_way()
-                await a.aclose()
-                deadline = anyio.current_time() + a.orphan_lifetime
-                late = await self._landed_late(dst, src, deadline, self.quiet_window)
+        async with self._write_under_way(endpoints, seed=47) as (src, dst, _, _):
+            await a.aclose()
+            deadline = anyio.current_time() + a.orphan_lifetime
+            late = await self._landed_late(dst, src, deadline, self.quiet_window)
         assert not late, self._late_message("a write whose endpoint closed under it", late,
                                             f"aclose() returned, plus orphan_lifetime ({a.orphan_lifetime} s)")
