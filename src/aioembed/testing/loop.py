@@ -59,16 +59,28 @@ async def open_stalls(transport: str, options: Mapping[str, Any]) -> dict[str, f
     return {"open": took, "longest": stalls.longest}
 
 
+OPEN_ATTEMPTS = 3
+"""Fresh processes :func:`check_first_open_leaves_the_loop_running` may try: other processes on a busy host (CI
+runs the plugin suites side by side on 2 cores) delay the ticker's wake-ups, and one open in a few showed a stall of
+a third of it (0.29 of 0.84 s). A load that holds the GIL stalls every open for all of it, in every attempt."""
+
+
 def check_first_open_leaves_the_loop_running(transport: str, options: Mapping[str, Any]) -> None:
     """For a plugin's tests: open ``transport`` in a fresh process (where its engine's native libraries
     load) and assert that the loop stalled for less than a third of the open (a load that holds the GIL
-    stalls it for all of it)."""
-    run = subprocess.run([sys.executable, "-m", "aioembed.testing.loop", transport, json.dumps(dict(options))],
-                         capture_output=True, text=True, timeout=120, check=True)
-    got = last_event(run.stdout.encode(), "loop child")
-    assert got is not None, f"the child printed no result: {run.stdout[-2000:]} {run.stderr[-2000:]}"
-    assert got["open"] > 0.1, f"the open loaded nothing slow in this fresh process, so it shows nothing: {got}"
-    assert got["longest"] < got["open"] / 3, got
+    stalls it for all of it), in one of :data:`OPEN_ATTEMPTS` fresh processes."""
+    tries: list[dict[str, Any]] = []
+    for _ in range(OPEN_ATTEMPTS):
+        run = subprocess.run([sys.executable, "-m", "aioembed.testing.loop", transport, json.dumps(dict(options))],
+                             capture_output=True, text=True, timeout=120, check=True)
+        got = last_event(run.stdout.encode(), "loop child")
+        assert got is not None, f"the child printed no result: {run.stdout[-2000:]} {run.stderr[-2000:]}"
+        assert got["open"] > 0.1, f"the open loaded nothing slow in this fresh process, so it shows nothing: {got}"
+        tries.append(got)
+        if got["longest"] < got["open"] / 3:
+            return
+    raise AssertionError(f"the loop stalled for a third of the open or more in each of {len(tries)} fresh "
+                         f"processes: {tries}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
