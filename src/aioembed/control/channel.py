@@ -249,7 +249,8 @@ class ControlSocket:
             except zmq.Again:
                 return False
             budget -= 1
-            nbytes += sum(len(f) for f in frames)
+            size = sum(len(f) for f in frames)
+            nbytes += size
             if not self._bundles:
                 messages = [frames]
             else:
@@ -260,7 +261,9 @@ class ControlSocket:
                     self._warnings.warn("bundle", "%s: dropped a ZeroMQ message of %d payload frames (a bundle "
                                         "holds 1..%d)", self.name, len(payloads), _BUNDLE_MAX)
                     continue
-                if len(payloads) > 1 and (size := sum(len(p) for p in payloads)) > _BUNDLE_BYTES:
+                if self._routed:
+                    size -= len(frames[0])  # the peer's identity is not part of what it bundled
+                if len(payloads) > 1 and size > _BUNDLE_BYTES:
                     # A peer bundles messages only up to _BUNDLE_BYTES together (a larger one goes alone), while
                     # ZeroMQ's MAXMSGSIZE bounds each frame: 64 frames near it would be decoded in one loop turn.
                     self._warnings.warn("bundle", "%s: dropped a bundle of %d messages and %d bytes (a bundle of "
