@@ -58,16 +58,27 @@ CAUGHT_BY = [
 ]
 
 
+RACE_ATTEMPTS = 3
+"""Fresh endpoint pairs a check may take to fail its broken plugin. The checks race a close, cancel or revoke
+against a write that takes 0.25 s; on a busy host (CI runs two test workers on 2 cores) the write once ended before
+the close came (broken-settled), which makes that run a plain pass for any plugin, never a failure. A plugin the
+suite does not catch passes every attempt."""
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize(("plugin", "check", "kwargs"), CAUGHT_BY,
                          ids=[f"{p}-{c.removeprefix('test_')[:40]}-{k}" for p, c, k in CAUGHT_BY])
 async def test_the_suite_fails_a_broken_plugin(plugin: str, check: str, kwargs: dict[str, float]) -> None:
     suite = type("Suite", (TransportConformance,), {"transport_name": plugin})()
-    async with _endpoints(BROKEN[plugin]) as endpoints:
-        with pytest.raises((AssertionError, pytest.fail.Exception)) as info:  # an assert, or a raises() not met
-            await getattr(suite, check)(endpoints, **kwargs)
-    print(f"{plugin}: {check} fails it: {str(info.value).splitlines()[0]}")
+    for passed in range(RACE_ATTEMPTS):
+        async with _endpoints(BROKEN[plugin]) as endpoints:
+            try:
+                await getattr(suite, check)(endpoints, **kwargs)
+            except (AssertionError, pytest.fail.Exception) as failure:  # an assert, or a raises() not met
+                print(f"{plugin}: {check} fails it (after {passed} plain passes): {str(failure).splitlines()[0]}")
+                return
+    pytest.fail(f"{check} passed the broken plugin {plugin!r} in each of {RACE_ATTEMPTS} attempts")
 
 
 def test_every_broken_plugin_is_caught() -> None:
