@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from aioembed.control.channel import ControlSocket
+from aioembed.errors import AioembedError
 from aioembed.testing.event_loops import anyio_backend_fixture
 
 pytestmark = pytest.mark.anyio
@@ -427,4 +428,61 @@ def test_a_batch_also_ends_at_its_byte_budget() -> None:
     finally:
         chan.close()
         router.close(linger=0)
+        ctx.term()
+
+
+async def test_closing_the_socket_under_its_running_io_task_ends_the_task_cleanly() -> None:
+    """``close()`` while :meth:`ControlSocket.run` waits on the socket's FD (an owner that closes before it
+    stopped the task, or a task group still unwinding): the task returns, raising nothing, on every loop (on uvloop
+    the wait on the closed FD raised ENOTSOCK in the task, which took its task group down)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    got: list[list[bytes]] = []
+    chan = ControlSocket(router, got.append, name="test-router", routed=True)
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(chan.run)
+                await anyio.sleep(0.05)  # the task is waiting on the FD now
+                chan.close()
+            # run() returned by itself: the task group would have waited for ever otherwise
+        assert chan.receive_pending() == 0  # a closed socket has nothing pending, and says so without raising
+        with pytest.raises(AioembedError, match="test-router is closed"):
+            chan.send([b"peer", b"late"])
+        assert got == []
+    finally:
+        chan.close()
+        ctx.term()
+
+
+async def test_a_handler_closing_its_channel_ends_the_io_task_cleanly() -> None:
+    """A frame handler that closes its own channel (a side shutting down on a peer's message): the I/O task stops
+    receiving at once and returns; the frames behind it are neither handled nor read from the closed socket."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    got: list[bytes] = []
+
+    def handle(frames: list[bytes]) -> None:
+        got.append(frames[-1])
+        if frames[-1] == b"bye":
+            chan.close()
+
+    chan = ControlSocket(router, handle, name="test-router", routed=True)
+    try:
+        for payload in (b"one", b"bye", b"after"):
+            peer.send(payload)
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(chan.run)
+        assert got[-1] == b"bye" and b"after" not in got, got
+    finally:
+        chan.close()
+        peer.close(linger=0)
         ctx.term()

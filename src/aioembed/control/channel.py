@@ -93,6 +93,7 @@ class ControlSocket:
         self._running = False  # the I/O task runs (only then can a queued message wait for it)
         self._max_outbox = max_outbox
         self._wake_scope: anyio.CancelScope | None = None
+        self._fd: int | None = None  # the FD the I/O task waits on, while it runs
         self._poked = False
         self._closed = False
         self._drained = anyio.Event()
@@ -231,6 +232,8 @@ class ControlSocket:
     def receive_pending(self) -> int:
         """Hand every message already queued on the socket to the handler, now (from any task of the
         loop: the I/O task re-checks ``zmq.EVENTS`` before it waits). Returns how many there were."""
+        if self._closed:
+            return 0
         before = self.received
         while self._drain():
             pass
@@ -278,20 +281,28 @@ class ControlSocket:
                     self._on_frames(message)
                 except Exception:
                     log.exception("%s: handler failed on a message; message dropped", self.name)
+            if self._closed:  # the handler closed this channel: what is left on the socket went with it
+                return False
         return True
 
     async def run(self) -> None:
-        """The I/O loop; run it in the owner's task group and cancel it to stop."""
+        """The I/O loop; run it in the owner's task group and cancel it to stop. It returns once the socket is
+        closed (:meth:`close` wakes it)."""
         sock = self.sock
+        if self._closed:
+            return
         fd = int(sock.get(zmq.FD))
+        self._fd = fd
         self._running = True
         try:
-            while True:
+            while not self._closed:
                 self._poked = False
                 self._fresh.clear()
                 retry_at = self._flush(anyio.current_time())
                 received = self.received
                 more = self._drain()
+                if self._closed:
+                    break
                 events = int(sock.get(zmq.EVENTS))
                 ready = bool(self._outboxes) and retry_at is None and bool(events & zmq.POLLOUT)
                 # After handing messages over, the tasks they woke run first: re-arming the wait below
@@ -305,9 +316,14 @@ class ControlSocket:
                 with anyio.CancelScope() as scope:
                     self._wake_scope = scope
                     with anyio.move_on_after(wait):
-                        await anyio.wait_readable(fd)
+                        try:
+                            await anyio.wait_readable(fd)
+                        except anyio.ClosedResourceError:
+                            if not self._closed:
+                                raise
                 self._wake_scope = None
         finally:
+            self._fd = None
             self._wake_scope = None
             self._running = False  # sends from now on go at once, as before the task started
             self._fresh.clear()
@@ -318,7 +334,8 @@ class ControlSocket:
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket; ZeroMQ keeps trying to deliver handed-over frames for ``linger_ms``. A
-        :meth:`drain` waiting now, or called later, returns: nothing more will be sent."""
+        :meth:`drain` waiting now, or called later, returns: nothing more will be sent. A running :meth:`run`
+        returns."""
         if not self._closed:
             self._closed = True
             if self._queued:
@@ -326,4 +343,8 @@ class ControlSocket:
             self._outboxes.clear()
             self._queued = 0
             self._drained.set()
+            if self._fd is not None:
+                # The I/O task waits on this FD: the wait ends now, before the FD goes (closing it under the wait
+                # raised ENOTSOCK in the task on uvloop, and left it waiting on a dead FD on asyncio and trio).
+                anyio.notify_closing(self._fd)
             self.sock.close(linger=linger_ms)
