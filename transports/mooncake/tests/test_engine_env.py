@@ -173,6 +173,41 @@ async def test_aclose_destroys_the_engine_while_the_endpoint_is_still_referenced
     assert t.closed  # the endpoint itself is still referenced here
 
 
+async def test_an_open_cancelled_once_the_engine_started_destroys_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """open() cancelled after its engine started (a sender's start under a deadline) left the engine to the
+    garbage collector: its slow destructor (about 1 s holding the GIL) ran on the event loop wherever the last
+    reference went, and the environment the plugin set for it (``MC_FORCE_TCP``) was never given back to the
+    user, though no engine ran any more (found by a review)."""
+    import socket
+    import weakref
+
+    import anyio.from_thread
+
+    from aioembed_mooncake import _engine, transport
+
+    assert _engine._engines_alive() == 0, "an engine of an earlier test is still alive"
+    before = os.environ.get("MC_FORCE_TCP")
+    started: list[Any] = []
+    scope = anyio.CancelScope()
+
+    def start_then_cancel(settings: EngineSettings) -> Any:
+        out = start_engine(settings)
+        started.append((weakref.ref(out.engine), out.rpc_port))
+        anyio.from_thread.run_sync(scope.cancel)  # arrives at open()'s next checkpoint, the engine up
+        return out
+
+    monkeypatch.setattr(transport, "start_engine", start_then_cancel)
+    with scope:
+        await MooncakeTransport.open(TCP)
+    assert scope.cancelled_caught and started
+    engine, port = started[0]
+    assert engine() is None, "the cancelled open() left its engine alive"
+    assert _engine._engines_alive() == 0
+    assert os.environ.get("MC_FORCE_TCP") == before, "the engine is gone, but the environment set for it stayed"
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+        pass  # its handshake listener is gone with it
+
+
 _RESTORED_SCRIPT = r"""
 import os, subprocess, sys, anyio
 os.environ.pop("MC_FORCE_TCP", None); os.environ.pop("MC_TRANSFER_TIMEOUT", None)

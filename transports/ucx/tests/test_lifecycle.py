@@ -66,6 +66,37 @@ async def test_a_link_closed_while_a_write_reconnects_opens_no_endpoint() -> Non
         await b.aclose()
 
 
+async def test_a_connect_that_the_endpoints_close_overtakes_leaves_no_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint closed while a connect() waited for its peer's HELLO reply: the connect went on to return a
+    link on the closed endpoint, its UCX endpoint never aborted, so the owner served the connection for good."""
+    from aioembed_ucx import transport as ucx_module
+
+    a, b, *_ = await _pair()
+    created = anyio.Event()
+    real = ucx_module._create_endpoint
+
+    async def create(*args: Any) -> Any:
+        ep = await real(*args)
+        created.set()
+        return ep
+
+    monkeypatch.setattr(ucx_module, "_create_endpoint", create)
+    try:
+        task = asyncio.ensure_future(a.connect(b.descriptor()))
+        await created.wait()  # the connection is up, its HELLO not answered yet
+        assert not task.done()
+        await a.aclose()
+        with pytest.raises(TransportError, match="closed"):
+            await task
+        assert not ucx_transport(a)._links
+        await anyio.sleep(0.2)
+        assert not ucx_transport(b)._serving, "the owner still serves the connection of the closed endpoint"
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 async def test_a_cancelled_aclose_still_closes_everything() -> None:
     a, b, src, dst = await _pair()
     for _ in range(2):

@@ -47,11 +47,12 @@ class Piece(NamedTuple):
         return self.end - self.start
 
 
-def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, merged ``[start, end)`` spans (overlapping or touching spans are joined)."""
+def merge_spans(spans: Iterable[tuple[int, int]], *, touching: bool = True) -> list[tuple[int, int]]:
+    """Sorted, merged ``[start, end)`` spans (overlapping spans are joined, and touching ones unless
+    ``touching`` is false)."""
     out: list[tuple[int, int]] = []
     for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
+        if out and (s <= out[-1][1] if touching else s < out[-1][1]):
             if e > out[-1][1]:
                 out[-1] = (out[-1][0], e)
         else:
@@ -131,7 +132,8 @@ class EngineRegistrations:
         """Engine registrations needed before ``regions`` are usable (no state change)."""
         idx = self.index()
         new: list[Piece] = []
-        for s, e in merge_spans((r.address, r.end) for r in regions):
+        # Touching regions stay apart (two allocations may abut): each gets its own piece, given back with it.
+        for s, e in merge_spans(((r.address, r.end) for r in regions), touching=False):
             new.extend(idx.gaps(s, e))
         return new
 

@@ -368,11 +368,24 @@ class MooncakeTransport(Transport):
         self = cls(config, started.engine, started.session, started.rpc_port,
                    engine_timeout=started.transfer_timeout, lane_timeout=started.lane_timeout,
                    tcp_lanes=started.tcp_lanes)
-        rc = await anyio.to_thread.run_sync(started.engine.register_memory, self._scratch_address, _SCRATCH_BYTES)
-        if rc != 0:
+        # The endpoint holds the engine now, and aclose() destroys it only where no other reference is left: not
+        # `started`, nor a bound method of the engine in the frames of a cancellation's traceback.
+        del started
+
+        def register_scratch() -> int:
+            return int(self._engine.register_memory(self._scratch_address, _SCRATCH_BYTES))
+
+        try:
+            rc = await anyio.to_thread.run_sync(register_scratch)
+            if rc != 0:
+                raise TransportError(f"mooncake transport: registering a {_SCRATCH_BYTES}-byte scratch buffer "
+                                     f"returned {rc}")
+        except BaseException:
+            # Cancelled (a start under a deadline) or failed with the engine up: destroyed here, as aclose() does
+            # it. Left to the garbage collector, its destructor stalled the interpreter (about 1 s) wherever the
+            # last reference went, and the environment set for it was never the user's again.
             await self.aclose()
-            raise TransportError(f"mooncake transport: registering a {_SCRATCH_BYTES}-byte scratch buffer "
-                                 f"returned {rc}")
+            raise
         return self
 
     def _check_open(self) -> Any:

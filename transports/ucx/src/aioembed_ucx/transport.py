@@ -362,6 +362,10 @@ class UcxTransport(Transport):
         self._check_open()
         peer = _parse_descriptor(peer_descriptor)
         ep = await self._open_endpoint(peer)
+        if self.closed:  # closed while it connected: its close saw no link to end, so the endpoint ends here
+            _abort(ep)
+            raise TransportError(f"ucx endpoint {self.id[:8]} was closed while it connected to {peer.name}",
+                                 may_land=False)
         link = UcxLink(self, peer, ep)
         self._links.add(link)
         return link
