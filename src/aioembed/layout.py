@@ -12,7 +12,7 @@ import torch
 
 from aioembed.errors import LayoutError
 
-__all__ = ["Field", "Layout"]
+__all__ = ["Field", "Layout", "bytes_are_values"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +152,10 @@ class Layout(Mapping[str, Field]):
             name: torch.empty((num_tokens, *f.shape), dtype=f.dtype, device=device)
             for name, f in self._fields.items()
         }
+
+
+def bytes_are_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its values as they read: not a conjugate view (``x.conj()`` of a complex
+    tensor) or a negative view, which torch applies a bit to when the tensor is read. A transport, and a
+    ``memmove``, move bytes: such a tensor is contiguous, yet moving its memory as it lies moves other values."""
+    return not (t.is_conj() or t.is_neg())

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aioembed import Field, Layout
-from aioembed.memory.staging import StagingArea
+from aioembed.errors import AllocatorError
+from aioembed.memory.staging import RangeAllocator, StagingArea
 
 
 def test_rows_are_copied_in_and_a_failed_copy_gives_its_range_back() -> None:
@@ -22,3 +25,30 @@ def test_rows_are_copied_in_and_a_failed_copy_gives_its_range_back() -> None:
     assert all(torch.equal(staged.tensors[n], src[n]) for n in src)
     area.release(staged)
     assert area.used == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.booleans(), st.integers(1, 12), st.integers(0, 99)), max_size=60))
+def test_ranges_never_overlap_and_a_free_run_is_always_found(capacity: int,
+                                                               steps: list[tuple[bool, int, int]]) -> None:
+    """Against a model of which units are taken: a range is taken only where every unit is free, ``None`` only when
+    no free run is long enough (free neighbours are merged), and the counts add up after every step."""
+    ranges = RangeAllocator(capacity)
+    held: dict[int, int] = {}
+    for take, n, pick in steps:
+        taken = {u for start, k in held.items() for u in range(start, start + k)}
+        if take or not held:
+            start = ranges.take(n)
+            fits = any(taken.isdisjoint(range(s, s + n)) for s in range(capacity - n + 1))
+            if start is None:
+                assert not fits, (capacity, held, n)
+            else:
+                assert start >= 0 and start + n <= capacity and taken.isdisjoint(range(start, start + n))
+                held[start] = n
+        else:
+            start = sorted(held)[pick % len(held)]
+            ranges.give(start)
+            del held[start]
+            with pytest.raises(AllocatorError, match="double free"):
+                ranges.give(start)
+        assert ranges.used == sum(held.values()) and ranges.free == capacity - ranges.used

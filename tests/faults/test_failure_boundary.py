@@ -7,6 +7,7 @@ metadata is refused by ``send()`` before a row moves, and the receiver learns wh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -14,6 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 from aioembed import (
     AioembedError,
@@ -182,6 +184,41 @@ async def test_metadata_the_codec_refuses_is_refused_by_send_and_ends_the_room_a
         assert time.monotonic() - t0 < 1.0  # at once, not after input_timeout
         await _serves(sender, receiver, "after")
         await wait_pools_free(sender, receiver)
+
+
+class _CudaMock(MockTransport):
+    """A mock transport that says it moves CUDA memory (as NIXL, UCX and Mooncake do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.capabilities = dataclasses.replace(self.capabilities, cuda=True)
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["own", "with-registered-buffers"])
+async def test_a_tensor_on_a_device_no_transport_moves_is_refused_and_ends_the_room_at_once(registered: bool) -> None:
+    """A transport that moves CUDA memory moves CPU and CUDA memory only: a field on another device (``meta`` here;
+    ``xpu`` or ``mps`` elsewhere) is refused naming it, and a receiver that asked for the room learns at once. It
+    was taken for CUDA memory: its pointer registered as ``cuda:0`` (a ``TransportError`` on address 0 for ``meta``),
+    and the receiver waited for the input until its ``input_timeout``."""
+    async with EmbeddingSender(LAYOUT, CFG, transport=_CudaMock()) as sender, \
+            EmbeddingReceiver(LAYOUT, CFG.replace(input_timeout=60.0), connect=sender.address,
+                              transport=MockTransport()) as receiver:
+        if registered:
+            await sender.register_sources(*LAYOUT.empty(64).values())
+        handle = receiver.start("r")
+        with anyio.fail_after(5):
+            while sender.rooms_in_flight < 1:  # the receiver already asked for it
+                await anyio.sleep(0.01)
+        bad = dict(make_request(10, 1), embeddings=torch.empty(10, *LAYOUT["embeddings"].shape,
+                                                                dtype=LAYOUT["embeddings"].dtype, device="meta"))
+        with pytest.raises(InvalidRequest, match=r"room 'r': field 'embeddings' is on meta"):
+            await sender.send("r", bad)
+        t0 = time.monotonic()
+        with pytest.raises(TransferAborted, match=r"send\(\) refused the request: .*meta"):
+            await handle.result()
+        assert time.monotonic() - t0 < 1.0  # at once, not after input_timeout
+        await _serves(sender, receiver, "after")
+        assert sender.sources_held == 0
 
 
 async def test_a_room_refused_while_being_sent_is_not_aborted() -> None:

@@ -28,15 +28,13 @@ PATCHED = "fence_after"
 """The name each module below imported from :mod:`aioembed.memory.device_order` and calls."""
 
 
-def _copy_without_waiting(  # noqa: PLR0917  (the signature of the method it replaces)
-        self: copy_out.RoundCopier, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int,
-        after: torch.cuda.Stream) -> None:
-    """``RoundCopier._copy_cuda`` without ``wait_stream(after)``: the copy ignores the caller's kernels."""
-    if self._stream is None:
-        self._stream = torch.cuda.Stream(self.pool.device)  # type: ignore[no-untyped-call]
-    with torch.cuda.stream(self._stream):
+def _copy_without_waiting(
+        self: copy_out.RoundCopier, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int, *,
+        after: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
+    """``RoundCopier._copy_cuda`` without ``stream.wait_stream(after)``: the copy ignores the caller's kernels."""
+    with torch.cuda.stream(stream):
         self.pool.copy_out(blocks, count, out, out_start=start)
-    CudaFence(self._stream).wait()
+    CudaFence(stream).wait()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from aioembed.errors import ConfigError, LayoutError, PlanError
-from aioembed.layout import Layout
+from aioembed.layout import Layout, bytes_are_values
 from aioembed.memory.huge_pages import zeroed_memory
 from aioembed.memory.plan import RowRun, plan_row_runs
 from aioembed.transports.base import MemoryRegion
@@ -121,7 +121,7 @@ class BlockPool:
             if o.dtype != t.dtype or tuple(o.shape[1:]) != tuple(t.shape[1:]):
                 raise LayoutError(f"field {name!r}: output is {o.dtype} {tuple(o.shape)}, the pool holds "
                                   f"{t.dtype} rows of shape {tuple(t.shape[1:])}")
-            if o.device.type == "cpu" and t.device.type == "cpu" and o.is_contiguous():
+            if o.device.type == "cpu" and t.device.type == "cpu" and o.is_contiguous() and bytes_are_values(o):
                 # One memmove per run: on few cores it beats torch's threaded copy_ (no pool hop).
                 row = self.layout[name].row_bytes
                 obase = o.data_ptr() + out_start * row

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from aioembed.errors import AllocatorError, ConfigError
-from aioembed.layout import Layout
+from aioembed.layout import Layout, bytes_are_values
 from aioembed.transports.base import MemoryRegion
 
 __all__ = ["RangeAllocator", "StagedRows", "StagingArea"]
@@ -120,7 +120,7 @@ class StagingArea:
             for name, area in self.tensors.items():
                 dst = area[start:start + num_tokens]
                 src = tensors[name]
-                if src.is_contiguous():
+                if src.is_contiguous() and bytes_are_values(src):  # (a conjugate view: copy_ applies its bit)
                     # One memmove on this thread: torch's copy_ of a few hundred KB goes to its intra-op
                     # threads, whose hand-off costs far more than the copy on a busy 2-core host.
                     ctypes.memmove(dst.data_ptr(), src.data_ptr(), num_tokens * self.layout[name].row_bytes)

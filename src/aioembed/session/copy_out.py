@@ -31,8 +31,8 @@ class RoundCopier:
         self.threads = threads
         self._stream: torch.cuda.Stream | None = None
 
-    def _copy_cuda(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int,
-                   after: torch.cuda.Stream) -> None:
+    def _copy_cuda(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int, *,
+                   after: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
         """In a worker thread: the copy on a private stream, waited for by its own event (never a
         device-wide synchronize: the language model's kernels on that GPU are not waited for). A copy
         into CPU memory (``out=``) is a device-to-host copy: it blocks this thread, never the loop.
@@ -40,13 +40,15 @@ class RoundCopier:
         The copy is queued after the work already on ``after`` (the caller's stream when it asked): kernels
         there may still read the caller's ``out=`` (its previous request's rows), and a fresh output was
         allocated in that stream's order (the caching allocator may hand out memory kernels queued there
-        still use)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.pool.device)  # type: ignore[no-untyped-call]
-        self._stream.wait_stream(after)
-        with torch.cuda.stream(self._stream):
+        still use).
+
+        ``stream`` is the private one, passed in rather than read from ``self``: it is made once, on the loop's
+        thread (made in the worker threads, two copies starting together each made one and stored it, and a copy
+        could run on one and wait for the other's event, its blocks freed while it still read them)."""
+        stream.wait_stream(after)
+        with torch.cuda.stream(stream):
             self.pool.copy_out(blocks, count, out, out_start=start)
-        CudaFence(self._stream).wait()
+        CudaFence(stream).wait()
 
     async def copy(self, blocks: Sequence[int], out: dict[str, torch.Tensor], start: int, count: int, *,
                    spread: bool = True, after: torch.cuda.Stream | None = None) -> None:
@@ -59,7 +61,10 @@ class RoundCopier:
         if pool.device.type == "cuda":
             if after is None:
                 after = torch.cuda.current_stream(pool.device)
-            await anyio.to_thread.run_sync(self._copy_cuda, blocks, out, start, count, after, limiter=self.limiter)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(pool.device)  # type: ignore[no-untyped-call]
+            copy = functools.partial(self._copy_cuda, blocks, out, start, count, after=after, stream=self._stream)
+            await anyio.to_thread.run_sync(copy, limiter=self.limiter)
             return
         if nbytes <= COPY_INLINE_BYTES:
             pool.copy_out(blocks, count, out, out_start=start)

@@ -45,7 +45,7 @@ from aioembed.errors import (
     TransferTimeout,
     TransportError,
 )
-from aioembed.layout import Layout
+from aioembed.layout import Layout, bytes_are_values
 from aioembed.log_budget import WarningBudget
 from aioembed.memory.device_order import fence_after, wait_fence
 from aioembed.memory.staging import StagedRows, StagingArea
@@ -166,6 +166,11 @@ class _Unregistration:
 log = logging.getLogger(__name__)
 
 _TOMBSTONES = 4096
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in contiguous memory of their own bytes (a copy unless ``t`` already is that)."""
+    return t.resolve_conj().resolve_neg().contiguous()
 
 
 class EmbeddingSender:
@@ -643,23 +648,27 @@ class EmbeddingSender:
 
     async def _sources_of(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                           stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
-        """The tensors to write from, contiguous, once they are ready: large CPU copies run off the loop,
-        CUDA ones are queued on ``stream`` and waited for (see :mod:`aioembed.memory.device_order`)."""
+        """The tensors to write from, contiguous and holding their values as bytes (a conjugate view is resolved:
+        the transport moves bytes), once they are ready: large CPU copies run off the loop, CUDA ones are queued
+        on ``stream`` and waited for (see :mod:`aioembed.memory.device_order`)."""
         caps = self._transport.capabilities if self._transport is not None else None
         sources = []
         for name in self.layout:
             t = tensors[name]
-            if t.device.type != "cpu" and not (caps is not None and caps.cuda):
+            cuda = caps is not None and caps.cuda
+            if t.device.type not in ("cpu", "cuda") or (t.device.type == "cuda" and not cuda):
+                # (Any other device is not CUDA memory: MemoryRegion would name its pointer cuda:N.)
                 raise InvalidRequest(f"room {room!r}: field {name!r} is on {t.device}; transport "
-                                     f"{self.config.transport!r} moves CPU memory only")
-            if not t.is_contiguous():
+                                     f"{self.config.transport!r} moves {'CPU and CUDA' if cuda else 'CPU'} "
+                                     "memory only")
+            if not t.is_contiguous() or not bytes_are_values(t):
                 if t.device.type == "cuda":
                     with torch.cuda.stream(stream or torch.cuda.current_stream(t.device)):
-                        t = t.contiguous()  # a kernel queued after the producer's: the fence covers both
+                        t = _plain(t)  # a kernel queued after the producer's: the fence covers both
                 elif t.numel() * t.element_size() > COPY_INLINE_BYTES:
-                    t = await anyio.to_thread.run_sync(t.contiguous)
+                    t = await anyio.to_thread.run_sync(_plain, t)
                 else:
-                    t = t.contiguous()
+                    t = _plain(t)
             sources.append(t)
         try:
             fence = fence_after(sources, stream)

@@ -21,6 +21,7 @@ import anyio
 import torch
 
 from aioembed.errors import InvalidRequest
+from aioembed.layout import bytes_are_values
 from aioembed.transports.base import MemoryRegion
 
 __all__ = ["RegisteredSources", "SourceBufferIndex", "check_source_tensors"]
@@ -118,14 +119,15 @@ class SourceBufferIndex:
         return list(self._live)
 
     def covering(self, tensors: Iterable[torch.Tensor]) -> RegisteredSources | None:
-        """The one registration every tensor lies inside (contiguous, on its device), acquired for the
-        caller (who releases it); ``None`` if there is none."""
+        """The one registration every tensor lies inside (contiguous, on its device, its bytes its values: a
+        conjugate view's rows are written from a resolved copy), acquired for the caller (who releases it); ``None``
+        if there is none."""
         if not self._live:
             return None
         regions = []
         for t in tensors:
-            if not t.is_contiguous():
-                return None
+            if t.device.type not in ("cpu", "cuda") or not t.is_contiguous() or not bytes_are_values(t):
+                return None  # (a tensor on another device is refused by the send(), naming it)
             regions.append(MemoryRegion.of_tensor(t))
         for live in self._live:
             if all(live.covers(r) for r in regions):
