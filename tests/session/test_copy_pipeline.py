@@ -28,7 +28,7 @@ from aioembed import (
     TransferStatus,
 )
 from aioembed.protocol.messages import Status
-from aioembed.session import receive_room
+from aioembed.session import copy_out, receive_room
 from aioembed.session.connection import LossKind, SessionLost
 from aioembed.session.send_room import SendRoomDriver
 from aioembed.testing import MockTransport, WriteCall, WriteFault
@@ -399,4 +399,32 @@ async def test_an_event_queued_behind_a_landed_chunk_waits_for_its_copy_and_noth
         assert isinstance(errors["receive"], PeerDead) and "went silent" in str(errors["receive"])
         assert spans(line) == [(0, part), (part, part), (2 * part, part), (3 * part, part)]
         assert line.spread == [False] * 4
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_round_shorter_than_its_reservation_is_copied_out_over_every_copy_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round's end is copied out spread over the copy threads, by whole blocks. The grant holds the whole
+    reservation (``default_tokens``), whatever the rows: split by its blocks, the parts past the rows had nothing
+    to copy, and a request a quarter of its reservation was copied by one thread of four."""
+    monkeypatch.setattr(copy_out, "COPY_INLINE_BYTES", BS * LAYOUT.bytes_per_token)  # a block is a large copy
+    cfg = CFG.replace(copy_threads=4, copy_chunk_tokens=0)
+    tokens = 16 * BS  # a quarter of the 64-block reservation
+    want = make_request(tokens, 11)
+    async with EmbeddingSender(LAYOUT, cfg) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address) as receiver:
+        await receiver.wait_connected()
+        inner = receiver.pool.copy_out
+        copied: list[int] = []  # rows per call
+
+        def spy(blocks: Any, num_tokens: int, out: Any, *, out_start: int) -> None:
+            copied.append(num_tokens)
+            inner(blocks, num_tokens, out, out_start=out_start)
+
+        monkeypatch.setattr(receiver.pool, "copy_out", spy)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "r", want)
+            got = await receiver.receive("r")
+        assert_same(got.tensors, want)
+        assert copied == [4 * BS] * 4, copied
         await wait_pools_free(sender, receiver)

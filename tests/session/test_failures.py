@@ -5,6 +5,7 @@ After each, both sides must have released everything (no block, registration or 
 
 from __future__ import annotations
 
+import traceback
 from contextlib import suppress
 from typing import Any
 
@@ -248,6 +249,29 @@ async def test_incompatible_layout_is_refused_with_the_difference() -> None:
         with pytest.raises(IncompatiblePeer, match="layout fingerprint"):
             await receiver.receive("x")
         assert receiver.allocator.stats.free == receiver.allocator.stats.total
+
+
+async def test_rooms_refused_by_one_handshake_each_get_their_own_error_naming_them() -> None:
+    """The refusal is the connection's, one for every room that waits for that handshake: raised as it was, every
+    room's error was one object (``room`` None, no room named; a stream's ``delivered`` set on it showed in the
+    others), and each raise added the frames of its room (holding their ``out=`` buffers) to its one traceback."""
+    other = Layout(embeddings=Field((32,), torch.bfloat16), token_ids=Field((), torch.int32),
+                   mrope_positions=Field((3,), torch.int64))
+    async with EmbeddingSender(LAYOUT, FAST) as sender, \
+            EmbeddingReceiver(other, FAST, connect=sender.address) as receiver:
+        errors: list[IncompatiblePeer] = []
+        for room in ("a", "b", "c"):
+            with pytest.raises(IncompatiblePeer, match="layout fingerprint") as info:
+                await receiver.receive(room)
+            errors.append(info.value)
+        with pytest.raises(IncompatiblePeer, match="layout fingerprint") as info:
+            await receiver.wait_connected()
+        errors.append(info.value)
+        assert len({id(e) for e in errors}) == len(errors), "rooms share one error object"
+        assert [e.room for e in errors] == ["a", "b", "c", None]
+        assert all(f"room {room!r}" in str(e) for room, e in zip("abc", errors, strict=False)), errors
+        depths = {len(traceback.extract_tb(e.__traceback__)) for e in errors[:3]}
+        assert len(depths) == 1, f"each room's traceback grew with the rooms refused before it: {depths}"
 
 
 async def test_incompatible_block_size_is_refused() -> None:

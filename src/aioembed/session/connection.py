@@ -228,19 +228,37 @@ class SenderConnection:
         """True once :meth:`close` ran: nothing is sent or received any more."""
         return self._closed
 
-    async def wait_ready(self, timeout: float) -> Writer:
-        """The current session's writer, once a handshake holds; ``TransferTimeout`` otherwise."""
+    async def wait_ready(self, timeout: float, *, room: RoomId | None = None) -> Writer:
+        """The current session's writer, once a handshake holds; ``TransferTimeout`` otherwise. ``room``: the
+        room that waits, named by the error."""
         with anyio.move_on_after(timeout):
             await self._ready.wait()
+        where = "" if room is None else f"room {room!r}: "
         if self.refused is not None:
-            raise self.refused
+            raise self._refusal(self.refused, room)
         if self._closed:
-            raise TransferFailed(f"the connection to sender {self.address} was closed (receiver rank {self.rank})")
+            raise TransferFailed(f"{where}the connection to sender {self.address} was closed (receiver rank "
+                                 f"{self.rank})", room=room)
         if not self._ready.is_set() or self.writer is None:
             why = f"; its last refusal: {self.last_refusal}" if self.last_refusal else ""
-            raise TransferTimeout(f"no handshake with sender {self.address} within {timeout} s "
-                                  f"(receiver rank {self.rank}){why}", phase="handshake")
+            raise TransferTimeout(f"{where}no handshake with sender {self.address} within {timeout} s "
+                                  f"(receiver rank {self.rank}){why}", room=room, phase="handshake")
         return self.writer
+
+    @staticmethod
+    def _refusal(refused: TransferError, room: RoomId | None) -> TransferError:
+        """The connection's refusal, as an error of its own for one waiter. The refusal is one object for every
+        room waiting for the handshake: raised itself, each room's error was that object (naming no room; a
+        stream's ``delivered`` set on it showed in the others), and each raise added its room's frames, which
+        hold the caller's ``out=`` buffers, to its one traceback for as long as any of them was kept."""
+        where = "" if room is None else f"room {room!r}: "
+        try:
+            error = type(refused)(f"{where}{refused}", room=room)
+        except TypeError:  # an error class with other arguments: keep the message
+            error = TransferFailed(f"{where}{refused}", room=room)
+        error.__cause__ = refused.__cause__  # what the refusal came from (the transport's error), if anything
+        error.__suppress_context__ = True
+        return error
 
     def send(self, msg: Message) -> bool:
         """Queue a frame for the sender (never blocks, never raises); False, the frame dropped, once the connection

@@ -70,6 +70,9 @@ class RoundCopier:
             pool.copy_out(blocks, count, out, out_start=start)
             return
         bs = pool.block_size
+        # Only the blocks that hold rows: a round's grant holds its whole reservation, and parts split over blocks
+        # past its rows would copy nothing (a request a quarter of its reservation took one thread of four).
+        blocks = blocks[:-(-count // bs)]
         parts = max(1, min(self.threads if spread else 1, nbytes // COPY_INLINE_BYTES))
         per = -(-len(blocks) // parts)
 

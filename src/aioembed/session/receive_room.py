@@ -313,7 +313,7 @@ class ReceiveRoomDriver:
                 with anyio.CancelScope() as scope:
                     self._wait_scope = scope
                     try:
-                        writer = await self.conn.wait_ready(cfg.handshake_timeout)
+                        writer = await self.conn.wait_ready(cfg.handshake_timeout, room=self.room)
                     finally:
                         self._wait_scope = None
                 self._add_phase("handshake", t0)

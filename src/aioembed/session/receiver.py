@@ -383,8 +383,17 @@ class EmbeddingReceiver:
             handle._stream = RoomStream(handle, chunks)
         elif chunk_tokens is not None:
             raise InvalidRequest("chunk_tokens= is for streamed rooms (stream=True)")
-        driver = self._new_driver(room, self._sender_address(sender), expected_tokens=expected_tokens, exact=False,
-                                  zero_copy=zero_copy, out=out, handle=handle, stream=sink, progress_tokens=progress)
+        try:
+            driver = self._new_driver(room, self._sender_address(sender), expected_tokens=expected_tokens,
+                                      exact=False, zero_copy=zero_copy, out=out, handle=handle, stream=sink,
+                                      progress_tokens=progress)
+        except BaseException:
+            # Refused (no sender named, the id's earlier attempt not settled, no connection free): the chunk
+            # stream was made for a room that never starts. Left open, anyio warns of both ends when collected.
+            if sink is not None:
+                sink.close()
+                chunks.close()
+            raise
         return handle, driver
 
     @overload
