@@ -22,12 +22,16 @@ from aioembed import (
     InvalidRequest,
     Layout,
     LayoutError,
+    Part,
     TransferAborted,
     TransferConfig,
     TransferError,
+    TransferFailed,
     TransferStatus,
     TransferTimeout,
 )
+from aioembed.protocol.messages import FenceRelease, Status
+from aioembed.session.receive_room import ReceiveRoomDriver
 from aioembed.session.receiver import CLOSE_GRACE
 from aioembed.session.sender import STOP_GRACE
 from aioembed.testing import MockTransport, WriteFault
@@ -507,3 +511,112 @@ async def test_a_room_id_is_reused_only_once_the_sender_acknowledged_its_abort()
 async def _send_quietly(sender: EmbeddingSender, room: str, src: dict[str, torch.Tensor]) -> None:
     with suppress(TransferError):
         await sender.send(room, src)
+
+
+async def _waiting_driver(receiver: EmbeddingReceiver, room: str) -> tuple[Any, ReceiveRoomDriver]:
+    """``room`` started on ``receiver``, its driver waiting for the sender's first word (INIT sent)."""
+    handle = receiver.start(room)
+    driver = receiver._rooms[room]
+    assert isinstance(driver, ReceiveRoomDriver)
+    await _until(lambda: handle.status is TransferStatus.WAITING_FOR_INPUT and driver._inbox._waiter is not None)
+    return handle, driver
+
+
+async def test_a_phase_deadline_that_fires_as_a_frame_arrives_names_its_phase() -> None:
+    """The input (or round) deadline cancels the room's scope; a frame that came in the same loop turn wakes the wait
+    first, and the cancellation lands at the room's next checkpoint (here: the round's copy, large enough for the
+    copy threads), after the wait cleared its phase. The room then said "exceeded room_timeout=600.0 s" although
+    only input_timeout had passed."""
+    cfg = FAST.replace(default_tokens=32768, pool_tokens=65536, input_timeout=30.0, room_timeout=600.0)
+    async with running(cfg) as (sender, [receiver]):
+        handle, driver = await _waiting_driver(receiver, "late-frame")
+        _, expire = receiver._deadlines._deadlines[handle]  # the input deadline's action, as its task calls it
+        tokens = 32000  # over COPY_INLINE_BYTES: copied on the copy threads, not on the loop
+        # The round's STATUS lands (rows as the pool holds them: only the error matters here)...
+        driver.deliver(Status(room="late-frame", state=TransferStatus.SUCCESS, total_tokens=tokens,
+                              sent_tokens=tokens, round=0, metadata={}))
+        expire()  # ...and the input deadline passes in the same loop turn
+        with anyio.fail_after(5):
+            await handle.wait()
+        with pytest.raises(TransferTimeout) as info:
+            await handle.result()
+        assert info.value.phase == "input", info.value
+        assert "room_timeout" not in str(info.value)
+        sender.abort("late-frame")  # it never sent the room (the STATUS above was ours): its INIT is still there
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_sender_flooding_a_room_fails_it_as_a_protocol_violation() -> None:
+    """More frames for a room than the protocol lets a sender queue is the sender breaking the protocol, as any
+    bad frame: the room fails (``TransferFailed``, status FAILED, counted as failed), not "aborted" as if someone
+    had cancelled it, and the sender is told (ABORT) so its blocks come back."""
+    async with running(FAST.replace(input_timeout=30.0)) as (sender, [receiver]):
+        handle, driver = await _waiting_driver(receiver, "flooded")
+        for _ in range(driver._inbox._capacity + 1):  # in one loop turn: the room takes none of them meanwhile
+            driver.deliver(FenceRelease(room="flooded"))
+        with anyio.fail_after(5):
+            await handle.wait()
+        with pytest.raises(TransferFailed, match="more messages than the protocol allows") as info:
+            await handle.result()
+        assert not isinstance(info.value, TransferAborted)
+        assert "flooded" in str(info.value) and sender.address in str(info.value)
+        assert handle.status is TransferStatus.FAILED
+        await wait_pools_free(sender, receiver)
+
+
+async def test_running_out_of_memory_for_a_fresh_output_says_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``receive()`` without ``out=`` makes its output once the total is known. Out of memory there (torch's own
+    error: a CPU allocation's RuntimeError, a CUDA one's OutOfMemoryError) is no bug of the library: the room
+    failed with "internal error" and an ERROR traceback. It says what it could not allocate and what to do; the
+    blocks still come back and the sender is told."""
+    def no_memory(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        torch.empty(1 << 62, dtype=torch.uint8)  # what the allocator raises for a request it cannot serve
+        raise AssertionError("unreachable")
+
+    async with running(FAST) as (sender, [receiver]):
+        monkeypatch.setattr(receiver.outputs, "empty", no_memory)
+        outcome: list[BaseException] = []
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_send_noting, sender, "big", make_request(1500, 7), outcome)
+                with pytest.raises(TransferFailed) as info:
+                    await receiver.receive("big")
+        message = str(info.value)
+        assert "internal error" not in message, message
+        assert "out of memory" in message and "1500 tokens" in message and "out=" in message, message
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        # The sender ended too: its send() returned (every row written before the receiver copied) or was told.
+        assert all(isinstance(e, TransferError) for e in outcome), outcome
+        await wait_pools_free(sender, receiver)
+        # Parts make their output at start(): the same error there, not torch's bare RuntimeError.
+        with pytest.raises(TransferFailed, match="out of memory"):
+            receiver.start("parts", parts=[Part(sender.address, 0, 100)])
+        assert receiver.rooms_in_flight == 0
+
+
+async def test_bad_parts_and_metadata_arguments_are_refused_as_invalid_requests() -> None:
+    """Arguments of the wrong type escaped as Python's own TypeError: ``parts=`` given as a generator or a number
+    (``len()`` of it; a generator is now taken), ``metadata=`` not a mapping (``dict()`` of it, reported as a
+    failure preparing the request's *rows*), a timeout that is not a number."""
+    async with running(FAST) as (sender, [receiver]):
+        def parts_gen() -> Any:
+            yield Part(sender.address, 0, 10)
+
+        handle = receiver.start("g", parts=parts_gen())  # any iterable of parts (a generator is read once)
+        handle.cancel()
+        with pytest.raises(TransferAborted):
+            await handle.result()
+        with pytest.raises(InvalidRequest, match="parts"):
+            receiver.start("n", parts=5)  # type: ignore[arg-type]
+        assert receiver.rooms_in_flight == 0
+        for bad in (5, [("a", 1)], "text"):
+            with pytest.raises(InvalidRequest, match="metadata"):
+                await sender.send("m", make_request(4, 1), bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="timeout"):
+            await receiver.wait_connected("5")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="timeout"):
+            await sender.wait_for_receivers(1, timeout="5")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="count"):
+            await sender.wait_for_receivers("1")  # type: ignore[arg-type]
+        await wait_pools_free(sender, receiver)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import socket
 from contextlib import AsyncExitStack, suppress
 from typing import Any
 
@@ -375,3 +376,41 @@ async def test_a_parts_room_cancelled_from_outside_still_resolves_its_handle() -
     with pytest.raises(TransferAborted, match="receiver closed"):
         await handle.result()
     assert all(h._cancel_reason for h in part_handles)
+
+
+async def test_a_connection_awaited_by_wait_connected_is_not_closed_to_make_room() -> None:
+    """A connection whose handshake ``wait_connected()`` awaits has no room, but it is in use: closing it to make
+    room under ``max_senders`` failed that wait with "the connection ... was closed" (the caller never learnt why).
+    It counts as busy: the other start() is told, as for any full table, and the wait goes on."""
+    cfg = CFG.replace(max_senders=1)
+    with socket.socket() as probe:  # a port nothing listens on: that handshake never completes
+        probe.bind(("127.0.0.1", 0))
+        silent = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    async with EmbeddingSender(LAYOUT, cfg) as s, EmbeddingReceiver(LAYOUT, cfg) as receiver:
+        outcome: list[BaseException] = []
+
+        async def wait() -> None:
+            try:
+                await receiver.wait_connected(30, sender=silent)
+            except Exception as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            with anyio.fail_after(5):
+                while receiver.senders != [silent]:
+                    await anyio.lowlevel.checkpoint()
+            with pytest.raises(InvalidRequest, match="max_senders"):
+                receiver.start("r", sender=s.address)
+            await anyio.sleep(0.1)  # a closed connection ends its waiter within a few loop turns
+            assert not outcome, outcome
+            tg.cancel_scope.cancel()
+        # Once nobody waits, that connection is idle again: it goes to make room.
+        src = make_request(300, 5)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.send, "r", src)
+                got = await receiver.receive("r", sender=s.address)
+        assert_same(got.tensors, src)
+        assert receiver.senders == [s.address]
+        await wait_pools_free(s, receiver)

@@ -18,7 +18,7 @@ import torch
 from aioembed.layout import Layout
 from aioembed.memory.huge_pages import HUGE_PAGE_MIN_BYTES, huge_page_memory
 
-__all__ = ["empty_output"]
+__all__ = ["empty_output", "is_out_of_memory"]
 
 
 def empty_output(layout: Layout, num_tokens: int, device: torch.device, *,
@@ -40,3 +40,12 @@ def empty_output(layout: Layout, num_tokens: int, device: torch.device, *,
         out[name] = (f.rows_over(large(nbytes), num_tokens) if nbytes >= min_bytes
                      else torch.empty(shape, dtype=f.dtype))
     return out
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """``exc`` is an allocator refusing memory: torch's CUDA ``OutOfMemoryError``, its CPU allocator's
+    ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory", errno 12), or Python's ``MemoryError``. Such a
+    failure is the machine's state, not a bug: the caller reports it as such (no "internal error" traceback)."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,9 +46,13 @@ class Part:
         return self.end - self.start
 
 
-def check_parts(room: RoomId, parts: Sequence[Part], max_tokens: int) -> list[Part]:
+def check_parts(room: RoomId, parts: Iterable[Part], max_tokens: int) -> list[Part]:
     """Validate that ``parts`` tile ``[0, total)`` in order; returns them with plain ``int`` bounds (bounds
-    from a prefix sum are often numpy integers), the last one ending at ``total``."""
+    from a prefix sum are often numpy integers), the last one ending at ``total``. Any iterable of parts is taken
+    (a generator is read once, here); anything else is an ``InvalidRequest``, not ``len()``'s ``TypeError``."""
+    if not isinstance(parts, Iterable):
+        raise InvalidRequest(f"room {room!r}: parts must be a list of aioembed.Part, got {type(parts).__name__}")
+    parts = list(parts)
     if not parts or len(parts) > MAX_PARTS:
         raise InvalidRequest(f"room {room!r}: parts must list 1..{MAX_PARTS} parts, got {len(parts)}")
     expect = 0

@@ -137,6 +137,10 @@ RoomEvent = RoomFrame | SessionLost
 class SenderConnection:
     """One sender, as seen by one receiver: a DEALER socket and the sessions over it."""
 
+    waiters: int = 0
+    """``wait_connected()`` calls awaiting this connection's handshake: it is in use though no room is on it (the
+    receiver closes it neither to make room under ``max_senders`` nor as idle)."""
+
     def __init__(self, address: str, *, ctx: zmq.Context[zmq.Socket[bytes]], config: TransferConfig,
                  layout: Layout, pool: BlockPool, rank: int, world: int, receiver_id: str, keeper: BlockKeeper,
                  transport: GuardedTransport, returns: LeaseReturns, spawn: Callable[..., object],

@@ -9,13 +9,25 @@ the owner is told to restart its windows instead of acting.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import anyio
 
+from aioembed.errors import InvalidRequest
 from aioembed.session.liveness import LoopWatch
 
-__all__ = ["DeadlineTimer"]
+__all__ = ["DeadlineTimer", "timeout_seconds"]
+
+
+def timeout_seconds(name: str, value: object, default: float) -> float:
+    """A caller's ``timeout=`` argument (``None``: ``default``) as seconds, or ``InvalidRequest`` saying what came
+    (a string, say, escaped as a bare ``TypeError`` from inside anyio)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise InvalidRequest(f"{name}={value!r} must be a number of seconds (or None: the default, {default} s)")
+    return float(value)
 
 
 class DeadlineTimer:

@@ -34,6 +34,7 @@ from aioembed.errors import (
     TransferTimeout,
 )
 from aioembed.layout import Layout
+from aioembed.memory.output import is_out_of_memory
 from aioembed.memory.output_cache import OutputCache
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver, outcome_of
@@ -62,7 +63,7 @@ from aioembed.session.room_deadlines import RoomDeadlines
 from aioembed.session.room_inbox import RoomInbox
 from aioembed.session.stream import Chunk, LeasedChunk, StreamItem
 
-__all__ = ["ReceiveRoomDriver", "RoomContext", "short_fields"]
+__all__ = ["ReceiveRoomDriver", "RoomContext", "fresh_output", "short_fields"]
 
 log = logging.getLogger("aioembed.session.receiver")
 
@@ -76,6 +77,23 @@ looking for newly landed rows between parts (see ``ReceiveRoomDriver._copy_landi
 def short_fields(out: Mapping[str, torch.Tensor], total: int) -> dict[str, int]:
     """The fields of ``out=`` with fewer than ``total`` rows, and how many they have."""
     return {n: int(t.shape[0]) for n, t in out.items() if t.shape[0] < total}
+
+
+def fresh_output(outputs: OutputCache, layout: Layout, total: int, device: torch.device,
+                 room: RoomId) -> dict[str, torch.Tensor]:
+    """A copying room's new output of ``total`` tokens. Out of memory making it is a ``TransferFailed`` that says
+    so and what to do, not an "internal error" with a traceback as for a bug (the room's blocks are settled and its
+    sender told as for any failure)."""
+    try:
+        return outputs.empty(layout, total, device)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.warning("room=%r: out of memory making its output of %d tokens on %s", room, total, device)
+        raise TransferFailed(f"room {room!r}: out of memory making its output of {total} tokens "
+                             f"({total * layout.bytes_per_token} bytes on {device}): {why}; free memory, receive into "
+                             "out= buffers you keep, or receive zero-copy (receive_leased())", room=room) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +175,8 @@ class ReceiveRoomDriver:
         self._lost_reason: str | None = None  # why the room had to be opened again
         self._room_deadline = math.inf
         self._phase: tuple[str, float] | None = None  # (phase, timeout) while waiting for the sender
+        self._expired_phase: tuple[str, float] | None = None  # the phase whose deadline cancelled the room
+        self._violation: TransferError | None = None  # the sender broke the protocol outside the room's task
 
     # -- events from the connection ------------------------------------------------------------
 
@@ -170,7 +190,15 @@ class ReceiveRoomDriver:
         except anyio.WouldBlock:
             log.error("receiver[%d]: room=%r: sender flooded the room with messages; failing it",
                       self.ctx.rank, self.room)
-            self.handle.cancel("the sender sent more messages than the protocol allows")
+            if self._violation is None and not self.handle.done:
+                # The sender broke the protocol, as with any bad frame: the room FAILS (not "aborted", as a
+                # cancel by someone), and fail() tells the sender (ABORT naming this) so its blocks come back.
+                self._violation = TransferFailed(
+                    f"room {self.room!r}: protocol violation by sender {self.conn.address}: it sent more messages "
+                    f"than the protocol allows ({self._inbox.capacity} waiting for the room)", room=self.room)
+                scope = self.handle._scope
+                assert scope is not None
+                scope.cancel()
             return
         if self._wait_scope is not None and _ends_room(event):
             self._wait_scope.cancel()  # stop waiting for memory or a handshake: look at the event
@@ -207,6 +235,8 @@ class ReceiveRoomDriver:
                 while not await self.step():
                     pass
                 result = self.result(t_start)
+            if result is None and self._violation is not None:
+                raise self._violation
             if result is None and scope.cancelled_caught and self.handle._cancel_reason is None:
                 raise self._deadline_passed()
         except TransferError as exc:
@@ -361,7 +391,7 @@ class ReceiveRoomDriver:
             waiting = self.machine.state is TransferStatus.WAITING_FOR_INPUT
             phase, timeout = ("input", cfg.input_timeout) if waiting else ("round", cfg.round_timeout)
             self._phase = (phase, timeout)
-            deadlines.set(self.handle, anyio.current_time() + timeout, scope.cancel)  # the room's own is the driver's
+            deadlines.set(self.handle, anyio.current_time() + timeout, self._phase_expired)  # the room's: the driver's
             try:
                 event = await self._inbox.get()
             finally:
@@ -679,10 +709,23 @@ class ReceiveRoomDriver:
         raise cls(f"room {self.room!r}: sender {self.conn.address} reported {self.machine.state.name}: "
                   f"{self.machine.error}", room=self.room)
 
+    def _phase_expired(self) -> None:
+        """The deadline of the wait in :meth:`next_round` passed: cancel the room, noting the phase. The cancellation
+        may land only at the room's next checkpoint: a frame that came in the same loop turn wakes the wait first,
+        which then clears ``_phase`` (on trio, and on asyncio when the wait's future was already done); the room
+        then reported "exceeded room_timeout" after only the phase's timeout."""
+        self._expired_phase = self._phase
+        scope = self.handle._scope
+        assert scope is not None
+        scope.cancel()
+
     def _deadline_passed(self) -> TransferTimeout:
         """The error for the deadline that ended the room: the phase it was waiting in, or the room's."""
-        if self._phase is not None and anyio.current_time() < self._room_deadline:
-            phase, timeout = self._phase
+        expired = self._expired_phase
+        if expired is None and self._phase is not None and anyio.current_time() < self._room_deadline:
+            expired = self._phase
+        if expired is not None:
+            phase, timeout = expired
             return TransferTimeout(f"room {self.room!r}: timed out after {timeout} s in phase {phase!r} "
                                    f"(receiver rank {self.ctx.rank}, sender {self.conn.address})", room=self.room,
                                    phase=phase)
@@ -924,7 +967,7 @@ class ReceiveRoomDriver:
 
     def _make_output(self, total: int) -> dict[str, torch.Tensor]:
         if self.out is None:
-            return self.ctx.outputs.empty(self.ctx.layout, total, self.ctx.pool.device)
+            return fresh_output(self.ctx.outputs, self.ctx.layout, total, self.ctx.pool.device, self.room)
         short = short_fields(self.out, total)
         if short:
             raise TransferFailed(f"room {self.room!r}: the request has {total} tokens but out= holds only "

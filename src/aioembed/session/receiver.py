@@ -45,10 +45,11 @@ from aioembed.session.backend import check_backend
 from aioembed.session.block_keeper import BlockKeeper
 from aioembed.session.connection import LossKind, SenderConnection
 from aioembed.session.copy_out import RoundCopier
+from aioembed.session.deadlines import timeout_seconds
 from aioembed.session.guarded_observer import GuardedObserver
 from aioembed.session.handle import Received, ReceiveHandle
 from aioembed.session.lease import Lease, LeaseReturns
-from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext, short_fields
+from aioembed.session.receive_room import ReceiveRoomDriver, RoomContext, fresh_output, short_fields
 from aioembed.session.room_deadlines import RoomDeadlines
 from aioembed.session.run_once import RunOnce
 from aioembed.session.stream import Chunk, LeasedChunk, RoomStream, StreamItem
@@ -246,8 +247,10 @@ class EmbeddingReceiver:
                 self.observer.sender_closed(sender=conn.address)
 
     def _idle(self, conn: SenderConnection) -> bool:
-        """No room uses ``conn`` and no block its sender may still write is held: it can go."""
-        return not conn.rooms and not (conn.sender_id and self.keeper.ledger.grants(sender=conn.sender_id))
+        """No room uses ``conn``, nobody awaits its handshake (``wait_connected()``: closed under it, that call failed
+        with "the connection ... was closed") and no block its sender may still write is held: it can go."""
+        return (not conn.rooms and not conn.waiters
+                and not (conn.sender_id and self.keeper.ledger.grants(sender=conn.sender_id)))
 
     async def _close_when_idle(self, conn: SenderConnection) -> None:
         """Close ``conn`` once no room started on it for ``sender_idle_timeout`` (and it holds nothing):
@@ -271,7 +274,8 @@ class EmbeddingReceiver:
     def _close_an_idle_connection(self) -> None:
         idle = [c for c in self._conns.values() if self._idle(c)]
         if not idle:
-            raise InvalidRequest(f"this receiver already has {len(self._conns)} senders with rooms or fenced blocks "
+            raise InvalidRequest(f"this receiver already has {len(self._conns)} senders with rooms, fenced blocks or "
+                                 "a wait_connected() in progress "
                                  f"(max_senders={self.config.max_senders})")
         oldest = min(idle, key=lambda c: c.last_used)
         log.info("receiver[%d]: closing the connection to sender %s to make room (max_senders=%d)", self.rank,
@@ -299,10 +303,17 @@ class EmbeddingReceiver:
         return conn is not None and conn.ready
 
     async def wait_connected(self, timeout: float | None = None, *, sender: str | None = None) -> None:
-        """Wait for a handshake with ``sender`` (default: ``connect``; deadline: ``handshake_timeout``)."""
+        """Wait for a handshake with ``sender`` (default: ``connect``; deadline: ``handshake_timeout``). Meanwhile its
+        connection is in use: it is not closed to make room under ``max_senders``, nor as idle."""
         self._check_running()
+        seconds = timeout_seconds("timeout", timeout, self.config.handshake_timeout)
         conn = self._connection(self._sender_address(sender))
-        await conn.wait_ready(self.config.handshake_timeout if timeout is None else timeout)
+        conn.waiters += 1
+        try:
+            await conn.wait_ready(seconds)
+        finally:
+            conn.waiters -= 1
+            conn.touch()  # idle from now on (if no room came): its idle timeout counts from here
 
     def _check_running(self) -> None:
         if self._closing:
@@ -507,7 +518,7 @@ class EmbeddingReceiver:
     def _output_for(self, room: RoomId, total: int, out: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The room's output: the caller's tensors (checked) or fresh ones, for ``total`` tokens."""
         if out is None:
-            return self.outputs.empty(self.layout, total, self.pool.device)
+            return fresh_output(self.outputs, self.layout, total, self.pool.device, room)
         short = short_fields(out, total)
         if short:
             raise InvalidRequest(f"room {room!r}: its parts hold {total} tokens but out= holds only {short}")

@@ -73,5 +73,10 @@ class RoomInbox(Generic[T]):
         if self._waiter is not None:
             self._waiter.set()
 
+    @property
+    def capacity(self) -> int:
+        """The most items it queues."""
+        return self._capacity
+
     def __len__(self) -> int:
         return len(self._items)

@@ -86,7 +86,7 @@ from aioembed.protocol.ownership import (
 from aioembed.session.async_library import KnownAsyncLibrary
 from aioembed.session.backend import check_backend
 from aioembed.session.copy_out import COPY_INLINE_BYTES
-from aioembed.session.deadlines import DeadlineTimer
+from aioembed.session.deadlines import DeadlineTimer, timeout_seconds
 from aioembed.session.guarded_observer import GuardedObserver
 from aioembed.session.liveness import LoopWatch, PeerClock
 from aioembed.session.peer_sessions import PeerDirectory, PeerSession, handshake_problems
@@ -538,6 +538,10 @@ class EmbeddingSender:
         if not 1 <= num_tokens <= cfg.max_request_tokens:
             raise InvalidRequest(f"room {room!r}: {num_tokens} tokens; allowed 1..{cfg.max_request_tokens} "
                                  "(max_request_tokens)")
+        if metadata is not None and not isinstance(metadata, Mapping):
+            # dict() of it failed (reported as preparing the request's rows) or took a list of pairs, a "" as {}.
+            raise InvalidRequest(f"room {room!r}: metadata must be a mapping with str keys (or None), got "
+                                 f"{type(metadata).__name__}")
         meta = dict(metadata or {})
         try:
             check_metadata(meta, cfg.max_metadata_bytes)  # the codec's own rules: nothing fails later
@@ -1298,7 +1302,9 @@ class EmbeddingSender:
         """Wait until ``count`` receivers hold a session with this sender (a readiness check); raises
         ``TimeoutError`` after ``timeout`` seconds (default: ``handshake_timeout``)."""
         self._check_running()
-        with anyio.fail_after(self.config.handshake_timeout if timeout is None else timeout):
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise InvalidRequest(f"count={count!r} must be an int (how many receivers to wait for)")
+        with anyio.fail_after(timeout_seconds("timeout", timeout, self.config.handshake_timeout)):
             while len(self._peers) < count:
                 await self._joined.wait()
 
