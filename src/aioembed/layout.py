@@ -12,7 +12,7 @@ import torch
 
 from aioembed.errors import LayoutError
 
-__all__ = ["Field", "Layout", "bytes_are_values"]
+__all__ = ["Field", "Layout", "bytes_are_values", "plain_values"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,8 @@ def bytes_are_values(t: torch.Tensor) -> bool:
     tensor) or a negative view, which torch applies a bit to when the tensor is read. A transport, and a
     ``memmove``, move bytes: such a tensor is contiguous, yet moving its memory as it lies moves other values."""
     return not (t.is_conj() or t.is_neg())
+
+
+def plain_values(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in contiguous memory that holds them as bytes (a copy unless ``t`` already is that)."""
+    return t.resolve_conj().resolve_neg().contiguous()

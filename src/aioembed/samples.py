@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from aioembed.layout import Field, Layout
+from aioembed.layout import Field, Layout, bytes_are_values, plain_values
 
 __all__ = ["checksum", "deterministic_request", "same_rows", "standard_layout"]
 
@@ -46,7 +46,8 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over every field's bytes, fields in name order: equal hashes, equal rows."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
+        # (A conjugate or negative view holds other bytes than its values: resolved, its values are hashed.)
+        t = plain_values(tensors[name].detach().cpu())
         h.update(name.encode())
         nbytes = t.numel() * t.element_size()
         if nbytes:
@@ -74,12 +75,16 @@ def same_rows(got: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], want: Ma
             at += p.shape[0]
             if p.dtype != part.dtype or tuple(p.shape[1:]) != tuple(part.shape[1:]):
                 return False
-            if p.device.type == "cpu" and part.device.type == "cpu" and p.is_contiguous() and part.is_contiguous():
+            if (p.device.type == "cpu" and part.device.type == "cpu" and p.is_contiguous() and part.is_contiguous()
+                    and bytes_are_values(p) and bytes_are_values(part)):
                 nbytes = part.numel() * part.element_size()
                 if nbytes and _memcmp(p.data_ptr(), part.data_ptr(), nbytes) != 0:
                     return False
             else:
+                # A conjugate or negative view's memory holds other bytes than its values (and torch refuses a
+                # byte view of it): its values are compared, resolved.
                 on = p.device if p.device.type == "cuda" else part.device  # compare on the GPU when one holds rows
-                if not torch.equal(p.contiguous().view(torch.uint8).to(on), part.contiguous().view(torch.uint8).to(on)):
+                a, b = (plain_values(t).view(torch.uint8).to(on) for t in (p, part))
+                if not torch.equal(a, b):
                     return False
     return True

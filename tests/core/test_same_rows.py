@@ -54,3 +54,25 @@ def test_rows_on_a_gpu_are_compared_with_rows_on_the_cpu() -> None:
     on_gpu["ids"][3] += 1
     assert not same_rows(on_gpu, want)
     assert not same_rows(want, on_gpu)
+
+
+@pytest.mark.parametrize("lazy", [torch.Tensor.conj, torch.Tensor._neg_view], ids=["conj", "neg"])
+def test_a_conjugate_or_negative_view_is_compared_and_hashed_as_its_values(lazy: object) -> None:
+    """``x.conj()`` of a complex field (or a negative view) is contiguous, but its memory holds ``x``'s rows: the
+    ``memcmp`` path took it for ``x`` (and found the rows sent as its values different), the ``torch.equal`` path
+    raised (a byte view of it is refused), and ``checksum`` hashed ``x``'s bytes."""
+    from aioembed.samples import checksum
+
+    x = torch.randn(10, 6, dtype=torch.complex64) if lazy is torch.Tensor.conj else torch.randn(10, 6)
+    view = lazy(x)  # type: ignore[operator]
+    values = view.resolve_conj().resolve_neg()
+    assert view.is_contiguous() and not torch.equal(values, x)
+    assert same_rows({"f": values}, {"f": view})
+    assert same_rows({"f": view}, {"f": values})
+    assert not same_rows({"f": x.clone()}, {"f": view})
+    assert not same_rows({"f": view}, {"f": x.clone()})
+    wide = torch.zeros(20, 6, dtype=x.dtype)
+    wide[::2] = values
+    assert same_rows({"f": wide[::2]}, {"f": view})  # the torch.equal path
+    assert checksum({"f": view}) == checksum({"f": values})
+    assert checksum({"f": view}) != checksum({"f": x})

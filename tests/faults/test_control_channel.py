@@ -486,3 +486,33 @@ async def test_a_handler_closing_its_channel_ends_the_io_task_cleanly() -> None:
         chan.close()
         peer.close(linger=0)
         ctx.term()
+
+
+async def test_a_handler_closing_its_channel_mid_bundle_gets_none_of_the_bundles_later_messages() -> None:
+    """The same within one bundle (the sides' channels bundle their messages): the messages bundled behind the one
+    whose handler closed the channel are not handed to the handler of a closed channel either."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    got: list[bytes] = []
+
+    def handle(frames: list[bytes]) -> None:
+        got.append(frames[-1])
+        if frames[-1] == b"bye":
+            chan.close()
+
+    chan = ControlSocket(router, handle, name="test-router", routed=True, bundles=True)
+    try:
+        peer.send_multipart([b"one", b"bye", b"after"])  # one bundle of three messages
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(chan.run)
+        assert got == [b"one", b"bye"], got
+    finally:
+        chan.close()
+        peer.close(linger=0)
+        ctx.term()

@@ -276,6 +276,8 @@ class ControlSocket:
                 messages = [[frames[0], payload] for payload in payloads] if self._routed else [[p] for p in payloads]
                 budget -= len(messages) - 1
             for message in messages:
+                if self._closed:  # the handler closed this channel: the rest of its bundle goes with the socket
+                    return False
                 self.received += 1
                 try:
                     self._on_frames(message)

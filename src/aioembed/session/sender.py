@@ -45,7 +45,7 @@ from aioembed.errors import (
     TransferTimeout,
     TransportError,
 )
-from aioembed.layout import Layout, bytes_are_values
+from aioembed.layout import Layout, bytes_are_values, plain_values
 from aioembed.log_budget import WarningBudget
 from aioembed.memory.device_order import fence_after, wait_fence
 from aioembed.memory.staging import StagedRows, StagingArea
@@ -166,11 +166,6 @@ class _Unregistration:
 log = logging.getLogger(__name__)
 
 _TOMBSTONES = 4096
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values in contiguous memory of their own bytes (a copy unless ``t`` already is that)."""
-    return t.resolve_conj().resolve_neg().contiguous()
 
 
 class EmbeddingSender:
@@ -668,11 +663,11 @@ class EmbeddingSender:
             if not t.is_contiguous() or not bytes_are_values(t):
                 if t.device.type == "cuda":
                     with torch.cuda.stream(stream or torch.cuda.current_stream(t.device)):
-                        t = _plain(t)  # a kernel queued after the producer's: the fence covers both
+                        t = plain_values(t)  # a kernel queued after the producer's: the fence covers both
                 elif t.numel() * t.element_size() > COPY_INLINE_BYTES:
-                    t = await anyio.to_thread.run_sync(_plain, t)
+                    t = await anyio.to_thread.run_sync(plain_values, t)
                 else:
-                    t = _plain(t)
+                    t = plain_values(t)
             sources.append(t)
         try:
             fence = fence_after(sources, stream)
