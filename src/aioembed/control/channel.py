@@ -40,12 +40,11 @@ import zmq
 from aioembed.errors import AioembedError
 from aioembed.log_budget import WarningBudget
 
-__all__ = ["ControlSocket", "FrameHandler", "SendErrorHandler"]
+__all__ = ["ControlSocket", "FrameHandler"]
 
 log = logging.getLogger(__name__)
 
 FrameHandler = Callable[[list[bytes]], None]
-SendErrorHandler = Callable[[Sequence[bytes], zmq.ZMQError], None]
 
 _RECV_BATCH = 256
 _RECV_BATCH_BYTES = 4 << 20
@@ -74,7 +73,6 @@ class ControlSocket:
         on_frames: FrameHandler,
         *,
         name: str,
-        on_send_error: SendErrorHandler | None = None,
         max_outbox: int = 1 << 16,
         routed: bool = False,
         bundles: bool = False,
@@ -82,7 +80,6 @@ class ControlSocket:
         self.sock = sock
         self.name = name
         self._on_frames = on_frames
-        self._on_send_error = on_send_error
         self._routed = routed
         self._bundles = bundles
         # peer (first frame for a ROUTER, b"" otherwise) -> its queued messages, in arrival order
@@ -142,10 +139,8 @@ class ControlSocket:
         except zmq.Again:
             return False  # at the high-water mark: the caller queues it and wakes the I/O task, which retries
         except zmq.ZMQError as exc:
-            try:
-                self._send_failed(frames, exc)
-            finally:
-                self._wake_if_input()
+            self._send_failed(exc)
+            self._wake_if_input()
             return True
         self.sent += 1
         self._wake_if_input()
@@ -155,14 +150,12 @@ class ControlSocket:
         if int(self.sock.get(zmq.EVENTS)) & zmq.POLLIN:
             self._poke()
 
-    def _send_failed(self, frames: Sequence[bytes], exc: zmq.ZMQError) -> None:
-        """A message ZeroMQ refused for good (not ``Again``): dropped, logged, reported."""
+    def _send_failed(self, exc: zmq.ZMQError) -> None:
+        """A message ZeroMQ refused for good (not ``Again``): dropped and logged."""
         if exc.errno == errno.EHOSTUNREACH:
             log.debug("%s: peer unreachable, message dropped", self.name)
         else:
             self._warnings.warn("send", "%s: send failed: %s", self.name, exc)
-        if self._on_send_error is not None:
-            self._on_send_error(frames, exc)
 
     def _poke(self) -> None:
         self._poked = True
@@ -198,7 +191,8 @@ class ControlSocket:
                     break
                 except zmq.ZMQError as exc:
                     for _ in range(n):
-                        self._send_failed(outbox.popleft(), exc)
+                        outbox.popleft()
+                        self._send_failed(exc)
                     self._queued -= n
                     continue
                 for _ in range(n):
