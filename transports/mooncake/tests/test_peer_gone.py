@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -232,3 +233,119 @@ def test_a_write_the_lanes_dropped_says_so(protocol: str, elapsed: float, explai
     msg = str(err.value)
     assert "127.0.0.1:15000" in msg and "status [-1]" in msg and "may still be written" in msg
     assert (f"no progress within the engine's TCP lane timeout, {TIMEOUT}s" in msg) is explained, msg
+
+
+async def test_a_close_after_a_connect_cancelled_on_a_frozen_peer_destroys_the_engine_when_its_call_returns(
+    peer: tuple[subprocess.Popen[str], dict[str, object]],
+) -> None:
+    """connect()'s probe and one-byte read run in worker threads that a cancelled connect() abandons; against a
+    frozen peer they return only at the engine's timeout. ``aclose()`` then left the engine to them: it was
+    destroyed on a worker thread whenever the call returned, and the environment the plugin set for it
+    (``MC_FORCE_TCP``) was never the user's again, though no engine ran any more (found by a review). Now the
+    last such call to return destroys it as ``aclose()`` does."""
+    import weakref
+
+    from aioembed_mooncake import _engine
+
+    proc, info = peer
+    assert _engine._engines_alive() == 0, "an engine of an earlier test is still alive"
+    before = _engine._USERS.get("MC_FORCE_TCP", os.environ.get("MC_FORCE_TCP"))  # the user's own value
+    os.kill(proc.pid, signal.SIGSTOP)
+    wait_stopped(proc.pid)
+    t = await MooncakeTransport.open(OPTIONS)
+    engine = weakref.ref(t._engine)
+    port = t.rpc_port
+    with anyio.move_on_after(1.0) as scope:
+        await t.connect(bytes.fromhex(str(info["descriptor"])))
+    assert scope.cancelled_caught, "connect() to a frozen peer returned"
+    await t.aclose()  # returns at once: the abandoned call holds the engine until the peer answers
+    assert engine() is not None  # still in the abandoned call's hands
+    os.kill(proc.pid, signal.SIGCONT)  # the peer answers: the abandoned call returns
+    with anyio.fail_after(60):
+        while engine() is not None:
+            await anyio.sleep(0.02)
+    with anyio.move_on_after(5):  # the weak reference dies as the destructor begins: the rest comes after it
+        while os.environ.get("MC_FORCE_TCP") != before:
+            await anyio.sleep(0.02)
+    assert _engine._engines_alive() == 0
+    assert os.environ.get("MC_FORCE_TCP") == before, "the engine is gone, but the environment set for it stayed"
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+        pass  # its handshake listener is gone with it
+
+
+class _SubmitFailsAfter:
+    """An engine whose ``transfer_submit_write`` raises after ``n`` calls (anything else goes to the real one)."""
+
+    def __init__(self, engine: Any, n: int) -> None:
+        self._engine, self._left = engine, n
+
+    def transfer_submit_write(self, *args: Any) -> int:
+        if self._left == 0:
+            raise RuntimeError("engine refused the submit")
+        self._left -= 1
+        return int(self._engine.transfer_submit_write(*args))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+async def test_a_submit_that_raises_partway_says_when_the_transfers_it_left_ended(
+    peer: tuple[subprocess.Popen[str], dict[str, object]],
+) -> None:
+    """The engine raised at the third submit of a batch: the write failed with that RuntimeError (the session's
+    boundary makes it a TransportError with no ``settled``), and the two transfers already submitted, which go on
+    moving for as long as they make progress, were fenced only for ``write_lifetime``, unlike those of a write
+    that timed out (found by a review). Now it is a TransportError whose ``settled`` waits for them."""
+    proc, info = peer
+    src = torch.full((SIZE,), 9, dtype=torch.uint8)
+    async with await MooncakeTransport.open(dict(OPTIONS, max_batch_bytes=64 << 10)) as t:
+        link, dst = await _linked(t, src, info)
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_stopped(proc.pid)
+        real = t._engine
+        t._engine = _SubmitFailsAfter(real, 2)
+        try:
+            with pytest.raises(TransportError) as err:
+                await link.write([WriteOp(src.data_ptr(), dst, SIZE)])  # 16 transfers of 64 KiB
+        finally:
+            t._engine = real
+        assert err.value.may_land is True and err.value.settled is not None, err.value
+        assert isinstance(err.value.__cause__, RuntimeError) and link.session in str(err.value)
+        settled = err.value.settled
+        with anyio.move_on_after(1.0) as early:
+            await settled()
+        assert early.cancelled_caught, "settled while the peer is still frozen"
+        os.kill(proc.pid, signal.SIGCONT)
+        with anyio.fail_after(60):
+            await settled()
+        assert t._poller.pending == 0 and link._credits.available == link._credits.total
+
+
+async def test_a_failed_writes_error_kept_past_close_does_not_keep_the_engine(
+    peer: tuple[subprocess.Popen[str], dict[str, object]],
+) -> None:
+    """A failed write's TransportError kept its traceback, whose frame of the write held the engine in a local:
+    a sender that kept the error (a room's failure) and closed had ``aclose()`` leave the engine alive (threads,
+    listener), destroyed later wherever the error went, and the environment set for it never given back
+    (found by a review)."""
+    import gc
+    import weakref
+
+    from aioembed_mooncake import _engine
+
+    proc, info = peer
+    gc.collect()
+    assert _engine._engines_alive() == 0, "an engine of an earlier test is still alive"
+    before = _engine._USERS.get("MC_FORCE_TCP", os.environ.get("MC_FORCE_TCP"))  # the user's own value
+    src = torch.full((SIZE,), 4, dtype=torch.uint8)
+    t = await MooncakeTransport.open(OPTIONS)
+    engine = weakref.ref(t._engine)
+    link, dst = await _linked(t, src, info)
+    proc.kill()
+    proc.wait()
+    with pytest.raises(TransportError) as err:
+        await link.write([WriteOp(src.data_ptr(), dst, 4096)])
+    await t.aclose()
+    assert err.value.__traceback__ is not None  # kept, as a room's failure keeps it
+    assert engine() is None, "aclose() left the engine alive: the failed write's error holds it"
+    assert os.environ.get("MC_FORCE_TCP") == before, "the environment set for the engine stayed"

@@ -286,3 +286,30 @@ def test_drivers_of_closed_event_loops_are_forgotten() -> None:
         assert list(table) == [running]
     finally:
         running.close()
+
+
+async def test_a_cancelled_register_or_unregister_changes_nothing() -> None:
+    """register() recorded its regions and then yielded: cancelled there (a caller's deadline), it raised with the
+    regions registered, so its caller, told it failed, never unregistered them, and the endpoint's descriptor
+    went on announcing memory the caller may free for a peer to write into. unregister() likewise removed them
+    and then raised, so a retry was refused as "not registered" (found by a review)."""
+    t = await open_transport("ucx", UCX_OPTIONS)
+    buf = torch.zeros(SIZE, dtype=torch.uint8)
+    region = region_of(buf)
+    owner = ucx_transport(t)
+    try:
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await t.register([region])
+        assert scope.cancelled_caught
+        assert not owner.regions.covers(buf.data_ptr(), SIZE), "a register() that raised left its region registered"
+        await t.register([region])
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await t.unregister([region])
+        assert scope.cancelled_caught
+        assert owner.regions.covers(buf.data_ptr(), SIZE), "an unregister() that raised unregistered its region"
+        await t.unregister([region])  # the one registration, undone once
+        assert len(owner.regions) == 0
+    finally:
+        await t.aclose()

@@ -12,8 +12,8 @@ only its own link. The transport works under asyncio and trio alike.
 Failure semantics (see the README): the engine cannot cancel a transfer. A write returns (or
 raises) once every transfer it submitted has a final status (done or failed: one reported past
 ``MC_SLICE_TIMEOUT`` is still in flight), after which only bytes already in socket buffers can
-still land; or it raises at ``transfer_timeout`` with transfers still in flight, and its error's
-``settled`` says when they ended.
+still land; or it raises at ``transfer_timeout`` (or at a submit the engine failed with an exception) with
+transfers still in flight, and its error's ``settled`` says when they ended.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import logging
 import math
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self
@@ -300,6 +301,12 @@ class MooncakeTransport(Transport):
         again, unless their last reads have not ended (a frozen peer: nothing piles up), until a read fails: the
         engine then closes those lanes, and the peer is forgotten."""
         self._links: set[MooncakeLink] = set()
+        self._calls_lock = threading.Lock()
+        self._calls = 0
+        """``connect()``'s blocking engine calls under way in worker threads (:meth:`_connect_call`): a cancelled
+        ``connect()`` abandons them, and each holds the engine until it returns."""
+        self._engine_left: list[Any] | None = None
+        """The engine, boxed, where ``aclose()`` found such calls still in it: the last of them destroys it."""
         self._inflight = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -424,7 +431,66 @@ class MooncakeTransport(Transport):
         await anyio.to_thread.run_sync(engine.unregister_memory, self._scratch_address)
         box = [engine]
         del engine
+        with self._calls_lock:
+            calls = self._calls
+            if calls:
+                self._engine_left = box
+        if calls:
+            # Not waited for: against a frozen peer such a call returns only at the engine's timeout (about 60 s),
+            # and it moves nothing into registered memory (its read lands in the process's scratch buffer).
+            log.info("mooncake transport: endpoint %s closed with %d connect() call(s) still in its engine (a "
+                     "cancelled connect() to an unanswering peer): the engine is destroyed when they return",
+                     self.session, calls)
+            return
         await anyio.to_thread.run_sync(destroy_engine, box, self.rpc_port)
+
+    async def _connect_call(self, name: str, *args: Any) -> int:
+        """Run the engine's blocking ``name(*args)`` for ``connect()`` in a worker thread that a cancellation
+        abandons (against a frozen peer it returns only at the engine's timeout, about 60 s).
+
+        Such a call holds the engine while it runs, and ``aclose()`` does not wait for it: it leaves the engine to
+        the last of these calls to return, which destroys it as ``aclose()`` would have, and gives the environment
+        back (see ``_engine``). Before, the engine went wherever its last reference went once the call returned (a
+        worker thread, the loop if ``connect()`` still ran) and the environment set for it was never the user's
+        again. So nothing here keeps a reference to the engine past the call: not this coroutine, not a call the
+        worker never started (cancelled before it began)."""
+        held = [getattr(self._check_open(), name)]
+        with self._calls_lock:
+            self._calls += 1
+
+        def run() -> int:
+            with self._calls_lock:
+                if not held:
+                    return 0  # given up before it began (the caller is gone)
+                call = held.pop()
+            try:
+                return int(call(*args))
+            finally:
+                del call
+                box = self._call_ended()
+                if box is not None:
+                    destroy_engine(box, self.rpc_port)
+
+        try:
+            return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+        except BaseException:
+            with self._calls_lock:
+                never_ran = bool(held)
+                held.clear()
+            if never_ran and (box := self._call_ended()) is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(destroy_engine, box, self.rpc_port)
+            raise
+
+    def _call_ended(self) -> list[Any] | None:
+        """One of :meth:`_connect_call`'s calls is out of the engine; the engine's box if it was the last one and
+        the endpoint closed meanwhile (the caller destroys it then)."""
+        with self._calls_lock:
+            self._calls -= 1
+            if self._calls or self._engine_left is None:
+                return None
+            box, self._engine_left = self._engine_left, None
+            return box
 
     # -- registration --------------------------------------------------------------------
 
@@ -438,7 +504,9 @@ class MooncakeTransport(Transport):
         return self._tcp_sources and device == "cpu"
 
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
-        engine = self._check_open()
+        # The engine is looked up where it is called, never held in a local: a raised error's traceback keeps
+        # this frame, and an engine it held would outlive aclose() (see _write).
+        self._check_open()
         regions = list(regions)
         mod = load_engine_module()
         for r in regions:
@@ -455,7 +523,7 @@ class MooncakeTransport(Transport):
                 new = self._reg.plan_add(regions)
                 if new:
                     rc = await self._register_call(
-                        engine.batch_register_memory, [p.start for p in new], [p.length for p in new]
+                        self._engine.batch_register_memory, [p.start for p in new], [p.length for p in new]
                     )
                     if rc != 0:
                         raise TransportError(
@@ -465,7 +533,7 @@ class MooncakeTransport(Transport):
                 self._reg.commit_add(regions, new)
 
     async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
-        engine = self._check_open()
+        self._check_open()  # the engine is not held in a local: see register()
         regions = list(regions)
         if not regions:
             return
@@ -474,7 +542,7 @@ class MooncakeTransport(Transport):
                 self._check_open()
                 orphans = self._reg.remove(regions)  # raises, changing nothing, for unknown regions
                 if orphans:
-                    rc = await self._register_call(engine.batch_unregister_memory, [p.start for p in orphans])
+                    rc = await self._register_call(self._engine.batch_unregister_memory, [p.start for p in orphans])
                     if rc != 0:
                         # Keep them recorded: they are retried on the next unregister and at close.
                         raise TransportError(
@@ -510,7 +578,8 @@ class MooncakeTransport(Transport):
         )
 
     async def connect(self, peer_descriptor: bytes) -> MooncakeLink:
-        engine = self._check_open()
+        # No reference to the engine is kept across the awaits below (see _connect_call).
+        probes = hasattr(self._check_open(), "send_probe")
         try:
             desc = msgpack.unpackb(peer_descriptor, raw=False)
             if not isinstance(desc, dict) or desc.get("transport") != self.name:
@@ -533,9 +602,8 @@ class MooncakeTransport(Transport):
                 f"mooncake peer {session} uses protocol {protocol!r}, this endpoint {self.config.protocol!r}; "
                 "set the same transport_options.protocol on both sides"
             )
-        probe = getattr(engine, "send_probe", None)
-        if probe is not None:
-            rc = await anyio.to_thread.run_sync(probe, session, abandon_on_cancel=True)
+        if probes:
+            rc = await self._connect_call("send_probe", session)
             if rc != 0:
                 raise TransportError(
                     f"mooncake peer {session} is not reachable (probe returned {rc}); the peer advertises the "
@@ -546,9 +614,7 @@ class MooncakeTransport(Transport):
         # stall writes to every peer for about a minute. A one-byte read leaves the peer untouched.
         first = min(announced, key=lambda r: r.address, default=None)
         if first is not None:
-            read = engine.transfer_sync_read
-            rc = await anyio.to_thread.run_sync(read, session, self._scratch_address, first.address, 1,
-                                                abandon_on_cancel=True)
+            rc = await self._connect_call("transfer_sync_read", session, self._scratch_address, first.address, 1)
             if rc != 0:
                 raise TransportError(f"mooncake peer {session}: opening the data connection (a one-byte read of "
                                      f"its pool) returned {rc}")
@@ -678,7 +744,11 @@ class MooncakeTransport(Transport):
     async def _write(self, link: MooncakeLink, ops: Sequence[WriteOp]) -> None:
         if link._closed or self.closed:
             raise TransportError(f"write on a closed link to {link.peer}")
-        engine = self._check_open()
+        # Not `engine = self._check_open()`: the error a failed write raises keeps this frame in its traceback, and
+        # an engine held here outlived the endpoint's aclose() for as long as a sender kept the error (a room's
+        # failure), destroyed later wherever that went, the environment set for it never given back. The engine
+        # is looked up where it is called (aclose() keeps it while a write runs: _engine_busy).
+        self._check_open()
         if not ops:
             await anyio.lowlevel.checkpoint()
             return
@@ -700,7 +770,7 @@ class MooncakeTransport(Transport):
                     deadline = anyio.current_time() + self.transfer_timeout
                 transfers: list[PendingTransfer] = []
                 try:
-                    await self._submit(engine, link, chunk, transfers)
+                    await self._submit(link, chunk, transfers)
                     done = await self._poller.wait(transfers, deadline)  # not cancellable: see wait()
                 finally:
                     self._return_credits(link, transfers, taken)
@@ -782,15 +852,14 @@ class MooncakeTransport(Transport):
             t.on_done = lambda: link._credits.give(1)
         link._credits.give(taken - len(pending))
 
-    async def _submit(self, engine: Any, link: MooncakeLink, chunk: list[tuple[int, int, int]],
-                      out: list[PendingTransfer]) -> None:
+    async def _submit(self, link: MooncakeLink, chunk: list[tuple[int, int, int]], out: list[PendingTransfer]) -> None:
         """Queue every transfer of ``chunk`` into ``out`` (stopping at the first the engine refuses: id 0).
-        What was submitted is tracked even if a submit raises midway (the rest may still be moving)."""
-        submit = engine.transfer_submit_write
-
+        What was submitted is tracked even if a submit raises midway (the rest may still be moving), and the
+        ``TransportError`` raised then says, as a timed-out write's does (``settled``), when those ended: they go
+        on moving for as long as they make progress, which ``write_lifetime`` alone does not bound."""
         def run() -> None:
-            for src, dst, n in chunk:
-                batch = int(submit(link.session, src, dst, n))
+            for src, dst, n in chunk:  # the engine looked up per call, held by no frame (see _write)
+                batch = int(self._engine.transfer_submit_write(link.session, src, dst, n))
                 if batch == 0:
                     break
                 out.append(PendingTransfer(batch, n, queue_key(link.session, n)))
@@ -805,6 +874,16 @@ class MooncakeTransport(Transport):
                 # peer can block inside the engine.
                 with anyio.CancelScope(shield=True):  # submitted transfers must be tracked, whatever happens
                     await anyio.to_thread.run_sync(run, limiter=link._submits)
+        except Exception as exc:
+            left = list(out)
+            raise TransportError(
+                f"mooncake write to peer {link.session}: submitting engine transfer {len(out) + 1} of {len(chunk)} "
+                f"raised {type(exc).__name__}: {exc}"
+                + (f"; the {len(left)} submitted before it ({sum(t.length for t in left)} bytes) cannot be cancelled "
+                   "and may still land for as long as they make progress, so the destination is not reused before "
+                   "they ended" if left else ""),
+                may_land=True, settled=functools.partial(self._settled, left) if left else None,
+            ) from exc
         finally:
             self._poller.add(out)
 

@@ -318,13 +318,17 @@ class UcxTransport(Transport):
             if r.device != "cpu" and (problem := self.options.cuda_problem(os.environ)) is not None:
                 # Refused here, not as a ucxx ValueError in the middle of a write.
                 raise ConfigError(f"ucx transport cannot move {r.device} memory: {problem}")
-        self._memory.add(list(regions))
+        # The checkpoint comes first: a cancel delivered there raises with nothing recorded. Recorded first, a
+        # register() that raised left its regions announced, never to be unregistered by a caller told it failed.
         await asyncio.sleep(0)
+        self._check_open()
+        self._memory.add(list(regions))
 
     async def unregister(self, regions: Sequence[MemoryRegion]) -> None:
         self._check_open()
+        await asyncio.sleep(0)  # before the change, as in register(): one that raises has changed nothing
+        self._check_open()
         self._memory.remove(list(regions))
-        await asyncio.sleep(0)
 
     def descriptor(self) -> bytes:
         self._check_open()
