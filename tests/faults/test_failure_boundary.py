@@ -181,7 +181,7 @@ async def test_metadata_the_codec_refuses_is_refused_by_send_and_ends_the_room_a
         t0 = time.monotonic()
         with pytest.raises(TransferAborted, match=r"send\(\) refused the request: .*metadata"):
             await handle.result()
-        assert time.monotonic() - t0 < 1.0  # at once, not after input_timeout
+        assert time.monotonic() - t0 < 10.0  # at once, not after input_timeout (60 s)
         await _serves(sender, receiver, "after")
         await wait_pools_free(sender, receiver)
 
@@ -216,7 +216,7 @@ async def test_a_tensor_on_a_device_no_transport_moves_is_refused_and_ends_the_r
         t0 = time.monotonic()
         with pytest.raises(TransferAborted, match=r"send\(\) refused the request: .*meta"):
             await handle.result()
-        assert time.monotonic() - t0 < 1.0  # at once, not after input_timeout
+        assert time.monotonic() - t0 < 10.0  # at once, not after input_timeout (60 s)
         await _serves(sender, receiver, "after")
         assert sender.sources_held == 0
 
