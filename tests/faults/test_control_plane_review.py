@@ -290,6 +290,34 @@ async def test_a_refused_handshake_is_tried_again(monkeypatch: pytest.MonkeyPatc
             await _served(s, r, 2)
 
 
+async def test_a_session_loss_told_while_refused_does_not_leave_handshake_waiters_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a connection is refused (between sessions), something may still report the loss of its last session:
+    ``declare_sender_gone()`` for the sender it served before, a late PONG of that session, a drop of the refusing
+    sender's connection. ``session_lost`` took the refusal's set ready event for a live session and replaced it
+    with an unset one: handshake waiters then slept on an event nothing would set (the retry makes another), each
+    for its whole timeout, instead of seeing the refusal at once (or the next handshake)."""
+    monkeypatch.setattr(connection, "REFUSAL_RETRY", 1.0)
+    address = f"tcp://127.0.0.1:{fixed_port()}"
+    good = CFG.replace(handshake_timeout=2.0, input_timeout=3.0)
+    async with EmbeddingReceiver(LAYOUT, good, connect=address) as r:
+        async with EmbeddingSender(LAYOUT, good, bind=address) as s:
+            await _served(s, r, 1)  # a session, whose writer the connection keeps
+        conn = r._conns[address]
+        async with EmbeddingSender(LAYOUT, good.replace(block_size=256), bind=address):
+            with anyio.fail_after(5), pytest.raises(IncompatiblePeer, match="block_size"):
+                await r.wait_connected(timeout=5.0)
+            assert conn.refused is not None
+            r.declare_sender_gone()  # the first sender is gone indeed (reported while refused)
+            with anyio.fail_after(0.5), pytest.raises(IncompatiblePeer, match="block_size"):
+                await r.wait_connected(timeout=5.0)  # the refusal, at once: no session was live to lose
+        async with EmbeddingSender(LAYOUT, good, bind=address) as s:  # fixed, at the same address
+            with anyio.fail_after(5):
+                while not conn.ready:  # refused until the next handshake, a REFUSAL_RETRY later
+                    await anyio.sleep(0.05)
+            await _served(s, r, 2)
+
+
 async def test_one_sender_under_two_addresses_is_refused_on_the_second_not_flipped_for_good() -> None:
     """A receiver reaching one sender as ``tcp://127.0.0.1:P`` and ``tcp://localhost:P``: its two connections
     shared its receiver id, the sender keeps one session per receiver, so each HELLO ended the other connection's

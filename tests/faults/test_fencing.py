@@ -151,3 +151,77 @@ async def test_a_round_settles_once_every_chunk_that_may_land_settled() -> None:
     assert order == ["a"]
     bare = _one_failure([TransportError("e", may_land=True), TransportError("d")])
     assert isinstance(bare, TransportError) and bare.settled is None
+
+
+async def test_a_stall_of_the_senders_loop_that_ends_before_a_failed_writes_lifetime_restarts_it() -> None:
+    """A failed write's lifetime is of the sender's *running* time: a frozen process's engine resumes the write
+    when it thaws. A stall the liveness loop saw, but that ended before the write's expiry (so the expiry timer
+    itself woke on time), must restart the lifetime from the thaw, not let FENCE_RELEASE go out an instant after
+    it (the receiver then frees blocks the thawed write may still reach)."""
+    lifetime, stall = 2.0, 1.4
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, round_timeout=2.0, input_timeout=5.0,
+                         resume_reserve_tokens=0, heartbeat_interval=0.2)
+    late = WriteFault(error=TransportError("write timed out; the destination may still be written"),
+                      fail_after=0.05, land_after=None)
+    writer = MockTransport(cancel_safe_writes=False, write_lifetime=lifetime,
+                           faults=lambda call: late if call.index == 1 else None)
+    async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender, \
+            EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
+        async with anyio.create_task_group() as tg:
+            async def send() -> None:
+                with pytest.raises(TransferFailed):
+                    await sender.send("r", make_request(3000, 1))
+
+            tg.start_soon(send)
+            with pytest.raises(TransferFailed, match="may still be written"):
+                await receiver.receive("r")
+        assert sender.writes_in_flight == 1
+        time.sleep(stall)  # noqa: ASYNC251  (the point: the process freezes, well within the lifetime)
+        thawed = anyio.current_time()
+        await anyio.sleep(lifetime / 2)
+        assert sender.writes_in_flight == 1, (
+            f"the failed write was taken as over {anyio.current_time() - thawed:.2f} s after a {stall} s stall, "
+            f"within its {lifetime} s lifetime of running time")
+        assert receiver.allocator.stats.fenced > 0
+        await wait_pools_free(sender, receiver, timeout=lifetime + 3.0)  # released in the end
+        assert anyio.current_time() - thawed >= lifetime
+
+
+async def test_a_stall_of_the_receivers_loop_restarts_a_gone_senders_orphan_lifetime_with_no_session_live() -> None:
+    """A sender known gone (its address refuses connections): its fenced blocks are freed after the transport's
+    ``orphan_lifetime`` of the receiver's *running* time (bytes in our socket buffers land at a thaw). Stalls were
+    seen only by live sessions' heartbeats, and there is none with a gone sender, or by the release timer when it
+    slept across its deadline: a freeze that ended before the deadline left the blocks freed an instant after it."""
+    orphan, stall = 2.0, 1.4
+    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, round_timeout=2.0, input_timeout=5.0,
+                         resume_reserve_tokens=0, heartbeat_interval=0.2)
+    late = WriteFault(error=TransportError("write timed out; the destination may still be written"),
+                      fail_after=0.05, land_after=None)
+    writer = MockTransport(cancel_safe_writes=False, write_lifetime=60.0,
+                           faults=lambda call: late if call.index == 1 else None)
+    async with EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(orphan_lifetime=orphan)) as receiver:
+        async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender:
+            address = sender.address
+            async with anyio.create_task_group() as tg:
+                async def send() -> None:
+                    with pytest.raises(TransferFailed):
+                        await sender.send("r", make_request(3000, 1))
+
+                tg.start_soon(send)
+                with pytest.raises(TransferFailed, match="may still be written"):
+                    await receiver.receive("r", sender=address)
+        conn = receiver._conns[address]
+        with anyio.fail_after(5):
+            while conn._gone_sender is None:  # its address refuses connections: the sender is gone
+                await anyio.sleep(0.02)
+        assert receiver.allocator.stats.fenced > 0 and not conn.ready
+        time.sleep(stall)  # noqa: ASYNC251  (the point: the process freezes, well within the orphan lifetime)
+        thawed = anyio.current_time()
+        await anyio.sleep(orphan / 2)
+        assert receiver.allocator.stats.fenced > 0, (
+            f"the gone sender's blocks were freed {anyio.current_time() - thawed:.2f} s after a {stall} s stall, "
+            f"within its {orphan} s orphan lifetime of running time")
+        with anyio.fail_after(orphan + 3.0):
+            while receiver.allocator.stats.fenced:  # freed in the end
+                await anyio.sleep(0.05)
+        assert anyio.current_time() - thawed >= orphan

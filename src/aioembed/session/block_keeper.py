@@ -44,13 +44,15 @@ class BlockKeeper:
     """Allocator + ledger of one receiver's pool."""
 
     def __init__(self, allocator: BlockAllocator, *, name: str, observer: TransferObserver,
-                 stall_tolerance: float) -> None:
+                 stall_tolerance: float, watch_every: float | None = None) -> None:
         self.allocator = allocator
         self.ledger = BlockLedger()
         self.name = name
         self.observer = observer
         self.fence_log = FenceLog(log, name)
-        self.timer = DeadlineTimer(self._next_deadline, self._due, self._stalled, stall_tolerance=stall_tolerance)
+        # watch_every: see DeadlineTimer (stalls while windows run, with no live session's heartbeats to see them)
+        self.timer = DeadlineTimer(self._next_deadline, self._due, self._stalled, stall_tolerance=stall_tolerance,
+                                   watch_every=watch_every)
         self.fenced_total: Counter[str] = Counter()
         """Blocks ever fenced, by reason name (for metrics)."""
         self.released_total: Counter[str] = Counter()

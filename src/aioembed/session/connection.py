@@ -402,8 +402,10 @@ class SenderConnection:
         """End the current session: tell its rooms (each fences what the writer may still reach, in the
         order of its own inbox), learn what can be learnt about the sender, shake hands again."""
         writer = self.writer
-        if not self._ready.is_set() or writer is None:
-            return  # between sessions already
+        if not self.ready or writer is None:
+            # Between sessions already: ``_ready`` is also set while refused (to wake handshake waiters), with the
+            # writer of a session lost before; replacing it here left those waiters on an event nothing sets.
+            return
         self._ready = anyio.Event()
         self._lost.set()
         log.warning("%s: session %d lost (%s): %s; %d rooms affected", self.name, writer.epoch, kind.value,

@@ -31,14 +31,22 @@ def timeout_seconds(name: str, value: object, default: float) -> float:
 
 
 class DeadlineTimer:
-    """Calls ``due(now)`` when ``next_deadline()`` comes, or ``stalled(now)`` after a late wake-up."""
+    """Calls ``due(now)`` when ``next_deadline()`` comes, or ``stalled(now)`` after a late wake-up.
+
+    A wake-up only at the deadline sees a stall that lasted across it, not one that ended before it (the window
+    then ends an instant after the thaw). With ``watch_every``, a pending deadline is slept towards in steps of at
+    most that many seconds, each checked for lateness like a heartbeat (late by more than a step: ordinary lag on a
+    busy host must not restart the windows for ever): for an owner with no other task that watches the loop while
+    its windows run (a receiver whose senders are gone has no heartbeats)."""
 
     def __init__(self, next_deadline: Callable[[], float | None], due: Callable[[float], None],
-                 stalled: Callable[[float], None], *, stall_tolerance: float) -> None:
+                 stalled: Callable[[float], None], *, stall_tolerance: float, watch_every: float | None = None) -> None:
         self._next = next_deadline
         self._due = due
         self._stalled = stalled
         self.watch = LoopWatch(stall_tolerance)
+        self._every = watch_every
+        self._steps = LoopWatch(watch_every) if watch_every is not None else None
         self._wake: anyio.Event | None = None
 
     def wake(self) -> None:
@@ -54,11 +62,19 @@ class DeadlineTimer:
             if deadline is None:
                 await wake.wait()
                 continue
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            until = deadline
+            if self._every is not None:
+                until = min(deadline, anyio.current_time() + self._every)
+            with anyio.move_on_after(max(0.0, until - anyio.current_time())):
                 await wake.wait()
             if wake.is_set():
                 continue  # the deadlines changed: look again
             now = anyio.current_time()
+            if until < deadline:  # a step of the watch
+                assert self._steps is not None
+                if self._steps.woke(now, until):
+                    self._stalled(now)
+                continue
             if self.watch.woke(now, deadline):
                 self._stalled(now)
                 continue

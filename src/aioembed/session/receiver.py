@@ -110,7 +110,8 @@ class EmbeddingReceiver:
         """What an ``out=`` may not overlap (checked on every request that passes one; the pool never moves)."""
         self.allocator = BlockAllocator(num_blocks=cfg.pool_blocks, block_size=cfg.block_size)
         self.keeper = BlockKeeper(self.allocator, name=f"receiver[{rank}]", observer=self.observer,
-                                  stall_tolerance=min(0.5, cfg.heartbeat_interval / 2))
+                                  stall_tolerance=min(0.5, cfg.heartbeat_interval / 2),
+                                  watch_every=cfg.heartbeat_interval)
         self.outputs = OutputCache(cfg.output_cache_bytes)
         """Makes ``receive()``'s fresh outputs, from the memory of dropped ones (``outputs.stats``)."""
         self._given_transport = transport

@@ -1247,7 +1247,14 @@ class EmbeddingSender:
             expected = anyio.current_time() + interval
             await anyio.sleep(interval)
             now = anyio.current_time()
-            self._end_silent_sessions(now, limit, starved=watch.woke(now, expected) > 0, interval=interval)
+            starved = watch.woke(now, expected) > 0
+            if starved:
+                # The transport's engine stalled with us (a frozen process): a write that failed and may still land
+                # moves on at the thaw, so its lifetime of running time starts again. The expiry timer sees only a
+                # stall it was asleep across its deadline in; one that ended before it woke it on time.
+                self._ledger_stalled(now)
+                self._timer.wake()
+            self._end_silent_sessions(now, limit, starved=starved, interval=interval)
 
     def _end_silent_sessions(self, now: float, limit: float, *, starved: bool, interval: float) -> None:
         """One look at every session's clock (a method of its own: a loop variable of the liveness loop kept the
