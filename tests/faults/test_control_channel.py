@@ -457,9 +457,11 @@ async def test_closing_the_socket_under_its_running_io_task_ends_the_task_cleanl
         ctx.term()
 
 
-async def test_a_handler_closing_its_channel_ends_the_io_task_cleanly() -> None:
+@pytest.mark.parametrize("bundles", [False, True], ids=["messages", "one-bundle"])
+async def test_a_handler_closing_its_channel_gets_nothing_after_and_the_io_task_ends(bundles: bool) -> None:
     """A frame handler that closes its own channel (a side shutting down on a peer's message): the I/O task stops
-    receiving at once and returns; the frames behind it are neither handled nor read from the closed socket."""
+    receiving at once and returns; the messages behind it, sent apart or bundled with it (the sides' channels
+    bundle), are neither handed to the closed channel's handler nor read from the closed socket."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -474,40 +476,14 @@ async def test_a_handler_closing_its_channel_ends_the_io_task_cleanly() -> None:
         if frames[-1] == b"bye":
             chan.close()
 
-    chan = ControlSocket(router, handle, name="test-router", routed=True)
+    chan = ControlSocket(router, handle, name="test-router", routed=True, bundles=bundles)
     try:
-        for payload in (b"one", b"bye", b"after"):
-            peer.send(payload)
-        with anyio.fail_after(5):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(chan.run)
-        assert got[-1] == b"bye" and b"after" not in got, got
-    finally:
-        chan.close()
-        peer.close(linger=0)
-        ctx.term()
-
-
-async def test_a_handler_closing_its_channel_mid_bundle_gets_none_of_the_bundles_later_messages() -> None:
-    """The same within one bundle (the sides' channels bundle their messages): the messages bundled behind the one
-    whose handler closed the channel are not handed to the handler of a closed channel either."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind("tcp://127.0.0.1:0")
-    peer = ctx.socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
-    got: list[bytes] = []
-
-    def handle(frames: list[bytes]) -> None:
-        got.append(frames[-1])
-        if frames[-1] == b"bye":
-            chan.close()
-
-    chan = ControlSocket(router, handle, name="test-router", routed=True, bundles=True)
-    try:
-        peer.send_multipart([b"one", b"bye", b"after"])  # one bundle of three messages
+        payloads = [b"one", b"bye", b"after"]
+        if bundles:
+            peer.send_multipart(payloads)  # one bundle of three messages
+        else:
+            for payload in payloads:
+                peer.send(payload)
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(chan.run)
