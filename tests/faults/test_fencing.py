@@ -153,18 +153,27 @@ async def test_a_round_settles_once_every_chunk_that_may_land_settled() -> None:
     assert isinstance(bare, TransportError) and bare.settled is None
 
 
+_STALL_CFG = TransferConfig(default_tokens=1024, pool_tokens=4096, round_timeout=2.0, input_timeout=5.0,
+                            resume_reserve_tokens=0, heartbeat_interval=0.2)
+"""For the stall tests: heartbeats every 0.2 s, so a 1.4 s freeze is one the loop watches see."""
+
+
+def _first_write_fails_and_may_land(*, write_lifetime: float) -> MockTransport:
+    """A writer whose first write fails as one that may still land (it never does: the tests watch the fences)."""
+    late = WriteFault(error=TransportError("write timed out; the destination may still be written"),
+                      fail_after=0.05, land_after=None)
+    return MockTransport(cancel_safe_writes=False, write_lifetime=write_lifetime,
+                         faults=lambda call: late if call.index == 1 else None)
+
+
 async def test_a_stall_of_the_senders_loop_that_ends_before_a_failed_writes_lifetime_restarts_it() -> None:
     """A failed write's lifetime is of the sender's *running* time: a frozen process's engine resumes the write
     when it thaws. A stall the liveness loop saw, but that ended before the write's expiry (so the expiry timer
     itself woke on time), must restart the lifetime from the thaw, not let FENCE_RELEASE go out an instant after
     it (the receiver then frees blocks the thawed write may still reach)."""
     lifetime, stall = 2.0, 1.4
-    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, round_timeout=2.0, input_timeout=5.0,
-                         resume_reserve_tokens=0, heartbeat_interval=0.2)
-    late = WriteFault(error=TransportError("write timed out; the destination may still be written"),
-                      fail_after=0.05, land_after=None)
-    writer = MockTransport(cancel_safe_writes=False, write_lifetime=lifetime,
-                           faults=lambda call: late if call.index == 1 else None)
+    cfg = _STALL_CFG
+    writer = _first_write_fails_and_may_land(write_lifetime=lifetime)
     async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
         async with anyio.create_task_group() as tg:
@@ -193,12 +202,8 @@ async def test_a_stall_of_the_receivers_loop_restarts_a_gone_senders_orphan_life
     seen only by live sessions' heartbeats, and there is none with a gone sender, or by the release timer when it
     slept across its deadline: a freeze that ended before the deadline left the blocks freed an instant after it."""
     orphan, stall = 2.0, 1.4
-    cfg = TransferConfig(default_tokens=1024, pool_tokens=4096, round_timeout=2.0, input_timeout=5.0,
-                         resume_reserve_tokens=0, heartbeat_interval=0.2)
-    late = WriteFault(error=TransportError("write timed out; the destination may still be written"),
-                      fail_after=0.05, land_after=None)
-    writer = MockTransport(cancel_safe_writes=False, write_lifetime=60.0,
-                           faults=lambda call: late if call.index == 1 else None)
+    cfg = _STALL_CFG
+    writer = _first_write_fails_and_may_land(write_lifetime=60.0)
     async with EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(orphan_lifetime=orphan)) as receiver:
         async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender:
             address = sender.address

@@ -7,15 +7,13 @@ late-landing machinery, declared truthfully) run through the whole suite.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 
 import pytest
 
 from aioembed.testing import TransportConformance
+from aioembed.testing.conformance import endpoint_pair
 from aioembed.transports import registry
-from aioembed.transports.base import Transport
-from aioembed.transports.boundary import open_guarded
 
 from .broken_plugins import BROKEN, HONEST
 
@@ -28,19 +26,6 @@ def _plugins_by_name(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     builtin = registry._builtin
     monkeypatch.setattr(registry, "_builtin", lambda: {**builtin(), **KNOWN})
     yield
-
-
-@asynccontextmanager
-async def _endpoints(cls: type[Transport]) -> AsyncIterator[tuple[Transport, Transport]]:
-    a = await open_guarded(cls, {})
-    try:
-        b = await open_guarded(cls, {})
-        try:
-            yield a, b
-        finally:
-            await b.aclose()
-    finally:
-        await a.aclose()
 
 
 CAUGHT_BY = [
@@ -72,7 +57,7 @@ suite does not catch passes every attempt."""
 async def test_the_suite_fails_a_broken_plugin(plugin: str, check: str, kwargs: dict[str, float]) -> None:
     suite = type("Suite", (TransportConformance,), {"transport_name": plugin})()
     for passed in range(RACE_ATTEMPTS):
-        async with _endpoints(BROKEN[plugin]) as endpoints:
+        async with endpoint_pair(plugin, {}) as endpoints:  # by name: see _plugins_by_name
             try:
                 await getattr(suite, check)(endpoints, **kwargs)
             except (AssertionError, pytest.fail.Exception) as failure:  # an assert, or a raises() not met

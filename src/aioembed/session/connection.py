@@ -239,7 +239,7 @@ class SenderConnection:
             await self._ready.wait()
         where = "" if room is None else f"room {room!r}: "
         if self.refused is not None:
-            raise self._refusal(self.refused, room)
+            raise self._refusal(self.refused, where, room)
         if self._closed:
             raise TransferFailed(f"{where}the connection to sender {self.address} was closed (receiver rank "
                                  f"{self.rank})", room=room)
@@ -250,12 +250,12 @@ class SenderConnection:
         return self.writer
 
     @staticmethod
-    def _refusal(refused: TransferError, room: RoomId | None) -> TransferError:
+    def _refusal(refused: TransferError, where: str, room: RoomId | None) -> TransferError:
         """The connection's refusal, as an error of its own for one waiter. The refusal is one object for every
         room waiting for the handshake: raised itself, each room's error was that object (naming no room; a
         stream's ``delivered`` set on it showed in the others), and each raise added its room's frames, which
-        hold the caller's ``out=`` buffers, to its one traceback for as long as any of them was kept."""
-        where = "" if room is None else f"room {room!r}: "
+        hold the caller's ``out=`` buffers, to its one traceback for as long as any of them was kept. ``where``
+        prefixes the message (the room, if one waits)."""
         try:
             error = type(refused)(f"{where}{refused}", room=room)
         except TypeError:  # an error class with other arguments: keep the message

@@ -34,7 +34,7 @@ from aioembed.transports.registry import open_transport
 FOREIGN = (RuntimeError, ValueError, OSError)
 """What native engines raise instead of TransportError: the boundary must map each."""
 
-__all__ = ["TransportConformance", "region_of"]
+__all__ = ["TransportConformance", "endpoint_pair", "region_of"]
 
 
 def region_of(t: torch.Tensor) -> MemoryRegion:
@@ -45,6 +45,21 @@ def region_of(t: torch.Tensor) -> MemoryRegion:
 def _random_bytes(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+@asynccontextmanager
+async def endpoint_pair(name: str, options: Mapping[str, Any]) -> AsyncIterator[tuple[Transport, Transport]]:
+    """Two open endpoints of transport ``name`` (writer, owner), opened by name as the sessions open them and
+    closed on leaving."""
+    a = await open_transport(name, options)
+    try:
+        b = await open_transport(name, options)
+        try:
+            yield a, b
+        finally:
+            await b.aclose()
+    finally:
+        await a.aclose()
 
 
 class TransportConformance:
@@ -76,15 +91,8 @@ class TransportConformance:
     @pytest.fixture
     async def endpoints(self) -> AsyncIterator[tuple[Transport, Transport]]:
         """Two open endpoints of the transport under test: (writer, owner)."""
-        a = await open_transport(self.transport_name, self.transport_options)
-        try:
-            b = await open_transport(self.transport_name, self.transport_options)
-            try:
-                yield a, b
-            finally:
-                await b.aclose()
-        finally:
-            await a.aclose()
+        async with endpoint_pair(self.transport_name, self.transport_options) as pair:
+            yield pair
 
     # -- helpers -------------------------------------------------------------------------
 
