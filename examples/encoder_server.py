@@ -110,6 +110,10 @@ class EncoderService:
 
     async def _encode_and_send(self, room: str, part: int | None, image: Image, metadata: dict[str, Any],
                                scope: anyio.CancelScope) -> None:
+        # A room that never reaches send() (its encode failed, or the drain cancelled it while it waited for the
+        # model) is aborted here: the language side asked for it before this encoder answered 202, and would
+        # otherwise wait its whole input_timeout for rows that never come (send() ends the room itself otherwise).
+        unsent: str | None = "the encoder stopped before sending it"
         try:
             with scope:
                 t0 = time.perf_counter()
@@ -119,19 +123,27 @@ class EncoderService:
                 meta = {**metadata, "model": MODEL_NAME, "image_size": [image.width, image.height],
                         "grid_thw": [1, rows_h, cols], "patch_size": PATCH,
                         "encode_seconds": round(time.perf_counter() - t0, 6)}
+                unsent = None
                 # Returns once the language side holds every row (of this part, for a multi-image room).
                 await self.sender.send(room, rows, meta, part=part)
                 self.sent += 1
             if scope.cancelled_caught:
                 self.failed += 1
+                unsent = unsent and "the encoder is shutting down"
                 log.warning("room %s: cancelled (the encoder is shutting down)", room)
         except AioembedError as exc:
             self.failed += 1
             log.warning("room %s: transfer failed: %s: %s", room, type(exc).__name__, exc)
-        except Exception:  # keep serving other rooms whatever one room does
+        except Exception as exc:  # keep serving other rooms whatever one room does
             self.failed += 1
+            unsent = unsent and f"the encoder failed on the image: {type(exc).__name__}: {exc}"
             log.exception("room %s: encode failed", room)
         finally:
+            if unsent is not None:
+                try:
+                    self.sender.abort(room, unsent, part=part)
+                except AioembedError as exc:  # a part index the wire refuses: send() would have refused it too
+                    log.warning("room %s: not aborted: %s", room, exc)
             del self.in_flight[_key(room, part)]
             if not self.in_flight:
                 self._idle.set()

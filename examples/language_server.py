@@ -325,8 +325,18 @@ def build_app(service: LanguageService) -> Starlette:
 
     async def healthz(request: Request) -> JSONResponse:
         st = r.allocator.stats
-        encoders = [{"url": e.url, "control_address": e.control, "connected": await connected(e),
-                     "images": e.images, "in_flight": e.in_flight} for e in service.router.encoders]
+        # Every encoder at once: each one unreachable costs its probe a second (more with a refresh), and one after
+        # the other the answer took that many seconds per encoder down, past a readiness probe's timeout.
+        up: dict[int, bool] = {}
+
+        async def probe(i: int, enc: Encoder) -> None:
+            up[i] = await connected(enc)
+
+        async with anyio.create_task_group() as tg:
+            for i, enc in enumerate(service.router.encoders):
+                tg.start_soon(probe, i, enc)
+        encoders = [{"url": e.url, "control_address": e.control, "connected": up[i],
+                     "images": e.images, "in_flight": e.in_flight} for i, e in enumerate(service.router.encoders)]
         ok = service.accepting and all(e["connected"] for e in encoders)
         return JSONResponse({
             "ok": ok, "role": "language", "encoders": encoders,

@@ -139,6 +139,17 @@ def test_the_core_install_runs_the_demo_and_names_the_extra_for_the_bench() -> N
     assert "pip install 'aioembed[cli]'" in bench.stderr and "Traceback" not in bench.stderr
 
 
+def test_the_demo_on_trio_without_trio_is_a_usage_error() -> None:
+    """trio is no dependency of the core install, yet ``--backend trio`` is offered: it ended in anyio's
+    ``LookupError`` traceback (exit 1) instead of a one-line usage error naming what to install."""
+    without_trio = "import sys; sys.modules['trio'] = None; from aioembed.cli import main; main()"
+    proc = subprocess.run([sys.executable, "-c", without_trio, "demo", "--backend", "trio", "--tokens", "300",
+                           "--hidden", "64"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "--backend trio" in proc.stderr and "pip install trio" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_python_dash_m_aioembed_is_the_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "aioembed", "demo", "--tokens", "200", "--hidden", "64"],
                           capture_output=True, text=True, timeout=120, check=False)

@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack
 import anyio
 import pytest
 
-from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig
+from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferError
 from aioembed.session.liveness import PeerClock
 from aioembed.testing import MockTransport, WriteCall, WriteFault
 
@@ -133,3 +133,44 @@ async def test_a_finished_rank_asking_again_in_a_new_session_is_told_why_while_t
             with anyio.fail_after(5):
                 await sending.wait()
             tg.cancel_scope.cancel()
+
+
+async def test_a_finished_rank_asking_again_in_the_same_session_gets_no_write_and_its_blocks_back() -> None:
+    """Rank 0 received the whole room and, while rank 1 is still written, asks for the same room id again in the
+    same session (a retry of its caller). The sender must not serve it again (rank 0's rows were sent; the new
+    blocks would be written for a room that is over there): the new attempt fails at once, saying why, its blocks
+    go back, and rank 1 is still served to the end."""
+    peers: list[str] = []
+
+    def faults(call: WriteCall) -> WriteFault | None:
+        peers.append(call.peer)
+        return WriteFault(delay=0.2)  # rank 1's rounds outlast rank 0's one
+
+    async with AsyncExitStack() as stack:
+        sender = await stack.enter_async_context(EmbeddingSender(LAYOUT, BASE, transport=MockTransport(faults=faults)))
+        rank0_transport = MockTransport()
+        rank0 = await stack.enter_async_context(EmbeddingReceiver(
+            LAYOUT, BASE.replace(default_tokens=2048), connect=sender.address, rank=0, world=2,
+            transport=rank0_transport))
+        rank1 = await stack.enter_async_context(EmbeddingReceiver(
+            LAYOUT, BASE.replace(default_tokens=128, max_round_tokens=128, resume_reserve_tokens=0),
+            connect=sender.address, rank=1, world=2, transport=MockTransport()))
+        await rank0.wait_connected()
+        await rank1.wait_connected()
+        src = make_request(1200, 7)
+        h0, h1 = rank0.start("r"), rank1.start("r")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.send, "r", src)
+            assert_same((await h0.result()).tensors, src)
+            room = sender._rooms["r"]
+            assert 1 not in room.finished, "rank 1 finished as early as rank 0: the test proves nothing"
+            writes = len(peers)
+            with anyio.fail_after(5), pytest.raises(TransferError) as info:
+                await rank0.receive("r")
+            assert "duplicate INIT from rank 0" in str(info.value), info.value  # refused, not served
+            with anyio.fail_after(10):
+                assert_same((await h1.result()).tensors, src)
+        assert f"loopback:{rank0_transport.id[:8]}" not in peers[writes:], "rank 0 was written again"
+        with anyio.fail_after(5):
+            await rank0.allocator.wait_all_free()
+        assert rank0.fenced_blocks == {} and rank0.rooms_in_flight == 0

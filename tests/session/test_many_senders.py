@@ -414,3 +414,38 @@ async def test_a_connection_awaited_by_wait_connected_is_not_closed_to_make_room
         assert_same(got.tensors, src)
         assert receiver.senders == [s.address]
         await wait_pools_free(s, receiver)
+
+
+async def test_a_connection_whose_sender_only_has_leased_blocks_is_idle() -> None:
+    """A lease's blocks are readable: their writer said its writes ended, so no write of that sender can reach
+    them. Counting them as blocks "its sender may still write" kept the connection busy for as long as the
+    lease was held: with ``max_senders`` connections each holding a lease, a room from another sender was
+    refused (``InvalidRequest``, blaming "fenced blocks" that did not exist). The connection closes; the lease
+    still reads its rows, and its release gives the blocks back once."""
+    cfg = CFG.replace(max_senders=1, sender_idle_timeout=0.2)
+    async with EmbeddingSender(LAYOUT, cfg) as a, EmbeddingSender(LAYOUT, cfg) as b, \
+            EmbeddingReceiver(LAYOUT, cfg) as receiver:
+        src_a, src_b = make_request(1500, 1), make_request(300, 2)  # a's room in two rounds
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a.send, "a", src_a)
+                lease = await receiver.receive_leased("a", sender=a.address)
+        held = receiver.allocator.stats.total - receiver.allocator.stats.free
+        assert held > 0
+        with anyio.fail_after(10):  # not refused: a's connection holds nothing a write may reach
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.send, "b", src_b)
+                got = await receiver.receive("b", sender=b.address)
+        assert_same(got.tensors, src_b)
+        assert receiver.senders == [b.address]
+        assert_same(lease.to_tensors(), src_a)  # nothing freed or written under the lease
+        assert receiver.allocator.stats.total - receiver.allocator.stats.free == held
+        with anyio.fail_after(5):  # and the idle timer closes b's connection too, the lease still held
+            while receiver.senders:
+                await anyio.sleep(0.02)
+        assert_same(lease.to_tensors(), src_a)
+        lease.release()
+        lease.release()
+        await wait_pools_free(a, receiver)
+        await wait_pools_free(b, receiver)
+        assert len(receiver.keeper.ledger) == 0

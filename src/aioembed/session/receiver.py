@@ -38,7 +38,7 @@ from aioembed.memory.output_cache import OutputCache
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import RoomId, TransferStatus, validate_room
-from aioembed.protocol.ownership import FenceReason
+from aioembed.protocol.ownership import FenceReason, GrantState
 from aioembed.session.assembly import Part, RoomAssembly, check_parts, part_output
 from aioembed.session.async_library import KnownAsyncLibrary
 from aioembed.session.backend import check_backend
@@ -66,6 +66,9 @@ _T = TypeVar("_T")
 
 CLOSE_GRACE = 2.0
 """Seconds ``aclose()`` gives rooms to end and their ABORT frames to leave before closing hard."""
+
+_REACHABLE = frozenset({GrantState.ANNOUNCED, GrantState.FENCED})
+"""Grant states a write of their sender may still reach (see :mod:`aioembed.protocol.ownership`)."""
 
 
 class EmbeddingReceiver:
@@ -249,9 +252,14 @@ class EmbeddingReceiver:
 
     def _idle(self, conn: SenderConnection) -> bool:
         """No room uses ``conn``, nobody awaits its handshake (``wait_connected()``: closed under it, that call failed
-        with "the connection ... was closed") and no block its sender may still write is held: it can go."""
-        return (not conn.rooms and not conn.waiters
-                and not (conn.sender_id and self.keeper.ledger.grants(sender=conn.sender_id)))
+        with "the connection ... was closed") and no block its sender may still write is held: it can go.
+        Readable grants (a lease, chunks a stream's caller holds) do not count: their writer said its writes
+        ended, so no write reaches them and nothing about them needs the connection; counted, a lease held
+        for long kept the connection busy, and a room from another sender was refused under ``max_senders``."""
+        if conn.rooms or conn.waiters:
+            return False
+        return not (conn.sender_id and any(g.state in _REACHABLE
+                                           for g in self.keeper.ledger.grants(sender=conn.sender_id)))
 
     async def _close_when_idle(self, conn: SenderConnection) -> None:
         """Close ``conn`` once no room started on it for ``sender_idle_timeout`` (and it holds nothing):
@@ -316,10 +324,11 @@ class EmbeddingReceiver:
             conn.waiters -= 1
             conn.touch()  # idle from now on (if no room came): its idle timeout counts from here
 
-    def _check_running(self) -> None:
+    def _check_running(self, room: int | str | None = None) -> None:
+        """Refuse a call once the receiver is closing; ``room``: the room asked for (named in the error)."""
         if self._closing:
-            raise AioembedError("the receiver is closing or closed (its `async with` block ended, or aclose() was "
-                                "called): it takes no new rooms")
+            raise AioembedError(f"{f'room {room!r}: ' if room is not None else ''}the receiver is closing or closed "
+                                "(its `async with` block ended, or aclose() was called): it takes no new rooms")
         if not self._tasks.entered:
             raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")
         self._run_once.check_thread()
@@ -353,7 +362,7 @@ class EmbeddingReceiver:
         """Check the request and set the room up; returns its handle and the driver to run (``None``: the
         room runs by itself, e.g. one assembled from parts)."""
         self._check_out(out, zero_copy)
-        self._check_running()
+        self._check_running(room)
         if isinstance(room, (tuple, list)):
             raise InvalidRequest(f"room={room!r}: a room id is an int or a str")
         try:

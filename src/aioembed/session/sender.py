@@ -360,10 +360,12 @@ class EmbeddingSender:
                         "oldest for %.1f s): the transport is not closed under a call in progress",
                         self._transport.name, len(stalled), of, max(now - u.since for u in stalled))
 
-    def _check_running(self) -> None:
+    def _check_running(self, room: RoomId | None = None) -> None:
+        """Refuse a call once the sender is closing; ``room``: the room a send() was for (named in the error: one
+        of many concurrent sends refused as a server shuts down says which request it was)."""
         if self._closing:
-            raise AioembedError("the sender is closing or closed (its `async with` block ended, or aclose() was "
-                                "called): it takes no new rooms")
+            raise AioembedError(f"{f'room {room!r}: ' if room is not None else ''}the sender is closing or closed "
+                                "(its `async with` block ended, or aclose() was called): it takes no new rooms")
         if not self._tasks.entered:
             raise AioembedError("the sender is not running: use `async with EmbeddingSender(...)`")
         self._run_once.check_thread()
@@ -524,7 +526,7 @@ class EmbeddingSender:
     def _check_request(self, room: RoomId, tensors: Mapping[str, torch.Tensor],
                        metadata: Mapping[str, Any] | None) -> tuple[int, dict[str, Any]]:
         """Everything about a request that can be refused before a byte moves; (tokens, metadata)."""
-        self._check_running()
+        self._check_running(room)
         cfg = self.config
         try:
             num_tokens = self.layout.validate(tensors)

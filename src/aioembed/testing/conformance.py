@@ -75,9 +75,14 @@ class TransportConformance:
     peer_gone_timeout: ClassVar[float] = 30.0
     """Seconds within which a write to a closed peer must fail."""
     quiet_window: ClassVar[float] = 1.0
-    """Seconds the suite watches a destination, once a write ended (cancelled, refused, its link or an endpoint
-    closed, its writer revoked), for bytes that land later than the transport's capabilities allow. Only a late
-    landing within the window is seen: raise it for a transport whose ``write_lifetime`` is longer."""
+    """Seconds the suite watches a destination for bytes that land later than the transport's capabilities allow,
+    from the moment they allow nothing more (a write ended: cancelled, refused, its link or an endpoint closed,
+    its writer revoked; or its ``write_lifetime`` / ``orphan_lifetime`` after that ran out)."""
+    late_landing_wait: ClassVar[float] = 3.0
+    """Seconds the suite waits at most for such a lifetime to run out before it watches. A check whose lifetime
+    ends later is not made, and its test is skipped saying so (after its other checks): over TCP the plugins'
+    lifetimes include the kernel's orphan retransmits (about 100 s), so a suite lowers them through its
+    ``transport_options`` (``tcp_orphan_seconds``, a write timeout) to have these checks made."""
     in_flight_bytes: ClassVar[int] = 8 << 20
     """Size of the writes the suite cancels, revokes or closes around (large enough to be under way)."""
     closed_peer_seen_at_once: ClassVar[bool] = True
@@ -145,6 +150,29 @@ class TransportConformance:
             await anyio.sleep(0.01)
             if reused and not torch.equal(dst, seen):
                 late.append(t - deadline)
+
+    async def _watch_late(self, dst: torch.Tensor, src: torch.Tensor, deadline: float) -> list[float] | None:
+        """:meth:`_landed_late` from ``deadline`` until ``quiet_window`` after it; None (nothing watched) where
+        ``deadline`` lies more than ``late_landing_wait`` ahead."""
+        ahead = deadline - anyio.current_time()
+        if ahead > self.late_landing_wait:
+            return None
+        return await self._landed_late(dst, src, deadline, max(0.0, ahead) + self.quiet_window)
+
+    def _judge_late(self, late: list[float] | None, what: str, allowed: str) -> str | None:
+        """Fails on a late landing :meth:`_watch_late` saw; returns what was not watched, for
+        :meth:`_skip_unwatched` (a check that cannot see a late landing must not pass as one that saw none)."""
+        if late is None:
+            return f"{what} (it may land until {allowed})"
+        assert not late, self._late_message(what, late, allowed)
+        return None
+
+    def _skip_unwatched(self, unwatched: Sequence[str | None]) -> None:
+        reasons = [r for r in unwatched if r is not None]
+        if reasons:
+            pytest.skip(f"late landings not watched, past late_landing_wait ({self.late_landing_wait} s): "
+                        f"{'; '.join(reasons)}. Lower the lifetimes through transport_options (tcp_orphan_seconds, "
+                        "a write timeout) to check them")
 
     @staticmethod
     def _late_message(what: str, late: list[float], allowed: str) -> str:
@@ -573,6 +601,7 @@ class TransportConformance:
         self._keep_alive(src, dst)
         sources = [src] + ([_random_bytes(n, 38)] if a.reads_unregistered("cpu") else [])
         self._keep_alive(*sources)
+        unwatched: list[str | None] = []
         for source in sources:
             dst.zero_()
             failed: TransportError | None = None
@@ -591,9 +620,10 @@ class TransportConformance:
                 deadline, allowed = ended, "it was cancelled (cancel_safe_writes is true)"
             else:
                 deadline, allowed = ended + a.write_lifetime, f"write_lifetime ({a.write_lifetime} s)"
-            late = await self._landed_late(dst, source, deadline, self.quiet_window)
-            assert not late, self._late_message(f"a write cancelled after {cancel_after} s", late, allowed)
+            late = await self._watch_late(dst, source, deadline)
+            unwatched.append(self._judge_late(late, f"a write cancelled after {cancel_after} s", allowed))
         await link.aclose()
+        self._skip_unwatched(unwatched)
 
     async def _failure_deadline(self, a: Transport, failed: TransportError, ended: float) -> tuple[float, str]:
         """From when a write that raised ``failed`` at ``ended`` may land nothing more, as the sessions read it:
@@ -628,8 +658,8 @@ class TransportConformance:
             deadline, allowed = ended, "the write returned"
         else:
             deadline, allowed = await self._failure_deadline(a, result, ended)
-        late = await self._landed_late(dst, src, deadline, self.quiet_window)
-        assert not late, self._late_message("a write whose link closed under it", late, allowed)
+        late = await self._watch_late(dst, src, deadline)
+        self._skip_unwatched([self._judge_late(late, "a write whose link closed under it", allowed)])
 
     @pytest.mark.anyio
     async def test_revoke_returns_once_writes_already_landing_ended(
@@ -670,6 +700,6 @@ class TransportConformance:
         async with self._write_under_way(endpoints, seed=47) as (src, dst, _, _):
             await a.aclose()
             deadline = anyio.current_time() + a.orphan_lifetime
-            late = await self._landed_late(dst, src, deadline, self.quiet_window)
-        assert not late, self._late_message("a write whose endpoint closed under it", late,
-                                            f"aclose() returned, plus orphan_lifetime ({a.orphan_lifetime} s)")
+            late = await self._watch_late(dst, src, deadline)
+        self._skip_unwatched([self._judge_late(late, "a write whose endpoint closed under it",
+                                               f"aclose() returned, plus orphan_lifetime ({a.orphan_lifetime} s)")])
