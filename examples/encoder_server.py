@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from aioembed import AioembedError, EmbeddingSender
+from aioembed.protocol.messages import MAX_PARTS
 
 from app_common import LOG_LEVELS, StopSignal, describe, load_config, port_number, run_main, serving, wait_any
 from tiny_vit import LAYOUT, MODEL_NAME, PATCH, Image, TinyViT, build_model, encode
@@ -169,8 +170,10 @@ def build_app(service: EncoderService) -> Starlette:
             if not isinstance(metadata, dict):
                 raise ValueError("metadata must be an object")
             part = body.get("part")
-            if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part < 0):
-                raise ValueError("part must be a non-negative integer (this image's index in a multi-image room)")
+            if part is not None and (isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < MAX_PARTS):
+                # Refused here, not by send() once the 202 went out (the language side would wait for the room).
+                raise ValueError(f"part must be an integer in [0, {MAX_PARTS}) (this image's index in a multi-image "
+                                 "room)")
         except ValueError as exc:  # includes JSON decoding errors
             return JSONResponse({"error": str(exc)}, status_code=400)
         if not service.accepting:

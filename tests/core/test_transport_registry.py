@@ -61,9 +61,9 @@ async def test_open_unknown_transport(anyio_backend: str) -> None:
 
 
 class _FakeEP:
-    def __init__(self, name: str, target: Any) -> None:
+    def __init__(self, name: str, target: Any, value: str | None = None) -> None:
         self.name = name
-        self.value = f"fake_module:{name}"
+        self.value = value or f"fake_module:{name}"
         self._target = target
 
     def load(self) -> Any:
@@ -103,6 +103,19 @@ def test_plugins_from_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_transport("ucx")
     assert "plugin-x" in str(info.value)
+
+
+def test_a_name_two_plugins_register_is_refused_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two installed distributions register one name (an old plugin left behind by a renamed one): which one loaded
+    depended on the install order, silently. Now a ConfigError names both; the same target listed twice (one
+    distribution seen on two paths) is no conflict."""
+    eps = [_FakeEP("dup", _PluginTransport, "old_plugin:Transport"), _FakeEP("dup", LoopbackTransport, "new_plugin:T"),
+           _FakeEP("twice", _PluginTransport), _FakeEP("twice", _PluginTransport)]
+    monkeypatch.setattr(registry_mod, "entry_points", _fake_entry_points(eps))
+    with pytest.raises(ConfigError, match="registered by 2 installed plugins") as info:
+        resolve_transport("dup")
+    assert "old_plugin:Transport" in str(info.value) and "new_plugin:T" in str(info.value)
+    assert resolve_transport("twice") is _PluginTransport
 
 
 # -- loopback options and descriptors ---------------------------------------------------------

@@ -84,6 +84,9 @@ async def test_inprocess_servers_deliver_the_encoders_rows() -> None:
         assert resp.status_code == 400
         resp = await client.post(f"{run.encoder_url}/encode", content=b"not json")
         assert resp.status_code == 400
+        resp = await client.post(f"{run.encoder_url}/encode",
+                                 json={"room": "p", "image": small.to_json(), "part": 4096})
+        assert resp.status_code == 400 and "part must be an integer in [0, 4096)" in resp.json()["error"]
 
         health = (await client.get(f"{run.language_url}/healthz")).json()
         assert health["served"] == 6 and health["rooms_in_flight"] == 0

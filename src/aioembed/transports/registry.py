@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from aioembed.errors import ConfigError, TransportError
@@ -40,6 +40,12 @@ def resolve_transport(name: str) -> type[Transport]:
             f"(plugins register in the entry-point group {ENTRY_POINT_GROUP!r}, "
             f"e.g. `pip install aioembed-{name}`)"
         )
+    targets = sorted({ep.value for ep in matches})
+    if len(targets) > 1:
+        # Which one load() order picks depends on sys.path and install order: a silent pick could run the wrong
+        # engine (an old plugin left behind by a renamed distribution) with the user's options.
+        raise ConfigError(f"transport {name!r} is registered by {len(targets)} installed plugins, in the entry-point "
+                          f"group {ENTRY_POINT_GROUP!r}: {', '.join(map(_describe, matches))}; uninstall all but one")
     try:
         cls = matches[0].load()
     except Exception as exc:
@@ -49,6 +55,11 @@ def resolve_transport(name: str) -> type[Transport]:
             f"entry point {matches[0].value!r} for transport {name!r} is not a Transport subclass"
         )
     return cls
+
+
+def _describe(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{ep.value} (from {dist.name} {dist.version})" if dist is not None else ep.value
 
 
 async def open_transport(name: str, options: Mapping[str, Any] | None = None) -> GuardedTransport:

@@ -1,10 +1,11 @@
-"""The core transport conformance suite, on mooncake over TCP on loopback (asyncio and trio)."""
+"""The core transport conformance suite, on mooncake over TCP on loopback (asyncio, uvloop and trio)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import pytest
 from aioembed.testing import TransportConformance
 
 
@@ -16,3 +17,11 @@ class TestMooncakeConformance(TransportConformance):
     transport_options: ClassVar[Mapping[str, Any]] = {"protocol": "tcp", "tcp_orphan_seconds": 1.0}
     large_bytes = 16 << 20  # TCP loopback runs at about 1 GB/s on a small CI box
     peer_gone_timeout = 10.0
+
+
+@pytest.mark.slow
+class TestMooncakeConformanceLongLifetimes(TestMooncakeConformance):
+    """The suite again, waiting out a cancelled write's 32 s lifetime to watch for its bytes past it (`make soak`):
+    the suite above skips that check, naming the lifetime."""
+
+    late_landing_wait = 40.0
