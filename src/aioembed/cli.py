@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import anyio
 
 from aioembed.config import TransferConfig
-from aioembed.errors import AioembedError
+from aioembed.errors import AioembedError, InvalidRequest
 
 __all__ = ["main"]
 
@@ -26,6 +26,10 @@ async def _demo(args: argparse.Namespace) -> int:
 
     config = TransferConfig.from_toml(args.config) if args.config else TransferConfig.from_env()
     layout = standard_layout(args.hidden)
+    for tokens in args.tokens:  # before any request is built: a typo's rows can be more memory than the host has
+        if not 0 < tokens <= config.max_request_tokens:
+            raise InvalidRequest(f"--tokens {tokens}: a request is 1..{config.max_request_tokens} tokens "
+                                 "(max_request_tokens)")
     print(f"aioembed demo: transport={config.transport}, layout={layout!r}")
     print(f"  default reservation {config.default_tokens} tokens, pool {config.pool_tokens} tokens, "
           f"block {config.block_size}")

@@ -19,6 +19,7 @@ from aioembed.bench.command import SCHEMA, choose_baseline
 from aioembed.bench.measure import WORKLOADS, BenchOptions
 from aioembed.bench.workloads import ROOM_OFFSETS, room_offset
 from aioembed.config import TransferConfig
+from aioembed.errors import InvalidRequest
 
 RUN = "from aioembed.cli import main; main()"
 
@@ -150,6 +151,16 @@ def test_the_demo_on_trio_without_trio_is_a_usage_error() -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_a_demo_request_past_max_request_tokens_is_refused_before_it_is_built() -> None:
+    """``--tokens`` is checked against ``max_request_tokens`` before its rows are made: 10**9 tokens at the default
+    width are 7 TB, and building them ended in an allocation failure's traceback (or the OOM killer)."""
+    proc = subprocess.run([sys.executable, "-m", "aioembed", "demo", "--tokens", "64", str(10**9)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--tokens {10**9}: a request is 1..{1 << 22} tokens (max_request_tokens)" in proc.stderr
+    assert "Traceback" not in proc.stderr and "room demo-0" not in proc.stdout
+
+
 def test_python_dash_m_aioembed_is_the_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "aioembed", "demo", "--tokens", "200", "--hidden", "64"],
                           capture_output=True, text=True, timeout=120, check=False)
@@ -186,7 +197,7 @@ def test_a_gpu_pool_is_compared_only_with_a_baseline_that_moves_gpu_memory() -> 
 
 
 @pytest.mark.parametrize(("env", "said"), [
-    ({"AIOEMBED_MAX_REQUEST_TOKENS": "256"}, "300 tokens; allowed 1..256 (max_request_tokens)"),  # in a task group
+    ({"AIOEMBED_MAX_REQUEST_TOKENS": "256"}, "--tokens 300: a request is 1..256 tokens (max_request_tokens)"),
     ({"AIOEMBED_DEVICE": "cuda:7"}, "device='cuda:7': this process sees"),
 ])
 def test_the_demo_reports_a_library_error_in_one_line(env: dict[str, str], said: str) -> None:
@@ -195,6 +206,18 @@ def test_the_demo_reports_a_library_error_in_one_line(env: dict[str, str], said:
                           capture_output=True, text=True, timeout=120, check=False, env={**os.environ, **env})
     assert proc.returncode == 2, proc.stderr
     assert "aioembed: error:" in proc.stderr and said in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_one_error_is_found_inside_nested_task_group_groups() -> None:
+    """The demo's sender and receiver run in a task group: a library error raised there comes wrapped (nested
+    groups too), and is reported in one line; anything else is not taken for it."""
+    from aioembed.cli import _one_error
+
+    error = InvalidRequest("room 'demo-0': 300 tokens; allowed 1..256 (max_request_tokens)")
+    assert _one_error(BaseExceptionGroup("outer", [BaseExceptionGroup("inner", [error])])) is error
+    assert _one_error(error) is error
+    assert _one_error(BaseExceptionGroup("two", [error, InvalidRequest("other")])) is None
+    assert _one_error(BaseExceptionGroup("foreign", [KeyError("x")])) is None
 
 
 @pytest.mark.anyio
