@@ -5,6 +5,7 @@ expected rank holds every token (README, "Failure semantics")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import anyio
@@ -30,6 +31,23 @@ BASE = TransferConfig(block_size=128, pool_tokens=4096, default_tokens=2048, han
                       input_timeout=10.0, round_timeout=10.0, heartbeat_interval=0.1, staging_tokens=0)
 
 
+async def _one_sender_two_ranks(stack: AsyncExitStack, faults: Callable[[WriteCall], WriteFault | None],
+                                rank0_transport: MockTransport,
+                                ) -> tuple[EmbeddingSender, EmbeddingReceiver, EmbeddingReceiver]:
+    """A sender writing through ``faults``; rank 0 takes a room in one round, rank 1 in 128-token rounds (so it
+    finishes long after rank 0). Both connected."""
+    sender = await stack.enter_async_context(EmbeddingSender(LAYOUT, BASE, transport=MockTransport(faults=faults)))
+    rank0 = await stack.enter_async_context(EmbeddingReceiver(
+        LAYOUT, BASE.replace(default_tokens=2048), connect=sender.address, rank=0, world=2,
+        transport=rank0_transport))
+    rank1 = await stack.enter_async_context(EmbeddingReceiver(
+        LAYOUT, BASE.replace(default_tokens=128, max_round_tokens=128, resume_reserve_tokens=0),
+        connect=sender.address, rank=1, world=2, transport=MockTransport()))
+    await rank0.wait_connected()
+    await rank1.wait_connected()
+    return sender, rank0, rank1
+
+
 async def test_a_finished_ranks_lost_session_does_not_fail_the_room_for_the_others() -> None:
     slow = 0.5
 
@@ -37,16 +55,7 @@ async def test_a_finished_ranks_lost_session_does_not_fail_the_room_for_the_othe
         return WriteFault(delay=slow)  # every round takes a while: rank 1's ten rounds outlast rank 0's one
 
     async with AsyncExitStack() as stack:
-        sender = await stack.enter_async_context(
-            EmbeddingSender(LAYOUT, BASE, transport=MockTransport(faults=faults)))
-        rank0 = await stack.enter_async_context(EmbeddingReceiver(
-            LAYOUT, BASE.replace(default_tokens=2048), connect=sender.address, rank=0, world=2,
-            transport=MockTransport()))
-        rank1 = await stack.enter_async_context(EmbeddingReceiver(
-            LAYOUT, BASE.replace(default_tokens=128, max_round_tokens=128, resume_reserve_tokens=0),
-            connect=sender.address, rank=1, world=2, transport=MockTransport()))
-        await rank0.wait_connected()
-        await rank1.wait_connected()
+        sender, rank0, rank1 = await _one_sender_two_ranks(stack, faults, MockTransport())
         src = make_request(1200, 7)
         h0, h1 = rank0.start("r"), rank1.start("r")
         outcome: list[BaseException | None] = []
@@ -147,16 +156,8 @@ async def test_a_finished_rank_asking_again_in_the_same_session_gets_no_write_an
         return WriteFault(delay=0.2)  # rank 1's rounds outlast rank 0's one
 
     async with AsyncExitStack() as stack:
-        sender = await stack.enter_async_context(EmbeddingSender(LAYOUT, BASE, transport=MockTransport(faults=faults)))
         rank0_transport = MockTransport()
-        rank0 = await stack.enter_async_context(EmbeddingReceiver(
-            LAYOUT, BASE.replace(default_tokens=2048), connect=sender.address, rank=0, world=2,
-            transport=rank0_transport))
-        rank1 = await stack.enter_async_context(EmbeddingReceiver(
-            LAYOUT, BASE.replace(default_tokens=128, max_round_tokens=128, resume_reserve_tokens=0),
-            connect=sender.address, rank=1, world=2, transport=MockTransport()))
-        await rank0.wait_connected()
-        await rank1.wait_connected()
+        sender, rank0, rank1 = await _one_sender_two_ranks(stack, faults, rank0_transport)
         src = make_request(1200, 7)
         h0, h1 = rank0.start("r"), rank1.start("r")
         async with anyio.create_task_group() as tg:
