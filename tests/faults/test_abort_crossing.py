@@ -198,6 +198,34 @@ async def test_an_abort_ack_after_a_fence_status_never_reaches_the_next_attempt(
         await again.wait()
 
 
+async def test_a_room_id_whose_failed_write_is_fenced_is_refused_until_its_fence_release_settled() -> None:
+    """FENCE_RELEASE names a room, not an attempt, and frees every fenced grant of the room's writer: it is safe
+    only because no next attempt of the id announces blocks in that session before the FENCE_RELEASE it is
+    owed came and settled (the sender sends one per room and session, once no write of the room into it can
+    land). So a new attempt is refused while the earlier one's blocks are fenced."""
+    async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
+        await _welcomed(raw)
+        first = receiver.start("x")
+        assert isinstance(await raw.expect(Init), Init)
+        raw.send(Status(room="x", state=TransferStatus.FAILED, total_tokens=0, sent_tokens=0, round=0,
+                        error="a write failed and may still land", fence=True))
+        with pytest.raises(TransferError, match="may still land"):
+            await first.result()
+        raw.pong_to(await _barrier(raw, receiver))
+        await anyio.sleep(0.2)
+        with pytest.raises(InvalidRequest, match="still fenced"):
+            receiver.start("x")
+        t0 = anyio.current_time()
+        raw.send(FenceRelease(room="x"))
+        again = await _start_when_allowed(receiver, "x")
+        assert anyio.current_time() >= t0 + FENCE_SETTLE
+        assert receiver.fenced_blocks == {}
+        init = await raw.expect(Init)
+        assert isinstance(init, Init) and init.room == "x"
+        again.cancel("test over")
+        await again.wait()
+
+
 async def test_an_abort_ack_after_a_fence_release_frees_the_failed_writes_blocks_only_after_the_settle() -> None:
     """FENCE_RELEASE frees blocks a failed write may reach FENCE_SETTLE later (bytes already in our socket
     buffers land meanwhile); the ABORT_ACK right behind it, sent for the same reason, freed them at once."""

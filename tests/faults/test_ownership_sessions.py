@@ -217,7 +217,7 @@ class ScriptedSender:
                 for dst, src, n in w.ops:
                     ctypes.memmove(dst, src, n)
             finally:
-                peer._end_landing(writer)
+                peer._end_landing(writer, w.link._generation)
         r = w.room
         if r.aborted and r.writing == 0 and r.epoch == self.epoch and self.rooms.get(r.room) is r:
             self.send(AbortAck(room=r.room))  # its writes are over now: the abort can be acknowledged

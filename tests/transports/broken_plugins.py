@@ -154,7 +154,7 @@ class PartialRefusalLink(LoopbackLink):
                 self._check([op])
                 ctypes.memmove(op.dst, op.src, op.length)
         finally:
-            self._peer._end_landing(writer)
+            self._peer._end_landing(writer, self._generation)
         await anyio.lowlevel.checkpoint()
 
 
@@ -254,7 +254,7 @@ class EarlySettledLink(LoopbackLink):
                     for dst, data in snapshot:
                         ctypes.memmove(dst, data, len(data))
                 finally:
-                    peer._end_landing(writer)
+                    peer._end_landing(writer, generation)
             finally:
                 done.set()
 

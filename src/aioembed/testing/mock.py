@@ -161,7 +161,7 @@ class MockTransport(LoopbackTransport):
                 for dst, data in ops:
                     ctypes.memmove(dst, data, len(data))
             finally:
-                peer._end_landing(writer)
+                peer._end_landing(writer, generation)
             fault.landed.set()
 
         timer = threading.Timer(max(0.0, at - time.monotonic()), land)

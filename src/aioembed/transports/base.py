@@ -347,6 +347,9 @@ class Transport(ABC):
         lands through them any more (writes posted earlier included). Links it opens later work.
 
         Returns once writes already landing through them have ended. Only for ``capabilities.revocable``.
+        "Later" is from the call on, not from its return: a receiver revokes a lost session's writer and shakes
+        hands again at once, and the same sender process (the same writer id) opens the next session's link while
+        the revocation may still wait; that link must work, and its writes need not be waited for.
         """
         raise TransportError(f"transport {self.name!r} cannot revoke a writer (capabilities.revocable is false)")
 

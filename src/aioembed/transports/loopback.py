@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 import threading
 import uuid
 import weakref
@@ -77,7 +78,9 @@ class LoopbackTransport(Transport):
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)
         self._generation: dict[str, int] = {}
-        self._landing: Counter[str] = Counter()
+        # (writer, generation of its link) -> writes landing now: a revoke waits only for the links it cuts, not
+        # for those the writer opened after it (a new session's, busy at once, could hold it back for good).
+        self._landing: Counter[tuple[str, int]] = Counter()
         self._writing = 0  # as a writer: writes of this endpoint's links under way (aclose() waits for them)
         _ENDPOINTS[self.id] = self
 
@@ -96,29 +99,38 @@ class LoopbackTransport(Transport):
         with self._lock:
             if self.closed or self._generation.get(writer, 0) != generation:
                 return False
-            self._landing[writer] += 1
+            self._landing[writer, generation] += 1
             return True
 
-    def _end_landing(self, writer: str) -> None:
+    def _end_landing(self, writer: str, generation: int) -> None:
+        """A landing that ``_begin_landing(writer, generation)`` admitted ended."""
         with self._lock:
-            self._landing[writer] -= 1
-            if self._landing[writer] <= 0:
-                del self._landing[writer]
+            key = (writer, generation)
+            self._landing[key] -= 1
+            if self._landing[key] <= 0:
+                del self._landing[key]
                 self._quiet.notify_all()
 
-    def _wait_quiet(self, writer: str) -> None:
+    def _landing_before(self, writer: str, generation: int) -> bool:
+        """Is a write of ``writer`` through a link of a generation before ``generation`` landing? (Lock held.)"""
+        return any(w == writer and g < generation for w, g in self._landing)
+
+    def _wait_quiet(self, writer: str, generation: int) -> None:
         with self._lock:
-            while self._landing.get(writer, 0) > 0:
+            while self._landing_before(writer, generation):
                 self._quiet.wait()
 
     async def revoke(self, writer_id: str) -> None:
         with self._lock:
             if writer_id in _ENDPOINTS:  # one that closed starts no write again: nothing to keep for it (see _close)
-                self._generation[writer_id] = self._generation.get(writer_id, 0) + 1
-            busy = self._landing.get(writer_id, 0) > 0
+                # Links it opens from now on are of the new generation: not cut off, nor waited for.
+                cut = self._generation[writer_id] = self._generation.get(writer_id, 0) + 1
+            else:
+                cut = sys.maxsize  # closed: whatever of it still lands, through any link
+            busy = self._landing_before(writer_id, cut)
         if busy:
             with anyio.CancelScope(shield=True):  # the barrier must hold once revoke() started
-                await anyio.to_thread.run_sync(self._wait_quiet, writer_id)
+                await anyio.to_thread.run_sync(self._wait_quiet, writer_id, cut)
         else:
             await anyio.lowlevel.checkpoint()
 
@@ -287,7 +299,7 @@ class LoopbackLink(Link):
             try:
                 await self._copy(ops, total)
             finally:
-                self._peer._end_landing(writer)
+                self._peer._end_landing(writer, generation)
         finally:
             self._local._write_ended()
 
