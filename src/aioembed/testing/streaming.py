@@ -7,7 +7,7 @@ A plugin runs it by subclassing (compare :class:`~aioembed.testing.TransportConf
     class TestStreaming(StreamingSuite):
         transport_name = "mine"
         transport_options = {"protocol": "tcp"}
-        backends = ("asyncio",)          # if the transport is asyncio-only
+        backends = ("asyncio", "uvloop")  # if the transport is asyncio-only
 
 Sender and receiver run in this process over the transport under test. The block size is odd on
 purpose (13 tokens), rooms take 1, 2 and 11 rounds, chunks are announced within rounds and at their
@@ -33,6 +33,7 @@ from aioembed.samples import deterministic_request, standard_layout
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
 from aioembed.session.stream import Chunk, LeasedChunk, RoomStream
+from aioembed.testing.event_loops import anyio_backends
 
 __all__ = ["StreamingSuite"]
 
@@ -76,11 +77,15 @@ class StreamingSuite:
     pytestmark: ClassVar[list[pytest.MarkDecorator]] = [pytest.mark.anyio]
     transport_name: ClassVar[str]
     transport_options: ClassVar[Mapping[str, Any]] = {}
-    backends: ClassVar[tuple[str, ...]] = ("asyncio", "trio")
+    backends: ClassVar[tuple[str, ...]] = ("asyncio", "uvloop", "trio")
+    """Event loops by name (see :data:`~aioembed.testing.event_loops.EVENT_LOOPS`). uvloop is the loop of the
+    inference servers a receiver lives in, and where a stream's cancellation paths (an item handed to a receiver
+    cancelled before it resumed) behave as on asyncio: every loop by default, as in ``TransportConformance``.
+    (Passed as raw ``anyio_backend`` values, the names left uvloop out: ``"uvloop"`` is no anyio backend.)"""
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "anyio_backend" in metafunc.fixturenames:
-            metafunc.parametrize("anyio_backend", self.backends)
+            metafunc.parametrize("anyio_backend", anyio_backends(*self.backends))
 
     def config(self, **kw: Any) -> TransferConfig:
         base: dict[str, Any] = dict(

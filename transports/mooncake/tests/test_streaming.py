@@ -8,4 +8,4 @@ from aioembed.testing.streaming import StreamingSuite
 class TestStreaming(StreamingSuite):
     transport_name = "mooncake"
     transport_options = {"protocol": "tcp", "hostname": "127.0.0.1"}
-    backends = ("asyncio", "trio")
+    backends = ("asyncio", "uvloop", "trio")

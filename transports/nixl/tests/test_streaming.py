@@ -10,4 +10,4 @@ from .conftest import NIXL_OPTIONS
 class TestStreaming(StreamingSuite):
     transport_name = "nixl"
     transport_options = NIXL_OPTIONS
-    backends = ("asyncio", "trio")
+    backends = ("asyncio", "uvloop", "trio")

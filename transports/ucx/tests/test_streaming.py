@@ -10,4 +10,4 @@ from .conftest import UCX_OPTIONS
 class TestStreaming(StreamingSuite):
     transport_name = "ucx"
     transport_options = UCX_OPTIONS
-    backends = ("asyncio",)  # ucxx runs under asyncio only
+    backends = ("asyncio", "uvloop")  # ucxx runs under asyncio's loops only
