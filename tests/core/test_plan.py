@@ -399,3 +399,19 @@ def test_pool_copy_out_negative_out_start_refused() -> None:
     with pytest.raises(PlanError):
         pool.copy_out([0], 1, out, out_start=-2)
     assert bool((as_bytes(out["token_ids"]) == 0x11).all())
+
+
+def test_copies_in_and_out_record_no_autograd() -> None:
+    """``copy_in`` / ``copy_out`` move bytes. Through ``copy_`` (a CUDA pool, an output whose memory is not laid out
+    as its values) with autograd on, an output that requires grad raised "a view of a leaf Variable that requires
+    grad is being used in an in-place operation" once its rows had landed, and a source that requires grad made the
+    pool part of its graph."""
+    layout = Layout(emb=Field((2,), torch.float32))
+    pool = BlockPool(layout, num_blocks=4, block_size=4)
+    src = {"emb": torch.randn(8, 2, requires_grad=True)}
+    pool.copy_in([2, 0], src, src_start=0, num_tokens=8)
+    assert not pool.tensors["emb"].requires_grad and pool.tensors["emb"].grad_fn is None
+    leaf = torch.zeros(8, 4, requires_grad=True)
+    out = {"emb": leaf[:, ::2]}  # strided: filled through copy_
+    pool.copy_out([2, 0], 8, out, out_start=0)
+    assert torch.equal(out["emb"].detach(), src["emb"].detach())

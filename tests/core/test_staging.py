@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -52,3 +55,20 @@ def test_ranges_never_overlap_and_a_free_run_is_always_found(capacity: int,
             with pytest.raises(AllocatorError, match="double free"):
                 ranges.give(start)
         assert ranges.used == sum(held.values()) and ranges.free == capacity - ranges.used
+
+
+def test_a_source_that_requires_grad_is_staged_without_autograd() -> None:
+    """An encoder run outside ``no_grad`` / ``inference_mode`` hands over tensors that require grad. One that takes
+    the ``copy_`` path (strided here) was copied with autograd on: the staging area joined its graph (``requires_grad``,
+    a ``grad_fn``) and held every such source alive, one more per ``send()``, for the sender's life."""
+    layout = Layout(emb=Field((4,), torch.float32))
+    area = StagingArea(layout, 32, 16)
+    base = torch.randn(16, 8, requires_grad=True)
+    src = {"emb": base[:, ::2]}
+    staged = area.stage(src, 16)
+    assert staged is not None and torch.equal(staged.tensors["emb"], src["emb"].detach())
+    assert not area.tensors["emb"].requires_grad and area.tensors["emb"].grad_fn is None
+    held = weakref.ref(base)
+    del base, src
+    gc.collect()
+    assert held() is None, "the staging area keeps the source alive"

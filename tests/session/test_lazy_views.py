@@ -97,3 +97,21 @@ async def test_a_copy_into_a_lazy_out_leaves_the_values_sent() -> None:
             got = await _send(sender, receiver, f"r{n}", want, out=out)
             assert _same_values(out, want), f"{n} tokens: out= read back is not the rows sent"
             assert _same_values(got, want)
+
+
+async def test_tensors_that_require_grad_are_moved_without_autograd() -> None:
+    """An encoder run outside ``no_grad`` / ``inference_mode`` hands over tensors that require grad, and a caller may
+    pass such an ``out=``. Moved through ``copy_`` (a strided source staged, a conjugate ``out=``) with autograd on,
+    the sender's staging area joined the source's graph (keeping every such source alive) and the copy into ``out=``
+    raised once the rows had landed ("a view of a leaf Variable that requires grad ...")."""
+    async with _pair() as (sender, receiver):
+        want = _request(SMALL, seed=5)
+        wide = torch.stack([want["emb"], torch.zeros_like(want["emb"])], dim=2).reshape(SMALL, 8).requires_grad_()
+        src = {**want, "emb": wide[:, ::2]}  # strided, requires grad: staged through copy_
+        leaf = torch.zeros(SMALL, 4, dtype=torch.complex64, requires_grad=True)
+        out = {"emb": leaf.conj(), "ids": torch.zeros(SMALL, dtype=torch.int32)}  # conjugate: filled through copy_
+        got = await _send(sender, receiver, "grad", src, out=out)
+        assert _same_values({n: t.detach() for n, t in out.items()}, want)
+        assert _same_values({n: t.detach() for n, t in got.items()}, want)
+        assert sender._staging is not None
+        assert not any(t.requires_grad for t in sender._staging.tensors.values()), "staging joined a graph"

@@ -103,8 +103,9 @@ class BlockPool:
             if src_start + num_tokens > s.shape[0]:
                 raise PlanError(f"field {name!r}: source has {s.shape[0]} tokens, "
                                 f"asked for [{src_start}, {src_start + num_tokens})")
-            for r in runs:
-                t[r.dst_row:r.dst_row + r.count].copy_(s[src_start + r.src_row:src_start + r.src_row + r.count])
+            with torch.no_grad():  # see copy_out
+                for r in runs:
+                    t[r.dst_row:r.dst_row + r.count].copy_(s[src_start + r.src_row:src_start + r.src_row + r.count])
 
     def copy_out(
         self, blocks: Sequence[int], num_tokens: int, out: Mapping[str, torch.Tensor], *, out_start: int
@@ -129,8 +130,12 @@ class BlockPool:
                 for r in runs:
                     ctypes.memmove(obase + r.src_row * row, tbase + r.dst_row * row, r.count * row)
                 continue
-            for r in runs:
-                o[out_start + r.src_row:out_start + r.src_row + r.count].copy_(t[r.dst_row:r.dst_row + r.count])
+            # Bytes moved, not math recorded: with autograd on, an output that requires grad (a float field) raised
+            # "a view of a leaf Variable that requires grad is being used in an in-place operation" after rows had
+            # landed, and a source that requires grad made the destination part of its graph, keeping it alive.
+            with torch.no_grad():
+                for r in runs:
+                    o[out_start + r.src_row:out_start + r.src_row + r.count].copy_(t[r.dst_row:r.dst_row + r.count])
 
     def status_inline_budget(self, setting: int) -> int:
         """The bytes of a round's rows a receiver of this pool takes inside a STATUS (``Hello.status_inline_bytes``,

@@ -125,7 +125,8 @@ class StagingArea:
                     # threads, whose hand-off costs far more than the copy on a busy 2-core host.
                     ctypes.memmove(dst.data_ptr(), src.data_ptr(), num_tokens * self.layout[name].row_bytes)
                 else:
-                    dst.copy_(src)
+                    with torch.no_grad():  # bytes, not math: see BlockPool.copy_out
+                        dst.copy_(src)
                 out[name] = dst
         except BaseException:
             self._ranges.give(start)  # nothing was sent from them: the rows go back
