@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -1120,3 +1120,72 @@ def test_ranks_progress_independently() -> None:
     assert a1 is not None and a1.complete and r1.round == 0
     assert s.state is TS.SUCCESS
     assert s.ranks[0].round == 2 and s.ranks[1].round == 0
+
+
+# -- a hostile sender's frames against the receiver's machine ----------------------------------------------------
+
+
+def _hostile_tokens(data: st.DataObject, m: ReceiverRoomState) -> int:
+    """A token count near where the machine stands (the edges of the round, the total), or anywhere."""
+    near = [m.received, m.landed, m.received + m.allocated, m.total or 0, 2 * (m.received + m.allocated)]
+    return data.draw(st.one_of(
+        st.builds(lambda base, d: max(0, base + d), st.sampled_from(near), st.sampled_from([0, 0, 0, 1, -1, BS, -BS])),
+        st.sampled_from([0, 1, (1 << 22) - 1, 1 << 22, (1 << 22) + 1, 1 << 40])))
+
+
+def _hostile_event(data: st.DataObject, m: ReceiverRoomState) -> tuple[str, Any]:
+    kind = data.draw(st.sampled_from(["status", "status", "progress", "progress", "total", "resume"]))
+    rnd = data.draw(st.sampled_from([m.round, m.round, m.round + 1, max(0, m.round - 1)]))
+    meta = data.draw(st.sampled_from([None, {"m": 1}]))
+    if kind == "status":
+        state = data.draw(st.sampled_from([TS.TRANSFERRING, TS.SUCCESS, *TS]))
+        return kind, Status(room=1, state=state, total_tokens=_hostile_tokens(data, m),
+                            sent_tokens=_hostile_tokens(data, m), round=rnd, metadata=meta)
+    if kind == "progress":
+        return kind, Progress(room=1, round=rnd, sent_tokens=_hostile_tokens(data, m),
+                              total_tokens=_hostile_tokens(data, m), metadata=meta)
+    if kind == "total":
+        return kind, Total(room=1, total_tokens=max(1, _hostile_tokens(data, m)))
+    return kind, (data.draw(st.integers(1, 6)), data.draw(st.integers(1, 24)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.integers(1, 6), tokens=st.integers(1, 24), progress=st.booleans(), data=st.data())
+def test_receiver_hostile_frames_change_nothing_or_hand_out_reserved_rows(
+        blocks: int, tokens: int, progress: bool, data: st.DataObject) -> None:
+    """Whatever a sender sends, in whatever order, between the receiver's own RESUMEs: an event the machine
+    refuses raises ``ProtocolError`` and changes nothing; one it takes hands out the next rows of the request, in
+    token order, within the reservation of the round they belong to, and never past the total."""
+    m = ReceiverRoomState(1, block_size=BS, max_tokens=1 << 22)
+    try:
+        m.init_sent(blocks=blocks, allocated_tokens=tokens, progress_tokens=BS if progress else 0)
+    except ProtocolError:
+        return
+    handed = 0  # rows handed out so far
+    for _ in range(data.draw(st.integers(1, 20))):
+        if m.state.terminal:
+            break
+        kind, e = _hostile_event(data, m)
+        before = snapshot(m)
+        try:
+            if kind == "status":
+                got = m.on_status(e)
+            elif kind == "progress":
+                got = m.on_progress(e)
+            elif kind == "total":
+                m.on_total(e)
+                got = None
+            else:
+                m.resume_sent(blocks=e[0], allocated_tokens=e[1])
+                got = None
+        except ProtocolError:
+            assert snapshot(m) == before, (kind, e)
+            continue
+        if got is not None:
+            assert e.round == before["round"], (e, before)  # the round in flight, and no other
+            assert got.start == handed and got.count >= 0, (got, handed)
+            assert got.offset + got.count <= before["allocated"], (got, before)
+            handed = got.start + got.count
+            assert handed <= got.total
+        if m.total is not None:
+            assert m.received <= m.landed <= m.total

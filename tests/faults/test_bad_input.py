@@ -26,6 +26,8 @@ from aioembed.protocol.messages import (
     FenceRelease,
     Hello,
     Init,
+    Ping,
+    Pong,
     Reject,
     Resume,
     Status,
@@ -78,6 +80,86 @@ async def test_a_flood_of_bad_frames_is_answered_each_time_and_logged_once(caplo
         bad = [r for r in caplog.records if "bad frame from" in r.getMessage()]
         assert len(bad) == 50 and [r.levelname for r in bad] == ["WARNING"] + ["DEBUG"] * 49
         await wait_pools_free(sender, receiver)
+
+
+async def test_a_flood_of_rejects_from_a_receiver_is_logged_once_per_kind(caplog: pytest.LogCaptureFixture) -> None:
+    """A REJECT is a frame a peer may send as fast as it likes, like a bad one: each logged a WARNING (two for one
+    naming a room of which the peer is no rank), unbudgeted, where a bad frame's flood logs one per window."""
+    async with running(CFG) as (sender, [receiver]):
+        handle = receiver.start(7)
+        with anyio.fail_after(5):
+            while 7 not in sender._rooms:  # its INIT arrived: the raw peer below is no rank of it
+                await anyio.sleep(0.01)
+        async with welcomed_receiver(sender.address, LAYOUT, CFG) as raw:
+            with caplog.at_level("DEBUG", logger="aioembed.session.sender"):
+                for _ in range(30):
+                    raw.send(Reject(reason="no room named"))
+                    raw.send(Reject(reason="not mine", room=7))
+                raw.send(Ping(nonce=5))  # answered once the REJECTs before it were handled
+                assert isinstance(await raw.expect(Pong), Pong)
+        warned = [r for r in caplog.records if r.levelname == "WARNING" and "reject" in r.getMessage().lower()]
+        assert len(warned) <= 2, [r.getMessage() for r in warned]
+        assert len([r for r in caplog.records if "not mine" in r.getMessage()]) == 30  # none lost: DEBUG
+        src = make_request(300, 4)  # the room of the real receiver goes on
+        await sender.send(7, src)
+        assert_same((await handle.result()).tensors, src)
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_flood_of_incompatible_hellos_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A peer without a session may say HELLO as often as it likes: each refused one logged a WARNING. Each is
+    still answered (REJECT ``incompatible``)."""
+    async with running(CFG) as (sender, [receiver]):
+        async with raw_receiver(sender.address, LAYOUT, CFG) as raw:
+            hello = dataclasses.replace(raw.hello(LAYOUT, CFG), fingerprint="v1-deadbeef")
+            with caplog.at_level("DEBUG", logger="aioembed.session.sender"):
+                for epoch in range(1, 31):
+                    raw.send(dataclasses.replace(hello, epoch=epoch))
+                for _ in range(30):
+                    rej = await raw.expect(Reject)
+                    assert isinstance(rej, Reject) and rej.code == "incompatible", rej
+        said = [r for r in caplog.records if "refused rank" in r.getMessage()]
+        assert [r.levelname for r in said] == ["WARNING"] + ["DEBUG"] * 29, [r.levelname for r in said]
+        await room_goes_through(sender, receiver, "ok", 300, seed=5)
+
+
+async def test_a_flood_of_hellos_whose_transport_cannot_be_reached_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Likewise a HELLO whose descriptor the sender's transport cannot connect to: a WARNING each (answered each
+    time, REJECT ``refused``)."""
+    async with running(CFG) as (sender, [receiver]):
+        async with raw_receiver(sender.address, LAYOUT, CFG) as raw:
+            hello = dataclasses.replace(raw.hello(LAYOUT, CFG), descriptor=b"no such endpoint")
+            with caplog.at_level("DEBUG", logger="aioembed.session.sender"):
+                for epoch in range(1, 31):
+                    raw.send(dataclasses.replace(hello, epoch=epoch))
+                for _ in range(30):
+                    rej = await raw.expect(Reject)
+                    assert isinstance(rej, Reject) and rej.code == "refused", rej
+        said = [r for r in caplog.records if "cannot connect transport" in r.getMessage()]
+        assert [r.levelname for r in said] == ["WARNING"] + ["DEBUG"] * 29, [r.levelname for r in said]
+        await room_goes_through(sender, receiver, "ok", 300, seed=6)
+
+
+async def test_a_flood_of_rejects_from_a_sender_is_logged_once_per_kind(caplog: pytest.LogCaptureFixture) -> None:
+    """The receiver's side: a REJECT naming no room, or an ``unknown_peer`` one naming no room of ours, logged a
+    WARNING each, unbudgeted."""
+    async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, CFG, connect=raw.address) as receiver:
+        raw.welcome(await raw.expect(Hello), 0.5)
+        await receiver.wait_connected()
+        with caplog.at_level("DEBUG", logger="aioembed.session.connection"):
+            for i in range(30):
+                raw.send(Reject(reason="no room named"))
+                raw.send(Reject(reason="who?", room=1000 + i, code="unknown_peer"))
+            raw.hold_pings = True
+            raw.send(Ping(nonce=5))  # answered once the REJECTs before it were handled
+            while not isinstance(pong := await raw.next(), Pong):
+                pass
+            assert pong.nonce == 5
+        warned = [r for r in caplog.records if r.levelname == "WARNING" and "reject" in r.getMessage().lower()]
+        assert len(warned) <= 2, [r.getMessage() for r in warned]
+        assert len([r for r in caplog.records if "reject" in r.getMessage().lower()]) == 60  # none lost: DEBUG
+        assert receiver._conns[raw.address].sessions == 1  # neither ended the session
 
 
 async def test_a_large_frame_from_a_peer_without_a_session_is_refused_unread(

@@ -564,6 +564,22 @@ async def test_a_sender_flooding_a_room_fails_it_as_a_protocol_violation() -> No
         await wait_pools_free(sender, receiver)
 
 
+async def test_a_sender_flooding_a_room_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Every frame past the room's inbox logged an ERROR until the room's task ran and closed it: frames come a
+    batch at a time (up to 256), so one burst of a flooding sender wrote a line per frame (50 here), unbudgeted.
+    The room's failure says it once."""
+    async with running(FAST.replace(input_timeout=30.0)) as (sender, [receiver]):
+        handle, driver = await _waiting_driver(receiver, "flooded")
+        with caplog.at_level("DEBUG", logger="aioembed.session.receiver"):
+            for _ in range(driver._inbox.capacity + 50):  # in one loop turn, as one batch of the channel
+                driver.deliver(FenceRelease(room="flooded"))
+            with anyio.fail_after(5):
+                await handle.wait()
+        said = [r for r in caplog.records if "flooded the room" in r.getMessage()]
+        assert [r.levelname for r in said] == ["ERROR"] + ["DEBUG"] * 49, [r.levelname for r in said]
+        await wait_pools_free(sender, receiver)
+
+
 async def test_running_out_of_memory_for_a_fresh_output_says_so(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """``receive()`` without ``out=`` makes its output once the total is known. Out of memory there (torch's own

@@ -599,7 +599,8 @@ class SenderConnection:
             if not self._answered.is_set():
                 self.last_refusal = msg.reason  # e.g. it could not connect its transport to us: try again soon
                 self._nudge.set()
-            log.warning("%s: the sender rejected a frame: %s", self.name, msg.reason)
+            # Budgeted, like a bad frame: a sender may send REJECTs as fast as it likes.
+            self._warnings.warn("rejected", "%s: the sender rejected a frame: %s", self.name, msg.reason)
 
     def _on_fence_release(self, msg: FenceRelease) -> None:
         room = self.rooms.get(msg.room)
@@ -655,7 +656,8 @@ class SenderConnection:
         known = msg.room is not None and (msg.room in self.rooms or (
             self.writer is not None and self.keeper.ledger.holds_room(self.writer, msg.room)))
         if not known:
-            log.warning("%s: ignored an unknown_peer REJECT naming no room of ours: %r", self.name, msg.room)
+            self._warnings.warn("unknown_peer", "%s: ignored an unknown_peer REJECT naming no room of ours: %r",
+                                self.name, msg.room)
             return
         self.session_lost(LossKind.DROPPED, f"sender {self.address} does not know this session "
                                             "(it restarted, or declared this receiver dead)")

@@ -188,9 +188,12 @@ class ReceiveRoomDriver:
             log.debug("receiver[%d]: room=%r: %s after the room ended, ignored", self.ctx.rank, self.room, event)
             return
         except anyio.WouldBlock:
-            log.error("receiver[%d]: room=%r: sender flooded the room with messages; failing it",
-                      self.ctx.rank, self.room)
-            if self._violation is None and not self.handle.done:
+            # Said once per room: the frames of a flood come a batch at a time, and the room's task, which closes
+            # the inbox, runs only after the batch (each frame past the first is the same news, at DEBUG).
+            first = self._violation is None and not self.handle.done
+            log.log(logging.ERROR if first else logging.DEBUG, "receiver[%d]: room=%r: sender flooded the room with "
+                    "messages; failing it", self.ctx.rank, self.room)
+            if first:
                 # The sender broke the protocol, as with any bad frame: the room FAILS (not "aborted", as a
                 # cancel by someone), and fail() tells the sender (ABORT naming this) so its blocks come back.
                 self._violation = TransferFailed(

@@ -1043,7 +1043,8 @@ class EmbeddingSender:
         problems = handshake_problems(hello, self.layout, cfg, self._transport.name)
         if problems:
             reason = f"incompatible receiver (protocol v{PROTOCOL_VERSION}): " + "; ".join(problems)
-            log.warning("sender: refused rank %d: %s", hello.rank, reason)
+            # Budgeted: a peer without a session may say HELLO as often as it likes (each one is still answered).
+            self._warnings.warn("incompatible", "sender: refused rank %d: %s", hello.rank, reason)
             self._send_identity(identity, Reject(reason=plain_text(reason), code="incompatible"))
             return
         if self._welcome_again(identity, hello):
@@ -1057,7 +1058,7 @@ class EmbeddingSender:
                 link = await self._transport.connect(hello.descriptor)
         except (TransportError, TimeoutError) as exc:
             reason = f"cannot connect transport {self._transport.name!r} to receiver rank {hello.rank}: {exc}"
-            log.warning("sender: %s", reason)
+            self._warnings.warn("connect", "sender: %s", reason)  # budgeted: a HELLO may come as often as a peer likes
             self._last_refusal = reason
             self._send_identity(identity, Reject(reason=plain_text(reason), code="refused"))
             return
@@ -1193,13 +1194,15 @@ class EmbeddingSender:
         self._room_ended_by_receiver(r, peer, f"aborted by {peer}: {msg.reason}", tombstone=msg.reason, aborted=True)
 
     def _on_reject(self, peer: PeerSession, msg: Reject) -> None:
-        log.warning("sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
+        # Budgeted, like a bad frame: a peer may send REJECTs as fast as it likes.
+        self._warnings.warn("rejected", "sender: %s rejected a frame (room=%r): %s", peer, msg.room, msg.reason)
         r = self._rooms.get(msg.room) if msg.room is not None else None
         if r is None:
             return
         if r.rank_peer.get(peer.rank) is not peer:
             # Only a rank of the room speaks for it: another receiver's REJECT must not end it for them.
-            log.warning("sender: room=%r: REJECT from %s, which is not a rank of the room, ignored", msg.room, peer)
+            self._warnings.warn("not_a_rank", "sender: room=%r: REJECT from %s, which is not a rank of the room, "
+                                "ignored", msg.room, peer)
             return
         self._room_ended_by_receiver(r, peer, f"{peer} rejected: {msg.reason}",
                                      tombstone=f"{peer} rejected it: {msg.reason}")
