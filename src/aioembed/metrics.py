@@ -50,7 +50,8 @@ class TransferObserver:
         ``abort_ack``, ``fence_release``, ``drained``, ``revoked``, ``writer_gone``, ...)."""
 
     def disconnect_probed(self, *, sender: str, verdict: str) -> None:
-        """On a receiver: the control connection to the sender at ``sender`` dropped, and its address was asked
+        """On a receiver: the control connection to the sender at ``sender`` dropped (or, the sender found silent,
+        the receiver dropped it to connect again), and its address was asked
         whether anything still listens there; ``verdict``: ``refused`` (its process is gone: its blocks are freed
         after the transport's orphan lifetime), ``answered`` (the next handshake tells), ``no_answer`` or
         ``unknown`` (after the sender went silent: its blocks stay fenced, and it is asked again)."""

@@ -492,3 +492,40 @@ async def test_a_handler_closing_its_channel_gets_nothing_after_and_the_io_task_
         chan.close()
         peer.close(linger=0)
         ctx.term()
+
+
+async def test_a_reconnect_makes_a_new_connection_and_its_answers_are_read() -> None:
+    """What a receiver does to a sender found silent (its connection may be open with nothing coming through):
+    the ROUTER sees a new peer, and what it answers there is read (the disconnect and connect ran ZeroMQ's
+    commands, which may consume the descriptor's edge). An endpoint never connected to is refused as such."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    got: list[list[bytes]] = []
+    chan = ControlSocket(dealer, got.append, name="test-dealer", bundles=True)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(chan.run)
+            chan.send([b"before"])
+            [[old, _]] = await anyio.to_thread.run_sync(_wire_messages, router, 1)
+            chan.reconnect(endpoint)
+            chan.send([b"after"])
+            [[new, payload]] = await anyio.to_thread.run_sync(_wire_messages, router, 1)
+            assert payload == b"after" and new != old
+            router.send_multipart([new, b"answer"])
+            with anyio.fail_after(5):
+                while not got:  # the handler only appends
+                    await anyio.sleep(0.01)
+            assert got == [[b"answer"]]
+            with pytest.raises(zmq.ZMQError):
+                chan.reconnect("tcp://127.0.0.1:1")
+            tg.cancel_scope.cancel()
+    finally:
+        chan.close()
+        router.close(linger=0)
+        ctx.term()

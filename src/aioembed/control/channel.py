@@ -157,6 +157,27 @@ class ControlSocket:
         else:
             self._warnings.warn("send", "%s: send failed: %s", self.name, exc)
 
+    def reconnect(self, endpoint: str) -> None:
+        """Drop this socket's connection to ``endpoint`` and connect to it again (a connecting socket with that one
+        peer): every message not yet sent (held by ZeroMQ for the old connection, or queued here) goes with it,
+        and what is sent from now on goes to the new one. A connection that stays open while nothing comes
+        through it (its peer's host gone without a FIN) is given up by the kernel only after minutes of
+        retransmits, and ZeroMQ reconnects (and resolves the name again) only then. Raises ``zmq.ZMQError`` if
+        ``endpoint`` is not one this socket connected to (nothing changed then)."""
+        if self._closed:
+            return
+        self.sock.disconnect(endpoint)
+        self.sock.connect(endpoint)
+        if self._queued:
+            log.debug("%s: %d unsent messages dropped with the old connection", self.name, self._queued)
+        self._outboxes.clear()
+        self._blocked.clear()
+        self._fresh.clear()
+        self._queued = 0
+        self._drained.set()
+        # Both ran libzmq's pending commands, which may consume the FD's edge of input that already arrived.
+        self._wake_if_input()
+
     def _poke(self) -> None:
         self._poked = True
         if self._wake_scope is not None:

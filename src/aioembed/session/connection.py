@@ -18,6 +18,8 @@ shakes hands again:
   address that does not answer counts too: the sender's side closed it while we still heard it (a process killed
   with its network namespace). A drop after the sender went silent is what the *receiver's* kernel does to a host
   that is paused or cut off, whose writes may still land: its blocks stay fenced until proof, probed again and again.
+  A connection found ``SILENT`` is dropped by the receiver itself and made again (its far end may be a host gone
+  without a FIN, which the kernel gives up on only after minutes): that counts as such a drop after silence.
 """
 
 from __future__ import annotations
@@ -418,6 +420,26 @@ class SenderConnection:
         self._release_ids()
         for room in list(self.rooms.values()):
             room.session_lost(event)
+        if kind is LossKind.SILENT:
+            self._reconnect()
+
+    def _reconnect(self) -> None:
+        """The sender went silent: the next HELLO goes over a new TCP connection. Said into the old one, whose
+        far end may be a host gone without a FIN (a node lost, a pod rescheduled behind the same name), it reached
+        nobody until our kernel gave that connection up after about 15 minutes of retransmits, and only then did
+        ZeroMQ connect again (resolving the name again): a sender started again there waited that long. Our own
+        disconnect is reported by no monitor event, so it counts here as the drop after silence that the kernel
+        would have reported later: the address is asked whether anything listens there (a refusal proves the
+        process gone), as after that drop (see :meth:`_probe_gone`)."""
+        if self._closed:
+            return
+        try:
+            self.chan.reconnect(self.address)
+        except zmq.ZMQError as exc:
+            log.warning("%s: could not reconnect to the silent sender (%s); its connection is kept", self.name, exc)
+            return
+        log.info("%s: reconnecting to the silent sender", self.name)
+        self._dropped(live=False)
 
     async def _revoke(self, sender: str, writer_id: str, below_epoch: int) -> None:
         try:
@@ -490,13 +512,17 @@ class SenderConnection:
             live = self._ready.is_set()
             if live:
                 self.session_lost(LossKind.DISCONNECTED, f"sender {self.address} closed the control connection")
-            drops = self._drops
-            drops.live = live
-            drops.again.set()
-            sender = self.sender_id
-            if sender is not None and sender not in (self._gone_sender, drops.probing):
-                drops.probing = sender
-                self._spawn(self._probe_gone, sender)
+            self._dropped(live=live)
+
+    def _dropped(self, *, live: bool) -> None:
+        """The control connection dropped (``live``: it ended a live session): ask the sender's address."""
+        drops = self._drops
+        drops.live = live
+        drops.again.set()
+        sender = self.sender_id
+        if sender is not None and sender not in (self._gone_sender, drops.probing):
+            drops.probing = sender
+            self._spawn(self._probe_gone, sender)
 
     def sender_gone(self, sender: str, why: str) -> None:
         """Sender ``sender``'s process is known gone (``why``): what it wrote can land for ``orphan_lifetime``
