@@ -30,6 +30,11 @@ __all__ = [
 RoomId = int | str | tuple[int | str, int]
 
 
+def room_prefix(room: RoomId | None) -> str:
+    """``room 'x': ``, what a message about ``room`` starts with; empty where no room is concerned."""
+    return "" if room is None else f"room {room!r}: "
+
+
 class AioembedError(Exception):
     """Root of every error raised by aioembed."""
 

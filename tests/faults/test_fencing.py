@@ -166,6 +166,18 @@ def _first_write_fails_and_may_land(*, write_lifetime: float) -> MockTransport:
                          faults=lambda call: late if call.index == 1 else None)
 
 
+async def _room_r_fails(sender: EmbeddingSender, receiver: EmbeddingReceiver, address: str | None = None) -> None:
+    """Room ``r`` through a writer of :func:`_first_write_fails_and_may_land`: it fails on both sides."""
+    async with anyio.create_task_group() as tg:
+        async def send() -> None:
+            with pytest.raises(TransferFailed):
+                await sender.send("r", make_request(3000, 1))
+
+        tg.start_soon(send)
+        with pytest.raises(TransferFailed, match="may still be written"):
+            await receiver.receive("r", sender=address)
+
+
 async def test_a_stall_of_the_senders_loop_that_ends_before_a_failed_writes_lifetime_restarts_it() -> None:
     """A failed write's lifetime is of the sender's *running* time: a frozen process's engine resumes the write
     when it thaws. A stall the liveness loop saw, but that ended before the write's expiry (so the expiry timer
@@ -176,14 +188,7 @@ async def test_a_stall_of_the_senders_loop_that_ends_before_a_failed_writes_life
     writer = _first_write_fails_and_may_land(write_lifetime=lifetime)
     async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender, \
             EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
-        async with anyio.create_task_group() as tg:
-            async def send() -> None:
-                with pytest.raises(TransferFailed):
-                    await sender.send("r", make_request(3000, 1))
-
-            tg.start_soon(send)
-            with pytest.raises(TransferFailed, match="may still be written"):
-                await receiver.receive("r")
+        await _room_r_fails(sender, receiver)
         assert sender.writes_in_flight == 1
         time.sleep(stall)  # noqa: ASYNC251  (the point: the process freezes, well within the lifetime)
         thawed = anyio.current_time()
@@ -207,14 +212,7 @@ async def test_a_stall_of_the_receivers_loop_restarts_a_gone_senders_orphan_life
     async with EmbeddingReceiver(LAYOUT, cfg, transport=MockTransport(orphan_lifetime=orphan)) as receiver:
         async with EmbeddingSender(LAYOUT, cfg, transport=writer) as sender:
             address = sender.address
-            async with anyio.create_task_group() as tg:
-                async def send() -> None:
-                    with pytest.raises(TransferFailed):
-                        await sender.send("r", make_request(3000, 1))
-
-                tg.start_soon(send)
-                with pytest.raises(TransferFailed, match="may still be written"):
-                    await receiver.receive("r", sender=address)
+            await _room_r_fails(sender, receiver, address)
         conn = receiver._conns[address]
         with anyio.fail_after(5):
             while conn._gone_sender is None:  # its address refuses connections: the sender is gone

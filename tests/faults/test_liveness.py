@@ -49,21 +49,25 @@ async def test_silent_receiver_is_declared_dead_and_send_fails() -> None:
         assert sender.rooms_in_flight == 0 and sender.peers == []
 
 
+HOLD = HB.heartbeat_interval * 2.5
+"""How long :func:`_hold_the_loop` holds it each time: every heartbeat wake-up comes ~1.5 intervals late."""
+
+
+async def _hold_the_loop() -> None:
+    """A handler that holds the event loop again and again (a server under sustained CPU-bound load)."""
+    while True:
+        time.sleep(HOLD)  # noqa: ASYNC251 - the point: a handler that holds the loop
+        await anyio.lowlevel.checkpoint()
+
+
 async def test_a_silent_receiver_is_declared_dead_though_the_senders_loop_is_late_on_every_wake_up() -> None:
     """The sender's side of the same: its liveness loop forgave a dead receiver at every late wake-up."""
-    block = HB.heartbeat_interval * 2.5
-
-    async def saturate() -> None:
-        while True:
-            time.sleep(block)  # noqa: ASYNC251 - the point: a handler that holds the loop
-            await anyio.lowlevel.checkpoint()
-
     async with EmbeddingSender(LAYOUT, HB) as sender, raw_receiver(sender.address, LAYOUT, HB) as raw:
         raw.send(raw.hello(LAYOUT, HB))
         await raw.expect(Welcome)
         raw.send(Init(room="r", blocks=(0, 1), allocated_tokens=200, expected_ranks=1))
         async with anyio.create_task_group() as tg:
-            tg.start_soon(saturate)
+            tg.start_soon(_hold_the_loop)
             # (Well before the room's input timeout; each step of send() waits out a pass of the busy loop.)
             with anyio.fail_after(HB.input_timeout / 2), pytest.raises(PeerDead, match="silent"):
                 await sender.send("r", make_request(5000, 1))  # first round written, then nobody resumes
@@ -109,25 +113,18 @@ async def test_a_silent_sender_is_declared_dead_though_the_receivers_loop_is_lat
     """A server under sustained overload (a CPU-bound handler holding its loop for longer than the heartbeat
     interval, again and again) still finds a dead sender: each late wake-up forgave it afresh, so it never was
     (the room then ended only by its input timeout, as a timeout, with the session kept for good)."""
-    block = HB.heartbeat_interval * 2.5  # each heartbeat wake-up comes ~1.5 intervals late: a stall every time
-
-    async def saturate() -> None:
-        while True:
-            time.sleep(block)  # noqa: ASYNC251 - the point: a handler that holds the loop
-            await anyio.lowlevel.checkpoint()
-
     async with raw_sender() as raw, EmbeddingReceiver(LAYOUT, HB, connect=raw.address) as receiver:
         raw.welcome(await raw.expect(Hello), HB.heartbeat_interval)
         handle = receiver.start("r")
         assert isinstance(await raw.expect(Init), Init)
         raw.pong = False  # the sender hangs
         async with anyio.create_task_group() as tg:
-            tg.start_soon(saturate)
+            tg.start_soon(_hold_the_loop)
             t0 = time.monotonic()
             with anyio.fail_after(HB.input_timeout / 2), pytest.raises(PeerDead, match="silent"):
                 await handle.result()
             tg.cancel_scope.cancel()
-        assert time.monotonic() - t0 < DEAD_WITHIN + 6 * block
+        assert time.monotonic() - t0 < DEAD_WITHIN + 6 * HOLD
         assert _fenced(receiver)  # silence still frees nothing
 
 

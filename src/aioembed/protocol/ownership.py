@@ -127,6 +127,10 @@ class GrantState(enum.Enum):
     """Back in the allocator (final)."""
 
 
+_REACHABLE = frozenset({GrantState.ANNOUNCED, GrantState.FENCED})
+"""Grant states a write of their writer may still reach."""
+
+
 class Proof(enum.Enum):
     """Why no write can reach a grant any more."""
 
@@ -251,8 +255,13 @@ class BlockLedger:
     def fenced_for(self, writer: Writer, room: RoomId) -> list[Grant]:
         """Grants of ``room`` that ``writer`` may still reach (announced or fenced)."""
         return [g for g in self._grants.values()
-                if g.room == room and g.writer == writer
-                and g.state in (GrantState.ANNOUNCED, GrantState.FENCED)]
+                if g.room == room and g.writer == writer and g.state in _REACHABLE]
+
+    def reachable_by(self, sender: str) -> bool:
+        """Whether a write of ``sender``'s process may still reach a live grant (announced or fenced). A readable
+        grant (a lease) does not count: its writer said its writes ended."""
+        return any(g.state in _REACHABLE and g.writer is not None and g.writer.sender == sender
+                   for g in self._grants.values())
 
     def holds_room(self, writer: Writer, room: RoomId) -> bool:
         """True while a grant of ``room`` announced to ``writer`` is not yet proven quiet."""

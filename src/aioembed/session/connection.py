@@ -50,6 +50,7 @@ from aioembed.errors import (
     TransferFailed,
     TransferTimeout,
     TransportError,
+    room_prefix,
 )
 from aioembed.layout import Layout
 from aioembed.log_budget import WarningBudget
@@ -239,9 +240,9 @@ class SenderConnection:
         room that waits, named by the error."""
         with anyio.move_on_after(timeout):
             await self._ready.wait()
-        where = "" if room is None else f"room {room!r}: "
+        where = room_prefix(room)
         if self.refused is not None:
-            raise self._refusal(self.refused, where, room)
+            raise self._refusal(self.refused, room)
         if self._closed:
             raise TransferFailed(f"{where}the connection to sender {self.address} was closed (receiver rank "
                                  f"{self.rank})", room=room)
@@ -252,12 +253,12 @@ class SenderConnection:
         return self.writer
 
     @staticmethod
-    def _refusal(refused: TransferError, where: str, room: RoomId | None) -> TransferError:
+    def _refusal(refused: TransferError, room: RoomId | None) -> TransferError:
         """The connection's refusal, as an error of its own for one waiter. The refusal is one object for every
         room waiting for the handshake: raised itself, each room's error was that object (naming no room; a
         stream's ``delivered`` set on it showed in the others), and each raise added its room's frames, which
-        hold the caller's ``out=`` buffers, to its one traceback for as long as any of them was kept. ``where``
-        prefixes the message (the room, if one waits)."""
+        hold the caller's ``out=`` buffers, to its one traceback for as long as any of them was kept."""
+        where = room_prefix(room)
         try:
             error = type(refused)(f"{where}{refused}", room=room)
         except TypeError:  # an error class with other arguments: keep the message

@@ -45,7 +45,6 @@ class DeadlineTimer:
         self._due = due
         self._stalled = stalled
         self.watch = LoopWatch(stall_tolerance)
-        self._every = watch_every
         self._steps = LoopWatch(watch_every) if watch_every is not None else None
         self._wake: anyio.Event | None = None
 
@@ -63,8 +62,8 @@ class DeadlineTimer:
                 await wake.wait()
                 continue
             until = deadline
-            if self._every is not None:
-                until = min(deadline, anyio.current_time() + self._every)
+            if self._steps is not None:
+                until = min(deadline, anyio.current_time() + self._steps.interval)
             with anyio.move_on_after(max(0.0, until - anyio.current_time())):
                 await wake.wait()
             if wake.is_set():

@@ -31,14 +31,14 @@ import zmq
 from anyio.streams.memory import MemoryObjectSendStream
 
 from aioembed.config import TransferConfig
-from aioembed.errors import AioembedError, InvalidRequest, ProtocolError
+from aioembed.errors import AioembedError, InvalidRequest, ProtocolError, room_prefix
 from aioembed.layout import Layout
 from aioembed.memory.allocator import BlockAllocator
 from aioembed.memory.output_cache import OutputCache
 from aioembed.memory.pool import BlockPool
 from aioembed.metrics import TransferObserver
 from aioembed.protocol.messages import RoomId, TransferStatus, validate_room
-from aioembed.protocol.ownership import FenceReason, GrantState
+from aioembed.protocol.ownership import FenceReason
 from aioembed.session.assembly import Part, RoomAssembly, check_parts, part_output
 from aioembed.session.async_library import KnownAsyncLibrary
 from aioembed.session.backend import check_backend
@@ -66,10 +66,6 @@ _T = TypeVar("_T")
 
 CLOSE_GRACE = 2.0
 """Seconds ``aclose()`` gives rooms to end and their ABORT frames to leave before closing hard."""
-
-_REACHABLE = frozenset({GrantState.ANNOUNCED, GrantState.FENCED})
-"""Grant states a write of their sender may still reach (see :mod:`aioembed.protocol.ownership`)."""
-
 
 class EmbeddingReceiver:
     """Receives rooms into one registered pool, as rank ``rank`` of ``world``.
@@ -256,10 +252,8 @@ class EmbeddingReceiver:
         Readable grants (a lease, chunks a stream's caller holds) do not count: their writer said its writes
         ended, so no write reaches them and nothing about them needs the connection; counted, a lease held
         for long kept the connection busy, and a room from another sender was refused under ``max_senders``."""
-        if conn.rooms or conn.waiters:
-            return False
-        return not (conn.sender_id and any(g.state in _REACHABLE
-                                           for g in self.keeper.ledger.grants(sender=conn.sender_id)))
+        return (not conn.rooms and not conn.waiters
+                and not (conn.sender_id and self.keeper.ledger.reachable_by(conn.sender_id)))
 
     async def _close_when_idle(self, conn: SenderConnection) -> None:
         """Close ``conn`` once no room started on it for ``sender_idle_timeout`` (and it holds nothing):
@@ -327,7 +321,7 @@ class EmbeddingReceiver:
     def _check_running(self, room: int | str | None = None) -> None:
         """Refuse a call once the receiver is closing; ``room``: the room asked for (named in the error)."""
         if self._closing:
-            raise AioembedError(f"{f'room {room!r}: ' if room is not None else ''}the receiver is closing or closed "
+            raise AioembedError(f"{room_prefix(room)}the receiver is closing or closed "
                                 "(its `async with` block ended, or aclose() was called): it takes no new rooms")
         if not self._tasks.entered:
             raise AioembedError("the receiver is not running: use `async with EmbeddingReceiver(...)`")

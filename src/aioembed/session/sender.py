@@ -44,6 +44,7 @@ from aioembed.errors import (
     TransferFailed,
     TransferTimeout,
     TransportError,
+    room_prefix,
 )
 from aioembed.layout import Layout, bytes_are_values, plain_values
 from aioembed.log_budget import WarningBudget
@@ -364,7 +365,7 @@ class EmbeddingSender:
         """Refuse a call once the sender is closing; ``room``: the room a send() was for (named in the error: one
         of many concurrent sends refused as a server shuts down says which request it was)."""
         if self._closing:
-            raise AioembedError(f"{f'room {room!r}: ' if room is not None else ''}the sender is closing or closed "
+            raise AioembedError(f"{room_prefix(room)}the sender is closing or closed "
                                 "(its `async with` block ended, or aclose() was called): it takes no new rooms")
         if not self._tasks.entered:
             raise AioembedError("the sender is not running: use `async with EmbeddingSender(...)`")

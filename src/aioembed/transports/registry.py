@@ -40,12 +40,13 @@ def resolve_transport(name: str) -> type[Transport]:
             f"(plugins register in the entry-point group {ENTRY_POINT_GROUP!r}, "
             f"e.g. `pip install aioembed-{name}`)"
         )
-    targets = sorted({ep.value for ep in matches})
+    targets = {ep.value: ep for ep in matches}  # one distribution seen on two paths lists its target twice
     if len(targets) > 1:
         # Which one load() order picks depends on sys.path and install order: a silent pick could run the wrong
         # engine (an old plugin left behind by a renamed distribution) with the user's options.
         raise ConfigError(f"transport {name!r} is registered by {len(targets)} installed plugins, in the entry-point "
-                          f"group {ENTRY_POINT_GROUP!r}: {', '.join(map(_describe, matches))}; uninstall all but one")
+                          f"group {ENTRY_POINT_GROUP!r}: {', '.join(map(_describe, targets.values()))}; "
+                          "uninstall all but one")
     try:
         cls = matches[0].load()
     except Exception as exc:
