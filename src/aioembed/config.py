@@ -110,6 +110,10 @@ class TransferConfig:
     may still write) before closing it."""
     handshake_timeout: float = 10.0
     """Seconds for the HELLO / WELCOME handshake."""
+    max_concurrent_handshakes: int = 64
+    """Sender: most handshakes (transport connects to receivers) in progress at once. A HELLO beyond them is
+    answered ``REJECT(busy)`` at once and the receiver says HELLO again after its back-off: a burst of receivers
+    (a cluster restarting, or a peer inventing receiver ids) holds at most this many connects, not one each."""
     input_timeout: float = 60.0
     """Seconds a receiver waits for the first data of a room, and a sender for the receivers' INIT."""
     round_timeout: float = 30.0
@@ -141,7 +145,7 @@ class TransferConfig:
         object.__setattr__(self, "transport_options", TransportOptions(self.transport_options))
         _check_str("transport", self.transport)
         for name in ("default_tokens", "pool_tokens", "max_request_tokens", "max_rooms_per_peer", "copy_threads",
-                     "max_senders"):
+                     "max_senders", "max_concurrent_handshakes"):
             _check_int(name, getattr(self, name), 1, _MAX_INT)
         # The wire's own limits: a value past them validated here and then failed in every HELLO or STATUS.
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)

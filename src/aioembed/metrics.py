@@ -56,6 +56,11 @@ class TransferObserver:
         after the transport's orphan lifetime), ``answered`` (the next handshake tells), ``no_answer`` or
         ``unknown`` (after the sender went silent: its blocks stay fenced, and it is asked again)."""
 
+    def handshake_busy(self) -> None:
+        """On a sender: a HELLO was answered ``REJECT(busy)``, ``max_concurrent_handshakes`` being under way (the
+        receiver says HELLO again after its back-off). Many of them: receivers restarting together, or a peer
+        inventing receiver ids; the setting may be too low for the cluster."""
+
     def sender_closed(self, *, sender: str) -> None:
         """On a receiver: its connection to the sender at ``sender`` closed (idle for ``sender_idle_timeout``,
         closed to make room under ``max_senders``, or the receiver closing). Per-sender series can go: an
@@ -133,6 +138,9 @@ class PrometheusMetrics(TransferObserver):
         self.disconnect_probes = prom.Counter("sender_disconnect_probes", "Probes of a sender's address after its "
                                               "control connection dropped, by verdict (refused: gone)",
                                               ["verdict", "sender"], namespace=namespace, registry=reg)
+        self.handshakes_busy = prom.Counter("handshakes_busy", "HELLOs a sender refused as busy (REJECT busy): "
+                                            "max_concurrent_handshakes were under way", namespace=namespace,
+                                            registry=reg)
         self._watched: dict[tuple[int, tuple[str, ...]], weakref.ref[Any]] = {}
         """(metric, label values) -> the object whose gauge it reads (see :meth:`watch_receiver`)."""
         self._sender_series: dict[str, set[tuple[Any, tuple[str, ...]]]] = {}
@@ -168,6 +176,9 @@ class PrometheusMetrics(TransferObserver):
 
     def disconnect_probed(self, *, sender: str, verdict: str) -> None:
         self._per_sender(self.disconnect_probes, sender, verdict, sender).inc()
+
+    def handshake_busy(self) -> None:
+        self.handshakes_busy.inc()
 
     def sender_closed(self, *, sender: str) -> None:
         for metric, labels in self._sender_series.pop(sender, ()):

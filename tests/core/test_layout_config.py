@@ -217,6 +217,8 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"max_request_tokens": (1 << 40) + 1}, "max_request_tokens"),
     ({"max_metadata_bytes": -1}, "max_metadata_bytes"),
     ({"max_rooms_per_peer": 0}, "max_rooms_per_peer"),
+    ({"max_concurrent_handshakes": 0}, "max_concurrent_handshakes"),
+    ({"max_concurrent_handshakes": True}, "max_concurrent_handshakes"),
     ({"heartbeat_misses": 0}, "heartbeat_misses"),
     ({"heartbeat_misses": True}, "heartbeat_misses"),
     ({"copy_threads": 0}, "copy_threads"),

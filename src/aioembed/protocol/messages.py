@@ -56,7 +56,8 @@ PROTOCOL_VERSION = 5
 """2: session epochs in HELLO/WELCOME, FENCE_RELEASE and DRAINED (block ownership). 3: a ZeroMQ message
 may bundle several frames, one message each (:mod:`aioembed.control.channel`). 4: TOTAL, and a RESUME
 accepted while the round before it is being written (the next round announced early). 5: a round's small
-fields carried inside its STATUS (``HELLO.status_inline_bytes``, ``STATUS.inline``)."""
+fields carried inside its STATUS (``HELLO.status_inline_bytes``, ``STATUS.inline``), and ``REJECT(code="busy")``
+to a HELLO beyond the sender's ``max_concurrent_handshakes`` (both unreleased before 5: a peer of 5 knows them)."""
 MAX_FRAME_BYTES = 16 << 20
 """Upper bound of any control frame (sockets refuse larger ones before decoding)."""
 MAX_BLOCK_SIZE = 1 << 20
@@ -345,7 +346,9 @@ class Reject(_Base):
     room: RoomId | None = None
     code: str = "refused"
     """Why, for machines: ``bad_frame``, ``unknown_peer`` (say HELLO first), ``incompatible``
-    (handshake refused), ``refused`` (a room-level refusal)."""
+    (handshake refused), ``refused`` (a room-level refusal, or a connect that failed: say HELLO again),
+    ``busy`` (a HELLO while the sender has ``max_concurrent_handshakes`` under way: say HELLO again after
+    the usual back-off; never final)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,7 +561,7 @@ Hello.SCHEMA = {
 }
 Welcome.SCHEMA = {"sender_id": _str(64), "epoch": _EPOCH, "heartbeat_interval": _seconds,
                   "writer_id": _str(256)}
-REJECT_CODES = ("bad_frame", "unknown_peer", "incompatible", "refused")
+REJECT_CODES = ("bad_frame", "unknown_peer", "incompatible", "refused", "busy")
 Reject.SCHEMA = {"reason": _str(MAX_TEXT), "room": _optional(_ROOM), "code": _str(32, choices=REJECT_CODES)}
 Init.SCHEMA = {"room": _ROOM, "blocks": _block_list, "allocated_tokens": _TOKENS, "expected_ranks": _WORLD,
                "progress_tokens": _TOKENS, "exact_tokens": _TOKENS}

@@ -356,7 +356,7 @@ class SenderConnection:
             if self._answered.is_set():
                 break
             if self._nudge.is_set():
-                # Refused for now (e.g. the sender could not connect its transport to us yet): try again
+                # Refused for now (the sender could not connect its transport to us yet, or was busy): try again
                 # soon, so that rooms waiting for this handshake see several attempts within their deadline.
                 await anyio.sleep(backoff)
                 backoff = min(2 * backoff, 1.0)
@@ -622,6 +622,14 @@ class SenderConnection:
             self.refused = IncompatiblePeer(f"sender {self.address} refused the handshake: {msg.reason}")
             self._answered.set()
             self._nudge.set()
+        elif msg.code == "busy":
+            # The sender has max_concurrent_handshakes under way (receivers restarting together): not a refusal of
+            # ours, never final. HELLO again after the usual back-off; our rooms keep waiting for the handshake.
+            if not self._answered.is_set():
+                self.last_refusal = msg.reason
+                self._nudge.set()
+            self._warnings.warn("busy", "%s: the sender is busy with other handshakes (%s); saying HELLO again",
+                                self.name, msg.reason)
         else:
             if not self._answered.is_set():
                 self.last_refusal = msg.reason  # e.g. it could not connect its transport to us: try again soon

@@ -63,3 +63,6 @@ class GuardedObserver(TransferObserver):
 
     def sender_closed(self, *, sender: str) -> None:
         self._call("sender_closed", sender=sender)
+
+    def handshake_busy(self) -> None:
+        self._call("handshake_busy")

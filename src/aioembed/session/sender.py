@@ -992,7 +992,7 @@ class EmbeddingSender:
         if peer is not None:
             peer.clock.heard(anyio.current_time())
         if isinstance(msg, Hello):
-            self._spawn(self._handshake, identity, msg)
+            self._on_hello(identity, msg)
         elif isinstance(msg, Ping):
             epoch = peer.key.epoch if peer is not None else 0  # 0: this socket has no live session
             self._send_identity(identity, Pong(nonce=msg.nonce, peer_id=self.sender_id, epoch=epoch))
@@ -1038,7 +1038,13 @@ class EmbeddingSender:
         self._room_ended_by_receiver(r, peer, f"a frame from {peer} was refused: {reject.reason}",
                                      tombstone=f"a frame from {peer} was refused: {reject.reason}")
 
-    async def _handshake(self, identity: bytes, hello: Hello) -> None:
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        """Answer a HELLO that needs no connect at once (incompatible, a live session, a repeat of one being
+        connected), or start its handshake, unless ``max_concurrent_handshakes`` are under way: each holds a
+        transport connect (and the HELLO's descriptor, up to 1 MiB) for up to ``handshake_timeout``, and HELLOs
+        with distinct receiver ids (a whole cluster restarting, or one peer inventing ids) started any number of
+        them. One beyond the bound is answered ``REJECT(busy)`` at once, neither queued nor dropped: the receiver
+        says HELLO again after its back-off, as after a failed connect."""
         cfg = self.config
         assert self._transport is not None
         problems = handshake_problems(hello, self.layout, cfg, self._transport.name)
@@ -1053,7 +1059,24 @@ class EmbeddingSender:
         key = (hello.receiver_id, hello.epoch)
         if key in self._handshaking:
             return  # a repeated HELLO while we connect to it
+        if len(self._handshaking) >= cfg.max_concurrent_handshakes:
+            reason = (f"busy: {len(self._handshaking)} handshakes in progress (max_concurrent_handshakes="
+                      f"{cfg.max_concurrent_handshakes}); say HELLO again")
+            # Budgeted: a burst of restarting receivers (or one peer inventing ids) may send any number of these.
+            self._warnings.warn("busy", "sender: HELLO of receiver %s rank %d refused: %s",
+                                hello.receiver_id[:8], hello.rank, reason)
+            self.observer.handshake_busy()
+            self._last_refusal = reason  # a send() waiting for that receiver's INIT says so if it times out
+            self._send_identity(identity, Reject(reason=reason, code="busy"))
+            return
         self._handshaking.add(key)
+        self._spawn(self._handshake, identity, hello, key, if_skipped=lambda: self._handshaking.discard(key))
+
+    async def _handshake(self, identity: bytes, hello: Hello, key: tuple[str, int]) -> None:
+        """Connect the transport to the receiver of ``hello`` (counted in ``_handshaking`` under ``key`` until
+        it ends), then WELCOME it."""
+        cfg = self.config
+        assert self._transport is not None
         try:
             with anyio.fail_after(cfg.handshake_timeout):
                 link = await self._transport.connect(hello.descriptor)
