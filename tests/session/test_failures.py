@@ -74,6 +74,36 @@ async def test_receiver_cancel_before_send_fails_the_later_send_fast() -> None:
         await wait_pools_free(sender, receiver)
 
 
+async def test_a_second_cancel_keeps_the_first_reason_on_both_sides() -> None:
+    """``cancel()`` twice (a scheduler's deadline, then the caller's own clean-up): the room ended with the first;
+    the caller's error and the ABORT the sender got (the reason its later ``send()`` gives) named the
+    last one instead."""
+    async with running(FAST) as (sender, [receiver]):
+        handle = receiver.start("twice")
+        await _until(lambda: sender.rooms_in_flight == 1)  # INIT there: the room's end is an ABORT
+        handle.cancel("scheduler deadline passed")
+        handle.cancel("caller cleaning up")
+        with pytest.raises(TransferAborted, match="scheduler deadline passed"):
+            await handle.result()
+        await _until(lambda: sender.rooms_in_flight == 0)
+        with anyio.fail_after(1.0), pytest.raises(TransferAborted, match="ended by the receiver") as info:
+            await sender.send("twice", make_request(10, 1))
+        assert "scheduler deadline passed" in str(info.value) and "cleaning up" not in str(info.value)
+        await wait_pools_free(sender, receiver)
+
+
+async def test_a_second_abort_by_the_sender_keeps_the_first_reason() -> None:
+    """``abort()`` twice before a rank asked: a rank asking later was told the second reason, while one that had
+    asked already (the room in flight, ended by the first) was told the first."""
+    async with running(FAST) as (sender, [receiver]):
+        sender.abort("dropped", "encoder failed on the image")
+        sender.abort("dropped", "request cleaned up")
+        with anyio.fail_after(5.0), pytest.raises(TransferAborted, match="encoder failed on the image") as info:
+            await receiver.receive("dropped")
+        assert "cleaned up" not in str(info.value)
+        await wait_pools_free(sender, receiver)
+
+
 async def test_a_room_retried_after_an_allocate_timeout_is_served() -> None:
     """A room given up before its INIT leaves nothing behind that could fail its retry: the retry starts at once
     (the id is not held), waits for memory like the first attempt, and a send() that comes meanwhile is the

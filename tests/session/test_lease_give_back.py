@@ -17,11 +17,12 @@ import torch
 
 from aioembed import Part
 from aioembed.config import TransferConfig
-from aioembed.errors import TransferAborted, TransferError
+from aioembed.errors import AioembedError, TransferAborted, TransferError
 from aioembed.protocol.messages import Status, TransferStatus
 from aioembed.protocol.ownership import GrantState
 from aioembed.samples import deterministic_request, standard_layout
-from aioembed.session.handle import TransferStats
+from aioembed.session.assembly import RoomAssembly
+from aioembed.session.handle import ReceiveHandle, TransferStats
 from aioembed.session.lease import Lease, LeaseReturns
 from aioembed.session.receiver import EmbeddingReceiver
 from aioembed.session.sender import EmbeddingSender
@@ -261,3 +262,71 @@ def test_a_release_after_the_loop_closed_raises_nothing(anyio_backend: AnyioBack
     worker.start()
     worker.join()
     assert errors == [] and given == [] and returns.pending == 2
+
+
+# A zero-copy room in parts whose first part has landed (its lease made) and whose second has not, when the
+# receiver closes under ``receive_leased(parts=...)``. The landed part's lease must go back as the room is torn
+# down, not when the garbage collector finalizes it (a ``ResourceWarning``, and the pool short until then).
+async def test_a_landed_part_of_a_room_aborted_by_close_gives_its_lease_back_at_once() -> None:
+    cfg = _config(input_timeout=30.0, round_timeout=30.0)
+    src = deterministic_request(LAYOUT, 160, "landed")
+    outcome: list[BaseException] = []
+    gc.disable()  # a finalizer must not be what gives the lease back
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            async with EmbeddingSender(LAYOUT, cfg) as a, EmbeddingSender(LAYOUT, cfg) as b:
+                receiver = EmbeddingReceiver(LAYOUT, cfg)
+                async with receiver:
+                    parts = [Part(a.address, 0, 70), Part(b.address, 70, 160)]
+
+                    async def receive() -> None:
+                        try:
+                            await receiver.receive_leased("r", parts=parts)
+                        except BaseException as exc:
+                            outcome.append(exc)
+
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(receive)
+                        await anyio.wait_all_tasks_blocked()
+                        part0 = receiver._conns[a.address].rooms[("r", 0)].handle
+                        with anyio.fail_after(10):
+                            await a.send("r", {n: t[:70] for n, t in src.items()}, part=0)  # b never sends
+                            await part0.wait()
+                        assert part0.status is TransferStatus.SUCCESS
+                        with anyio.fail_after(10):
+                            await receiver.aclose()
+                stats = receiver.allocator.stats
+                left = [(g.room, len(g.blocks)) for g in receiver.keeper.ledger.grants(state=GrantState.READABLE)]
+                assert not left, f"the landed part's lease still holds {left} after close"
+                assert stats.free + stats.fenced == stats.total, stats
+    finally:
+        gc.enable()
+    assert len(outcome) == 1 and isinstance(outcome[0], AioembedError), outcome
+    assert "'r'" in str(outcome[0]) and "clos" in str(outcome[0]), outcome[0]
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning) and "Lease" in str(w.message)]
+
+
+# The same room's task cancelled from outside (the receiver's close past its grace: a loop stalled longer than
+# CLOSE_GRACE) while a part is still going, its last frame in hand: the part ends after the room did, with a
+# lease. The room's task gave back only the leases the parts had when it was cancelled: that one went back
+# only when the garbage collector finalized it (a ResourceWarning; the pool short until then).
+async def test_a_part_ending_after_its_room_was_cancelled_from_outside_gives_its_lease_back() -> None:
+    given: list[list[int]] = []
+    returns = LeaseReturns(given.append)
+    handle = ReceiveHandle("r")
+    handle._scope = anyio.CancelScope()
+    landing, waiting = ReceiveHandle(("r", 0)), ReceiveHandle(("r", 1))
+    parts = [Part("tcp://a", 0, 10), Part("tcp://b", 10, 20)]
+    asm = RoomAssembly("r", handle, parts, [landing, waiting], zero_copy=True, output=None)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(asm.run)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()  # as the receiver's cancel_all() does
+    assert handle.done and landing._cancel_reason and waiting._cancel_reason
+    lease = _lease(returns, [7])
+    landing._finish(result=lease, status=TransferStatus.SUCCESS)  # its final STATUS was in hand: it completes
+    waiting._finish(error=TransferAborted("room ('r', 1): aborted", room=("r", 1)), status=TransferStatus.ABORTED)
+    assert lease.released and given == [[7]], given
+    with pytest.raises(TransferAborted, match="'r': the receiver closed while its parts were in flight"):
+        await handle.lease()

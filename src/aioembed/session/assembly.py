@@ -109,8 +109,9 @@ class RoomAssembly:
             if not self.handle.done:
                 reason = "the receiver closed while its parts were in flight"
                 for h in self._handles:
-                    h.cancel(reason)
-                self._release([h._result for h in self._handles])
+                    # Not waited for (this task is being cancelled): a part still going gives back the lease
+                    # it may yet end with (its last frame in hand) when it ends; one that ended gives it back now.
+                    h._orphan(reason)
                 self.handle._finish(error=TransferAborted(f"room {self.room!r}: {reason}", room=self.room),
                                     status=TransferStatus.ABORTED)
             raise

@@ -64,6 +64,8 @@ class ReceiveHandle:
         self._stream: RoomStream[StreamItem] | None = None
         self._parts: list[ReceiveHandle] | None = None
         """A room received in parts: the parts' handles (its status until it ends is theirs)."""
+        self._orphaned = False
+        """A part of a room torn down (:meth:`_orphan`): nobody takes its result, a lease it ends with goes back."""
 
     @property
     def status(self) -> TransferStatus:
@@ -124,15 +126,21 @@ class ReceiveHandle:
     def cancel(self, reason: str = "cancelled by the receiver") -> None:
         """Abort the room on both sides. Returns at once; ``wait()`` tells when it is over.
 
-        On a room already received zero-copy whose lease nobody took, gives that lease back.
+        On a room already received zero-copy whose lease nobody took, gives that lease back. A second
+        cancel keeps the first reason: the error the caller sees and the ABORT the sender gets name what
+        ended the room (as the sender's room keeps its first cause), not what came after.
         """
         if self._done.is_set():
-            if self._result is not None and not isinstance(self._result, Received) and not self._lease_taken:
-                self._result.release()
+            self._give_back_untaken()
             return
-        self._cancel_reason = reason
+        if self._cancel_reason is None:
+            self._cancel_reason = reason
         if self._scope is not None:
             self._scope.cancel()
+
+    def _give_back_untaken(self) -> None:
+        if self._result is not None and not isinstance(self._result, Received) and not self._lease_taken:
+            self._result.release()
 
     # -- used by the receiver ------------------------------------------------------------
 
@@ -140,9 +148,18 @@ class ReceiveHandle:
         if not self._done.is_set():
             self._status = status
 
+    def _orphan(self, reason: str) -> None:
+        """Cancel a part whose room is torn down without waiting for it (its task was cancelled from outside:
+        the receiver's close past its grace). Nobody will take its result, so a lease it ends with, now or
+        later (its last frame may already be in hand), goes back at once, not at garbage collection."""
+        self._orphaned = True
+        self.cancel(reason)
+
     def _finish(self, *, result: Received | Lease | None = None, error: TransferError | None = None,
                 status: TransferStatus) -> None:
         if self._done.is_set():
             return
         self._result, self._error, self._status = result, error, status
         self._done.set()
+        if self._orphaned:
+            self._give_back_untaken()

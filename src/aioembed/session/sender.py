@@ -888,6 +888,8 @@ class EmbeddingSender:
         # when it had ended already (``abort()`` after a failed ``send()``).
         old = self._tombstone(room)
         ranks = set(r.rank_peer if r is not None else ()) | (old.ranks if old is not None else set())
+        if old is not None and old.by == "sender":
+            reason = old.reason  # it ended here already: a rank asking later hears the first cause, as one asking did
         self._remember_ended(room, "sender", reason, aborted=True, ranks=ranks)
 
     def _drop_room(self, r: SendRoomDriver) -> None:
