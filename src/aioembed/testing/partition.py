@@ -70,6 +70,8 @@ class Net:
     r_ip: str = "10.199.1.2"
     y_ip: str = "10.199.1.3"
     x_dev: str = ""
+    r_dev: str = ""
+    """R's end of its link (``x_dev`` is X's)."""
 
     def cut(self) -> None:
         _in(self.a, "ip", "link", "set", self.x_dev, "down")
@@ -85,7 +87,8 @@ def partitionable_net() -> Iterator[Net]:
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("a network partition needs root, `ip` and `tc` (network namespaces and veth pairs)")
     tag = uuid.uuid4().hex[:6]
-    n = Net(a=f"aioe-a-{tag}", b=f"aioe-b-{tag}", c=f"aioe-c-{tag}", s=f"aioe-s-{tag}", x_dev=f"xa{tag}")
+    n = Net(a=f"aioe-a-{tag}", b=f"aioe-b-{tag}", c=f"aioe-c-{tag}", s=f"aioe-s-{tag}", x_dev=f"xa{tag}",
+            r_dev=f"rb{tag}")
     made: list[str] = []
     pairs: list[str] = []  # veth pairs: removed here too, should one have been left in this namespace
     try:
@@ -101,7 +104,7 @@ def partitionable_net() -> Iterator[Net]:
             bridge = f"br{tag}"
             _in(n.s, "ip", "link", "add", bridge, "type", "bridge")
             _in(n.s, "ip", "link", "set", bridge, "up")
-            for dev, port, ns, ip in ((n.x_dev, f"sa{tag}", n.a, n.x_ip), (f"rb{tag}", f"sb{tag}", n.b, n.r_ip),
+            for dev, port, ns, ip in ((n.x_dev, f"sa{tag}", n.a, n.x_ip), (n.r_dev, f"sb{tag}", n.b, n.r_ip),
                                       (f"yc{tag}", f"sc{tag}", n.c, n.y_ip)):
                 pairs.append(dev)
                 # Made inside the namespaces: a device appearing in this one would be seen by the UCX of every
