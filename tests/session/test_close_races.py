@@ -4,11 +4,23 @@ source, no block); one whose rows were still being prepared when the close began
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import anyio
 import pytest
 import torch
 
-from aioembed import AioembedError, EmbeddingReceiver, EmbeddingSender, TransferAborted, TransferConfig
+from aioembed import (
+    AioembedError,
+    EmbeddingReceiver,
+    EmbeddingSender,
+    TransferAborted,
+    TransferConfig,
+    TransferError,
+    TransportError,
+)
+from aioembed.testing import MockTransport, WriteFault
 
 from .conftest import LAYOUT, make_request
 
@@ -56,3 +68,39 @@ async def test_a_send_preparing_its_rows_as_the_sender_closes_is_aborted_and_hol
                 await sender.aclose()
     assert len(outcome) == 1 and "'prep'" in str(outcome[0]) and "sender closing" in str(outcome[0]), outcome
     assert sender.rooms_in_flight == 0 and sender.sources_held == 0
+
+
+@pytest.mark.parametrize(("tokens", "unregistered"), [(64, False), (2000, False), (2000, True)],
+                         ids=["staged", "registered", "read-unregistered"])
+async def test_the_senders_close_lets_go_of_the_sources_of_writes_that_may_still_land(tokens: int,
+                                                                                       unregistered: bool) -> None:
+    """A failed write that may still land holds its source (staged rows, the caller's registered tensors, or the
+    caller's tensors read unregistered) for its transport's write lifetime. Once the sender's close has closed the
+    transport nothing reads it any more: the closed sender holds nothing (it kept the caller's tensors, its staged
+    rows and ``sources_held`` for as long as it was referenced)."""
+    writer = MockTransport(cancel_safe_writes=False, write_lifetime=60.0, unregistered_sources=unregistered,
+                           faults=lambda call: WriteFault(error=TransportError("link dropped", may_land=True)))
+    cfg = CFG.replace(staging_tokens=512, staging_max_tokens=256, input_timeout=5.0)
+    sender = EmbeddingSender(LAYOUT, cfg, transport=writer)
+    failures: list[str] = []  # messages only: an exception's traceback would hold the rows in its frames
+    async with sender, EmbeddingReceiver(LAYOUT, cfg, connect=sender.address, transport=MockTransport()) as receiver:
+        await receiver.wait_connected()
+        src = make_request(tokens, 3)
+        refs = [weakref.ref(t) for t in src.values()]
+
+        async def send(rows: dict[str, torch.Tensor]) -> None:
+            try:
+                await sender.send("r", rows)
+            except TransferError as exc:
+                failures.append(str(exc))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, src)
+            with pytest.raises(TransferError):
+                await receiver.receive("r")
+        del src
+        assert failures and sender.sources_held == 1  # held for the write lifetime (60 s)
+    gc.collect()
+    assert sender.sources_held == 0
+    assert all(r() is None for r in refs), "the closed sender still holds the caller's tensors"
+    assert sender._staging is None or sender._staging.used == 0

@@ -351,6 +351,16 @@ class EmbeddingSender:
         if self._transport is not None:
             await self._transport.aclose()
         self._unregistering.clear()  # those whose task could not start: the closed transport dropped them
+        # The sources of failed writes that may still land, held for their write lifetime: the closed transport
+        # reads them no more (its close waits for or ends every write, and drops their registrations), and no timer
+        # runs to release them, so a closed sender would hold the caller's tensors (and staged rows, and a
+        # registered buffers' use) for as long as it is referenced. (A send() still running finds its entry gone.)
+        for source in list(self._sources):
+            entry = self._sources.pop(source)
+            if entry.staged is not None:
+                self._staging_release(entry.staged)
+            elif entry.kept is not None:
+                entry.kept.release()
 
     def _log_stalled_unregisters(self) -> None:
         now = anyio.current_time()
@@ -654,15 +664,16 @@ class EmbeddingSender:
         the transport moves bytes), once they are ready: large CPU copies run off the loop, CUDA ones are queued
         on ``stream`` and waited for (see :mod:`aioembed.memory.device_order`)."""
         caps = self._transport.capabilities if self._transport is not None else None
+        # The transport in use, named in a refusal: an injected one, not config.transport (then never opened).
+        transport = self._transport.name if self._transport is not None else self.config.transport
         sources = []
         for name in self.layout:
             t = tensors[name]
             cuda = caps is not None and caps.cuda
             if t.device.type not in ("cpu", "cuda") or (t.device.type == "cuda" and not cuda):
                 # (Any other device is not CUDA memory: MemoryRegion would name its pointer cuda:N.)
-                raise InvalidRequest(f"room {room!r}: field {name!r} is on {t.device}; transport "
-                                     f"{self.config.transport!r} moves {'CPU and CUDA' if cuda else 'CPU'} "
-                                     "memory only")
+                raise InvalidRequest(f"room {room!r}: field {name!r} is on {t.device}; transport {transport!r} moves "
+                                     f"{'CPU and CUDA' if cuda else 'CPU'} memory only")
             if not t.is_contiguous() or not bytes_are_values(t):
                 if t.device.type == "cuda":
                     with torch.cuda.stream(stream or torch.cuda.current_stream(t.device)):
