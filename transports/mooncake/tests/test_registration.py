@@ -184,3 +184,120 @@ async def test_register_refuses_cuda_memory_on_a_non_cuda_build() -> None:
             pytest.skip("CUDA build installed")
         with pytest.raises(TransportError, match="cuda"):
             await a.register([MemoryRegion(1 << 20, 4096, "cuda:0")])
+
+
+async def test_a_failed_registration_batch_leaves_nothing_registered() -> None:
+    """The engine checks a whole batch before it registers any span of it (and unregisters them all if its
+    transport fails one), so ``register()`` records nothing when the batch fails: this pins that (0.3.13.post1)."""
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    base = buf.data_ptr()
+    good, taken = R(base, 4096), R(base + 8192, 4096)
+    async with await MooncakeTransport.open(TCP) as a, await MooncakeTransport.open(TCP) as b:
+        engine = b._engine
+        # the engine's answers for batches with one bad span: nothing of the batch stays registered
+        for starts, lengths in (([base, base + 8192], [4096, 0]),  # zero length
+                                ([base, base + 100], [4096, 100])):  # overlap within the batch
+            assert engine.batch_register_memory(starts, lengths) != 0
+            assert engine.batch_register_memory([base], [4096]) == 0  # not left registered
+            assert engine.batch_unregister_memory([base]) == 0
+        # through the plugin: a span the engine holds already (registered behind the plugin's back) fails the batch
+        assert engine.register_memory(taken.address, taken.length) == 0
+        with pytest.raises(TransportError, match="batch_register_memory returned -7"):
+            await b.register([good, taken])
+        assert b.engine_pieces == [] and len(b.regions) == 0
+        assert engine.unregister_memory(taken.address) == 0
+        await b.register([good])  # the engine registers it again (refused as overlapping had it been left)
+        assert b.engine_pieces == [Piece(good.address, good.end)]
+        await a.register([MemoryRegion.of_tensor(src)])
+        link = await a.connect(b.descriptor())
+        await link.write([WriteOp(src.data_ptr(), good.address, 4096)])
+        assert torch.equal(buf[:4096], src)
+        await link.aclose()
+
+
+async def test_the_engines_batch_unregistration_is_not_all_or_nothing() -> None:
+    """What ``unregister()`` is built on (0.3.13.post1): a batch with an address the engine does not hold fails
+    (-3), yet the engine let go of the other spans (each answers -3 from then on), and it keeps them all in its
+    own table (registering them again is refused as overlapping, -7)."""
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    base = buf.data_ptr()
+    async with await MooncakeTransport.open(TCP) as b:
+        engine = b._engine
+        assert engine.batch_register_memory([base, base + 8192], [4096, 4096]) == 0
+        assert engine.batch_unregister_memory([base, base + 20000, base + 8192]) == -3
+        assert engine.batch_unregister_memory([base]) == -3
+        assert engine.batch_unregister_memory([base + 8192]) == -3
+        assert engine.batch_register_memory([base], [4096]) == -7
+
+
+async def test_a_span_the_engine_let_go_of_does_not_fail_later_unregistrations() -> None:
+    """The engine's batch unregistration goes on past a span it cannot unregister, and such a span answers -3
+    (not registered) from then on. The plugin kept the spans of a failed batch and retried them in the next
+    batch: that batch failed with -3, so every later ``unregister()`` failed, and the engine kept the other spans
+    of each such batch in its table for good (registering them again was refused as overlapping)."""
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    base = buf.data_ptr()
+    x, y = R(base, 4096), R(base + 8192, 4096)
+    async with await MooncakeTransport.open(TCP) as a, await MooncakeTransport.open(TCP) as b:
+        await b.register([x])
+        await b.register([y])
+        assert b._engine.unregister_memory(x.address) == 0  # the engine no longer holds x
+        await b.unregister([x])  # the engine answers -3 for it: it is not registered, as asked
+        await b.unregister([y])
+        assert b.engine_pieces == [] and len(b.regions) == 0
+        await b.register([y])  # the engine let go of y entirely: it registers it again
+        await a.register([MemoryRegion.of_tensor(src)])
+        link = await a.connect(b.descriptor())
+        await link.write([WriteOp(src.data_ptr(), y.address, 4096)])
+        assert torch.equal(buf[8192:12288], src)
+        await link.aclose()
+
+
+class _RefusingEngine:
+    """The engine, except that its batch unregistration refuses the addresses in ``refuse`` (-1), as the engine
+    does: going on with the others of the batch."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+        self.refuse: set[int] = set()
+        self.batches: list[list[int]] = []
+
+    def batch_unregister_memory(self, starts: list[int]) -> int:
+        self.batches.append(list(starts))
+        rest = [s for s in starts if s not in self.refuse]
+        rc = self.engine.batch_unregister_memory(rest) if rest else 0  # type: ignore[attr-defined]
+        return -1 if len(rest) < len(starts) else int(rc)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+
+async def test_a_span_the_engine_refuses_to_unregister_is_retried_alone() -> None:
+    """A span the engine refused to unregister stays recorded and is retried on the next unregistration, on its
+    own: the unregistrations of other regions meanwhile succeed (they failed with it before)."""
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    base = buf.data_ptr()
+    x, y, z = R(base, 4096), R(base + 8192, 4096), R(base + 16384, 4096)
+    async with await MooncakeTransport.open(TCP) as b:
+        real = b._engine
+        proxy = _RefusingEngine(real)
+        b._engine = proxy
+        try:
+            await b.register([x, y, z])
+            proxy.refuse.add(x.address)
+            with pytest.raises(TransportError) as refused:
+                await b.unregister([x])
+            assert b.engine_pieces == [Piece(x.address, x.end), Piece(y.address, y.end), Piece(z.address, z.end)]
+            await b.unregister([y])  # x, refused again, is retried apart from y (and only logged: reported before)
+            assert b.engine_pieces == [Piece(x.address, x.end), Piece(z.address, z.end)]
+            assert [y.address] in proxy.batches and not any(x.address in s and len(s) > 1 for s in proxy.batches)
+            assert f"4096 bytes at {x.address:#x} (-1)" in str(refused.value)  # which span, the engine's answer
+            proxy.refuse.clear()
+            await b.unregister([z])  # x goes with it now
+            assert b.engine_pieces == [] and len(b.regions) == 0
+            assert real.batch_register_memory([x.address, y.address, z.address], [4096] * 3) == 0  # none held
+            assert real.batch_unregister_memory([x.address, y.address, z.address]) == 0
+        finally:
+            b._engine = real

@@ -214,6 +214,31 @@ async def test_a_writer_that_aborts_mid_write_leaves_the_owner_clean() -> None:
     assert not [c.get("message") for c in unhandled]
 
 
+async def test_what_a_failed_write_left_in_the_graveyard_goes_without_another_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers kept for a failed write are let go once its endpoint is dead and the grace period is over, even
+    when nothing is buried after it: the graveyard pruned only when it buried something else (or a listener
+    closed), so what a process's last failure had posted (bodies, inline blobs, an owner's eager scratch) stayed
+    referenced for good."""
+    monkeypatch.setattr(GRAVEYARD, "GRACE", 0.2)
+    owner, writer, src, dst = await _pair({}, {})
+    try:
+        link = await writer.connect(owner.descriptor())
+        ucx = _ucx_link(link)
+        t = asyncio.ensure_future(link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 500_000)]))
+        await asyncio.sleep(0)  # posted ...
+        ucx._drop(ucx._ep)  # ... and its endpoint aborted, as after a stall
+        with contextlib.suppress(TransportError):
+            await t
+        assert src.data_ptr() in _kept_addresses()  # kept while UCX may still reach it
+        with anyio.fail_after(5):  # two grace periods at most: one to see the endpoint dead, one to wait out
+            while src.data_ptr() in _kept_addresses():
+                await asyncio.sleep(0.05)
+    finally:
+        await writer.aclose()
+        await owner.aclose()
+
+
 @pytest.mark.parametrize("eager_bytes", [0, 1 << 20])
 async def test_a_receive_that_fails_on_the_owner_ends_the_connection(eager_bytes: int,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:

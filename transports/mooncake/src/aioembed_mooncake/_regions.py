@@ -114,11 +114,13 @@ class PieceIndex:
 class EngineRegistrations:
     """The aioembed regions of one endpoint and the engine pieces that back them."""
 
-    __slots__ = ("_pieces", "regions")
+    __slots__ = ("_pieces", "_refused", "regions")
 
     def __init__(self) -> None:
         self.regions = RegionSet()
         self._pieces: set[Piece] = set()
+        self._refused: set[Piece] = set()
+        """Orphans the engine refused to unregister: retried one at a time (see :meth:`refused`)."""
 
     @property
     def pieces(self) -> list[Piece]:
@@ -164,9 +166,22 @@ class EngineRegistrations:
 
     def forget(self, pieces: Iterable[Piece]) -> None:
         """Drop pieces the engine has unregistered."""
+        pieces = set(pieces)
         self._pieces.difference_update(pieces)
+        self._refused.difference_update(pieces)
+
+    def refuse(self, pieces: Iterable[Piece]) -> None:
+        """Note orphans the engine refused to unregister (they stay recorded, for a retry)."""
+        self._refused.update(pieces)
+
+    def refused(self, pieces: Iterable[Piece]) -> list[Piece]:
+        """Those of ``pieces`` the engine refused to unregister before. They are retried apart from the others:
+        the engine keeps every span of a failed batch in its own table, so one span that fails again would keep
+        the others of its batch there too (see ``MooncakeTransport._unregister_pieces``)."""
+        return [p for p in pieces if p in self._refused]
 
     def clear(self) -> list[Piece]:
         """Forget every region; returns every piece (for unregistering at close)."""
         self.regions = RegionSet()
+        self._refused.clear()
         return self.pieces

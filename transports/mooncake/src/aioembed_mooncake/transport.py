@@ -71,6 +71,9 @@ log = logging.getLogger("aioembed_mooncake")
 
 DESCRIPTOR_VERSION = 1
 
+NOT_REGISTERED = -3
+"""The engine's answer to unregistering an address it holds no registration at (``ERR_ADDRESS_NOT_REGISTERED``)."""
+
 TCP_QUEUE_PER_PEER = 1024
 """Transfers the engine's TCP transport queues per peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``).
 
@@ -522,6 +525,10 @@ class MooncakeTransport(Transport):
                 self._check_open()
                 new = self._reg.plan_add(regions)
                 if new:
+                    # A failed batch leaves nothing registered, so nothing is recorded: the engine checks the whole
+                    # batch (zero length, overlaps within it and with its registrations) before it registers any
+                    # span, and unregisters them all if its transport fails one (0.3.13.post1; pinned by
+                    # test_a_failed_registration_batch_leaves_nothing_registered).
                     rc = await self._register_call(
                         self._engine.batch_register_memory, [p.start for p in new], [p.length for p in new]
                     )
@@ -542,14 +549,51 @@ class MooncakeTransport(Transport):
                 self._check_open()
                 orphans = self._reg.remove(regions)  # raises, changing nothing, for unknown regions
                 if orphans:
-                    rc = await self._register_call(self._engine.batch_unregister_memory, [p.start for p in orphans])
-                    if rc != 0:
-                        # Keep them recorded: they are retried on the next unregister and at close.
+                    before = set(self._reg.refused(orphans))
+                    refused = await self._unregister_pieces(orphans)
+                    # Kept recorded: they are retried on the next unregister and at close. Spans an earlier call
+                    # reported already are only logged: this call's own spans are unregistered.
+                    if refused and all(p in before for p, _ in refused):
+                        log.warning("mooncake transport: the engine still refuses to unregister %s",
+                                    ", ".join(f"{p.length} bytes at {p.start:#x} ({rc})" for p, rc in refused))
+                    elif refused:
                         raise TransportError(
-                            f"mooncake transport: unregistering {len(orphans)} span(s) failed: "
-                            f"batch_unregister_memory returned {rc}"
+                            f"mooncake transport: unregistering {len(orphans)} span(s) failed: the engine refused "
+                            f"{len(refused)}, kept for a retry: "
+                            + ", ".join(f"{p.length} bytes at {p.start:#x} ({rc})" for p, rc in refused)
                         )
-                    self._reg.forget(orphans)
+
+    async def _unregister_pieces(self, pieces: Sequence[Piece]) -> list[tuple[Piece, int]]:
+        """Unregister engine pieces that no region overlaps any more; forget those the engine no longer holds and
+        return the others, with the engine's answer for each.
+
+        The engine's ``batch_unregister_memory`` is not all-or-nothing (0.3.13.post1): it goes on past a span it
+        fails to unregister, so a failed batch may have unregistered the others, and an address it unregistered
+        answers ``NOT_REGISTERED`` from then on. Retried as it was, the batch failed for good, and so did every
+        later unregistration, whose batch included the retried spans. So after a failed batch each span is asked
+        on its own, a span the engine does not hold counts as unregistered, and only spans refused for another
+        reason stay recorded. Those are retried one at a time, never in a batch with others: the engine forgets none of
+        a failed batch's addresses in its own table (a registration over them is refused as overlapping), so a
+        retried span that fails again would hold the rest of its batch there too."""
+        retried = self._reg.refused(pieces)
+        fresh = [p for p in pieces if p not in retried]
+        if fresh:
+            rc = await self._register_call(self._engine.batch_unregister_memory, [p.start for p in fresh])
+            if rc == 0:
+                self._reg.forget(fresh)
+            else:
+                log.warning("mooncake transport: unregistering %d span(s) returned %d: asking the engine for each "
+                            "span on its own", len(fresh), rc)
+                retried += fresh
+        refused: list[tuple[Piece, int]] = []
+        for p in retried:
+            rc = await self._register_call(self._engine.batch_unregister_memory, [p.start])
+            if rc in (0, NOT_REGISTERED):
+                self._reg.forget([p])
+            else:
+                refused.append((p, rc))
+        self._reg.refuse(p for p, _ in refused)
+        return refused
 
     async def _register_call(self, call: Callable[..., int], *args: Any) -> int:
         """Run an engine (un)registration call: on this thread over TCP with the P2P handshake, where it

@@ -9,6 +9,7 @@ endpoint, and they are let go only once that endpoint is no longer alive and a g
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -27,6 +28,10 @@ class Graveyard:
     the same steps ourselves and, on failure, keep the buffers and the endpoint. An entry is
     dropped once its endpoint is no longer alive (UCX completed or cancelled what was posted on
     it) and a grace period has passed; live ones are kept, and a warning says if they pile up.
+
+    Pruning runs at each burial and, while anything is kept, on a timer :attr:`GRACE` seconds later on the
+    running event loop. (Pruned only at the next burial, what a process's last failure had kept, an owner's
+    eager scratch, write bodies, inline blobs and the dead endpoints themselves, stayed referenced for good.)
     """
 
     GRACE = 30.0
@@ -35,6 +40,8 @@ class Graveyard:
     def __init__(self) -> None:
         self._entries: list[tuple[Any, tuple[object, ...], float | None]] = []  # (endpoint, buffers, dead since)
         self._warned = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     def bury(self, endpoint: Any, *buffers: object) -> None:
         self.prune(time.monotonic())
@@ -43,6 +50,27 @@ class Graveyard:
             self._warned = True
             log.warning("ucx: %d endpoints of failed connects or writes are still alive (peers frozen?); their "
                         "buffers are kept while UCX may write into them", len(self._entries))
+        self._arm()
+
+    def _arm(self) -> None:
+        """Prune again in :attr:`GRACE` seconds while entries are kept (a timer on the running loop, not a task;
+        none where no loop runs here: the next burial or listener close prunes)."""
+        if not self._entries:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        pending, on = self._timer, self._timer_loop
+        if pending is not None and on is not None and not on.is_closed() and not pending.cancelled():
+            if on is not loop or pending.when() <= loop.time() + self.GRACE:
+                return  # that one prunes in time (another loop's: left to it, its handles are not ours to cancel)
+            pending.cancel()  # due later than a grace period from now (GRACE was lowered)
+        self._timer, self._timer_loop = loop.call_later(self.GRACE, self._on_timer), loop
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_loop = None
+        self.prune(time.monotonic())
 
     def prune(self, now: float) -> None:
         kept: list[tuple[Any, tuple[object, ...], float | None]] = []
@@ -60,6 +88,7 @@ class Graveyard:
             elif now - dead_since < self.GRACE:
                 kept.append((endpoint, buffers, dead_since))
         self._entries = kept
+        self._arm()
 
     def __len__(self) -> int:
         return len(self._entries)
