@@ -56,6 +56,18 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """``argparse`` type of a width: ``--hidden 0`` was refused from deep inside as "field shape must be positive
+    ints, got (0,)", which named no option."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="aioembed", description="Move multimodal embeddings between processes.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
@@ -63,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run an end-to-end transfer in this process and print what moved")
     demo.add_argument("--config", help="TOML config file (default: AIOEMBED_* environment variables)")
     demo.add_argument("--bind", default="tcp://127.0.0.1:0")
-    demo.add_argument("--hidden", type=int, default=3584, help="embedding width (bf16 values per token)")
+    demo.add_argument("--hidden", type=_positive_int, default=3584, help="embedding width (bf16 values per token)")
     demo.add_argument("--tokens", type=int, nargs="+", default=[500, 8192, 20000],
                       help="request sizes in tokens (default: one small, one default-sized, one resumed)")
     demo.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])

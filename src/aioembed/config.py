@@ -263,10 +263,21 @@ class TransferConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> TransferConfig:
-        """Build from a mapping of setting names, refusing unknown names."""
+        """Build from a mapping of setting names, refusing unknown names. A bad value's error names ``source``
+        (unless it is the default, ``"mapping"``)."""
+        return cls._build(values, source, "" if source == "mapping" else f" (in {source})")
+
+    @classmethod
+    def _build(cls, values: Mapping[str, Any], source: str, where: str) -> TransferConfig:
         _check_names(values, f" in {source}")
         try:
             return cls(**values)
+        except ConfigError as exc:
+            if not where:
+                raise
+            # Unknown names named the file; bad values did not, so a server reading one of several files, or
+            # containers setting a few AIOEMBED_* variables, were told of a value with no word of where it was.
+            raise ConfigError(f"{exc}{where}") from exc
         except TypeError as exc:  # pragma: no cover - dataclass signature errors
             raise ConfigError(f"bad settings in {source}: {exc}") from exc
 
@@ -283,12 +294,15 @@ class TransferConfig:
         for key in env:
             if key.startswith(ENV_PREFIX) and key not in known and not key.startswith(ENV_PREFIX + "TEST_"):
                 log.warning("ignoring unknown environment variable %s (known: %s)", key, ", ".join(sorted(known)))
+        read = []
         for f in dataclasses.fields(cls):
             key = ENV_PREFIX + f.name.upper()
             if key in env:
                 values[f.name] = _parse_env(f.name, key, env[key])
+                read.append(f"{key}={env[key]!r}")
         values.update(overrides)
-        return cls.from_mapping(values, source="environment")
+        where = f" (from the environment: {', '.join(sorted(read))})" if read else ""
+        return cls._build(values, "environment", where)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> TransferConfig:

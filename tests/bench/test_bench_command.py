@@ -125,6 +125,49 @@ def test_bench_rejects_bad_options() -> None:
     assert proc.returncode == 2 and "--resume-tokens=128 must be more than 128" in proc.stderr
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--workloads", "stream", "--stream-tokens", "0"], "--stream-tokens must be >= 1"),
+    (["--workloads", "trace", "--trace-requests", "-3"], "--trace-requests=-3 must be >= 0"),
+    (["--workloads", "sizes", "--sizes", str(10**9)],
+     f"--sizes: a request of {10**9} tokens is past max_request_tokens={1 << 22}"),
+    (["--workloads", "resume", "--json", "/nonexistent-aioembed-dir/out.json"],
+     "--json /nonexistent-aioembed-dir/out.json: no directory"),
+    (["--workloads", "resume", "--plot", "/nonexistent-aioembed-dir/out.png"],
+     "--plot /nonexistent-aioembed-dir/out.png: no directory"),
+])
+def test_bench_refuses_an_option_it_cannot_run_before_measuring(argv: list[str], said: str) -> None:
+    """Each of these was taken and failed later: ``--stream-tokens 0`` as a 0-token room naming no option (after
+    fencing its blocks), a negative ``--trace-requests`` and a size past ``max_request_tokens`` as tracebacks (the
+    latter allocating its rows first: 7 TB here), an unwritable ``--json`` / ``--plot`` as a traceback after the
+    whole run, its measurements lost."""
+    pytest.importorskip("rich")
+    proc = subprocess.run([sys.executable, "-c", RUN, "bench", "--quick", *argv],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "fenced" not in proc.stderr and "total time" not in proc.stdout + proc.stderr
+
+
+def test_the_demo_refuses_a_width_that_is_not_positive_as_a_usage_error() -> None:
+    proc = subprocess.run([sys.executable, "-m", "aioembed", "demo", "--tokens", "64", "--hidden", "0"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "argument --hidden: expected a positive integer, got 0" in proc.stderr, proc.stderr
+
+
+def test_bench_without_config_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As ``aioembed demo`` and the example servers do: the bench built ``TransferConfig()``, so the transport
+    and options a user exported (``AIOEMBED_TRANSPORT=mooncake ...``) were ignored without a word."""
+    from aioembed.bench.command import _options
+    from aioembed.cli import _parser
+
+    monkeypatch.setenv("AIOEMBED_TRANSPORT_OPTIONS", "{threads = 2}")
+    monkeypatch.setenv("AIOEMBED_STAGING_TOKENS", "0")
+    opts = _options(_parser().parse_args(["bench", "--quick"]))
+    assert dict(opts.base_config.transport_options) == {"threads": 2}
+    assert opts.base_config.staging_tokens == 0
+
+
 WITHOUT_RICH = "import sys; sys.modules['rich'] = None; from aioembed.cli import main; main()"
 """The command as a plain ``pip install aioembed`` has it: without the ``cli`` extra (rich)."""
 

@@ -459,6 +459,28 @@ def test_from_toml_unknown_key_names_file(tmp_path: Path) -> None:
     assert str(p) in str(info.value) and "speed" in str(info.value)
 
 
+def test_a_bad_value_names_the_file_it_came_from(tmp_path: Path) -> None:
+    """Unknown names named the file, bad values did not: a server reading one of several config files (or
+    containers setting some AIOEMBED_* variables) was told ``pool_tokens=100 must be a multiple of block_size=128``
+    with no word of where that 100 was written."""
+    p = tmp_path / "language.toml"
+    p.write_text("[aioembed]\npool_tokens = 100\n")
+    with pytest.raises(ConfigError) as info:
+        TransferConfig.from_toml(p)
+    assert "pool_tokens=100 must be a multiple of block_size=128" in str(info.value)
+    assert f"(in {p})" in str(info.value)
+
+
+def test_a_bad_value_from_the_environment_names_the_variables_read() -> None:
+    env = {"AIOEMBED_POOL_TOKENS": "4096", "AIOEMBED_DEFAULT_TOKENS": "8192", "AIOEMBED_ROOM_TIMEOUT": "9"}
+    with pytest.raises(ConfigError) as info:
+        TransferConfig.from_env(env)
+    msg = str(info.value)
+    assert "default_tokens=8192 exceeds pool_tokens=4096" in msg
+    assert ("(from the environment: AIOEMBED_DEFAULT_TOKENS='8192', AIOEMBED_POOL_TOKENS='4096', "
+            "AIOEMBED_ROOM_TIMEOUT='9')") in msg
+
+
 def test_staging_max_tokens_must_fit_the_staging_area() -> None:
     """It was clamped to staging_tokens without a word: requests up to the setting were not all staged."""
     with pytest.raises(ConfigError, match="staging_max_tokens=512 exceeds staging_tokens=256"):

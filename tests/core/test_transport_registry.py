@@ -54,6 +54,17 @@ def test_unknown_transport_lists_installed() -> None:
     assert ENTRY_POINT_GROUP in msg
 
 
+@pytest.mark.parametrize("typo", ["loopbak", "Loopback", "loopback "])
+def test_a_misspelt_transport_is_pointed_at_the_installed_one(typo: str) -> None:
+    """The hint for an unknown name was ``pip install aioembed-<name>``: for a typo of an installed transport, a
+    package that does not exist (or a squatter's), not the name the user meant."""
+    with pytest.raises(ConfigError) as info:
+        resolve_transport(typo)
+    msg = str(info.value)
+    assert f"unknown transport {typo!r}" in msg and "did you mean 'loopback'?" in msg
+    assert "pip install" not in msg
+
+
 @pytest.mark.anyio
 async def test_open_unknown_transport(anyio_backend: str) -> None:
     with pytest.raises(ConfigError, match="nope"):

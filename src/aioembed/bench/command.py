@@ -73,9 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and the ratio aioembed / raw."
     )
     parser.add_argument("--transport", default=None,
-                        help="transport to measure (default: from --config, else loopback)")
+                        help="transport to measure (default: from --config, else AIOEMBED_TRANSPORT, else loopback)")
     parser.add_argument("--config", default=None,
-                        help="TOML config file for the transport and its options (pool sizes are set per workload)")
+                        help="TOML config file for the transport and its options (pool sizes are set per workload; "
+                             "default: AIOEMBED_* environment variables)")
     parser.add_argument("--quick", action="store_true",
                         help="few sizes and repetitions: finishes in well under a minute (for CI)")
     parser.add_argument("--json", metavar="FILE", default=None,
@@ -135,17 +136,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
-    base = TransferConfig.from_toml(args.config) if args.config else TransferConfig()
+    # Without --config, the AIOEMBED_* environment, as `aioembed demo` and the example servers read it: the bench
+    # ignored it, so `AIOEMBED_TRANSPORT=mooncake aioembed bench` measured loopback without a word.
+    base = TransferConfig.from_toml(args.config) if args.config else TransferConfig.from_env()
     if args.transport:
         base = base.replace(transport=args.transport)
     quick = bool(args.quick)
     repeat = args.repeat if args.repeat is not None else (3 if quick else 7)
     if repeat < 1:
         raise ConfigError(f"--repeat={repeat} must be >= 1")
+    # ``--stream-tokens 0`` is a value given, not the default: it ran, and failed inside the workload as a room of
+    # 0 tokens that named no option (after fencing the room's blocks).
     if min(args.hidden, args.idle_rooms, args.memory_tokens, args.resume_tokens, args.trace_concurrency,
-           args.senders, args.senders_tokens, args.stream_tokens or 1) < 1:
+           args.senders, args.senders_tokens, 1 if args.stream_tokens is None else args.stream_tokens) < 1:
         raise ConfigError("--hidden, --idle-rooms, --memory-tokens, --resume-tokens, --trace-concurrency, "
                           "--senders, --senders-tokens and --stream-tokens must be >= 1")
+    if args.trace_requests is not None and args.trace_requests < 0:  # a ValueError's traceback from the trace
+        raise ConfigError(f"--trace-requests={args.trace_requests} must be >= 0")
+    _check_request_sizes(args, quick, base.max_request_tokens)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        # Checked before the run, which takes minutes: the write at its end raised a traceback and lost every
+        # measurement.
+        if path is not None and path != "-":
+            _check_writable(flag, path)
     if args.resume_tokens <= 128:
         raise ConfigError(f"--resume-tokens={args.resume_tokens} must be more than 128: the resume workload reserves "
                           "N//2 tokens rounded up to 128-token blocks first, which must be less than the request")
@@ -173,12 +186,44 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         resume_tokens=args.resume_tokens,
         senders=args.senders,
         senders_tokens=args.senders_tokens,
-        stream_tokens=args.stream_tokens if args.stream_tokens is not None else (20000 if quick else 100000),
+        stream_tokens=_stream_tokens(args, quick),
         process_model=_process_model(args.process_model, base.transport),
         registered_sources=bool(args.registered_sources),
         gc_freeze=bool(args.gc_freeze),
         control_floor=bool(args.control_floor),
     )
+
+
+def _stream_tokens(args: argparse.Namespace, quick: bool) -> int:
+    """The streaming workload's request size: ``--stream-tokens``, else 20000 (quick) or 100000."""
+    return int(args.stream_tokens) if args.stream_tokens is not None else (20000 if quick else 100000)
+
+
+def _check_request_sizes(args: argparse.Namespace, quick: bool, limit: int) -> None:
+    """Refuse a request size past ``max_request_tokens`` before its rows are made: its source tensors came first,
+    and a typo's (``--sizes 5000000`` at the default width is 35 GB) ended in an allocation failure's traceback,
+    or in the OOM killer, instead of the room's refusal."""
+    sizes = {"--sizes": max(args.sizes or (QUICK_SIZES if quick else FULL_SIZES)),
+             "--memory-tokens": args.memory_tokens, "--resume-tokens": args.resume_tokens,
+             "--stream-tokens": _stream_tokens(args, quick),
+             "--senders-tokens": args.senders_tokens}
+    for flag, tokens in sizes.items():
+        if tokens > limit:
+            raise ConfigError(f"{flag}: a request of {tokens} tokens is past max_request_tokens={limit}, the largest "
+                              "a receiver accepts (raise max_request_tokens to measure larger ones, or lower "
+                              f"{flag})")
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Refuse an output file that cannot be written, before anything is measured."""
+    p = Path(path)
+    folder = p.parent
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; expected a file name")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: no directory {str(folder)!r} to write it in")
+    if not os.access(p if p.exists() else folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: not writable here")
 
 
 def _process_model(choice: str, transport: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -35,11 +36,13 @@ def resolve_transport(name: str) -> type[Transport]:
         return builtin[name]
     matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
     if not matches:
-        raise ConfigError(
-            f"unknown transport {name!r}; installed transports: {available_transports()} "
-            f"(plugins register in the entry-point group {ENTRY_POINT_GROUP!r}, "
-            f"e.g. `pip install aioembed-{name}`)"
-        )
+        installed = available_transports()
+        # A typo of an installed name ("mooncak", "UCX", "loopback ") was told to `pip install aioembed-mooncak`: a
+        # package that does not exist, or a squatter's. Point at the installed name instead.
+        near = difflib.get_close_matches(name.strip().lower(), installed, n=1, cutoff=0.8)
+        hint = (f"did you mean {near[0]!r}?" if near else
+                f"plugins register in the entry-point group {ENTRY_POINT_GROUP!r}, e.g. `pip install aioembed-{name}`")
+        raise ConfigError(f"unknown transport {name!r}; installed transports: {installed} ({hint})")
     targets = {ep.value: ep for ep in matches}  # one distribution seen on two paths lists its target twice
     if len(targets) > 1:
         # Which one load() order picks depends on sys.path and install order: a silent pick could run the wrong
