@@ -143,6 +143,10 @@ async def test_a_loop_turn_spent_looking_gives_up_the_core_first(monkeypatch: py
     host: each turn that looks again without sleeping yields first; a sleeping one does not need to."""
     yields: list[float] = []
     monkeypatch.setattr(transfers, "_sched_yield", lambda: yields.append(time.perf_counter()))
+    # A window of 8 ms, not 0.3: on a busy CI host the loop was once preempted for longer than 0.3 ms between opening
+    # the window and its first look, so it slept at once and never yielded (the rule under test held; the window
+    # had simply passed).
+    monkeypatch.setattr(transfers, "_POLL_FRESH", 0.008)
     engine, sleeps = FakeEngine(), SleepLog(monkeypatch)
     poller = TransferPoller(engine.check)
     t = engine.submit(1, 4096, 0.020)  # nothing learned: a fresh window of turns, then sleeps
