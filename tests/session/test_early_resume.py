@@ -96,7 +96,9 @@ async def test_every_later_round_is_announced_and_written_while_the_one_before_i
     """Round 1 is written alongside round 0, round 2 alongside round 1 (made the slowest, so that round 2's RESUME,
     sent at round 0's STATUS, comes while it is written); the STATUS frames still come in order (the receiver's
     machine refuses any other)."""
-    slow = {0: 0.03, 1: 0.12}
+    # Long enough that a loaded CI host starts the next write well inside them (with 30 ms for round 0, round 1's
+    # write once started 31 ms after it there).
+    slow = {0: 0.25, 1: 0.5}
     started: dict[int, float] = {}
 
     def fault(call: WriteCall) -> WriteFault:
