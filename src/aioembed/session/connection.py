@@ -622,20 +622,19 @@ class SenderConnection:
             self.refused = IncompatiblePeer(f"sender {self.address} refused the handshake: {msg.reason}")
             self._answered.set()
             self._nudge.set()
-        elif msg.code == "busy":
-            # The sender has max_concurrent_handshakes under way (receivers restarting together): not a refusal of
-            # ours, never final. HELLO again after the usual back-off; our rooms keep waiting for the handshake.
-            if not self._answered.is_set():
-                self.last_refusal = msg.reason
-                self._nudge.set()
-            self._warnings.warn("busy", "%s: the sender is busy with other handshakes (%s); saying HELLO again",
-                                self.name, msg.reason)
         else:
             if not self._answered.is_set():
-                self.last_refusal = msg.reason  # e.g. it could not connect its transport to us: try again soon
+                # E.g. it could not connect its transport to us, or is busy with max_concurrent_handshakes others
+                # (receivers restarting together: never final): HELLO again after the usual back-off, our rooms
+                # waiting for the handshake meanwhile.
+                self.last_refusal = msg.reason
                 self._nudge.set()
             # Budgeted, like a bad frame: a sender may send REJECTs as fast as it likes.
-            self._warnings.warn("rejected", "%s: the sender rejected a frame: %s", self.name, msg.reason)
+            if msg.code == "busy":
+                self._warnings.warn("busy", "%s: the sender is busy with other handshakes (%s); saying HELLO again",
+                                    self.name, msg.reason)
+            else:
+                self._warnings.warn("rejected", "%s: the sender rejected a frame: %s", self.name, msg.reason)
 
     def _on_fence_release(self, msg: FenceRelease) -> None:
         room = self.rooms.get(msg.room)

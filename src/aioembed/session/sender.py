@@ -356,11 +356,7 @@ class EmbeddingSender:
         # runs to release them, so a closed sender would hold the caller's tensors (and staged rows, and a
         # registered buffers' use) for as long as it is referenced. (A send() still running finds its entry gone.)
         for source in list(self._sources):
-            entry = self._sources.pop(source)
-            if entry.staged is not None:
-                self._staging_release(entry.staged)
-            elif entry.kept is not None:
-                entry.kept.release()
+            self._take_source(source)  # what it returns would be unregistered: the closed transport did that
 
     def _log_stalled_unregisters(self) -> None:
         now = anyio.current_time()

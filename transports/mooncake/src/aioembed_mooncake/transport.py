@@ -553,15 +553,14 @@ class MooncakeTransport(Transport):
                     refused = await self._unregister_pieces(orphans)
                     # Kept recorded: they are retried on the next unregister and at close. Spans an earlier call
                     # reported already are only logged: this call's own spans are unregistered.
-                    if refused and all(p in before for p, _ in refused):
-                        log.warning("mooncake transport: the engine still refuses to unregister %s",
-                                    ", ".join(f"{p.length} bytes at {p.start:#x} ({rc})" for p, rc in refused))
-                    elif refused:
-                        raise TransportError(
-                            f"mooncake transport: unregistering {len(orphans)} span(s) failed: the engine refused "
-                            f"{len(refused)}, kept for a retry: "
-                            + ", ".join(f"{p.length} bytes at {p.start:#x} ({rc})" for p, rc in refused)
-                        )
+                    if not refused:
+                        return
+                    spans = ", ".join(f"{p.length} bytes at {p.start:#x} ({rc})" for p, rc in refused)
+                    if all(p in before for p, _ in refused):
+                        log.warning("mooncake transport: the engine still refuses to unregister %s", spans)
+                    else:
+                        raise TransportError(f"mooncake transport: unregistering {len(orphans)} span(s) failed: the "
+                                             f"engine refused {len(refused)}, kept for a retry: {spans}")
 
     async def _unregister_pieces(self, pieces: Sequence[Piece]) -> list[tuple[Piece, int]]:
         """Unregister engine pieces that no region overlaps any more; forget those the engine no longer holds and
