@@ -304,6 +304,9 @@ async def test_a_session_loss_told_while_refused_does_not_leave_handshake_waiter
         async with EmbeddingSender(LAYOUT, good, bind=address) as s:
             await _served(s, r, 1)  # a session, whose writer the connection keeps
         conn = r._conns[address]
+        with anyio.fail_after(5):
+            while conn.ready:  # the disconnect reaches the receiver through a monitor event, a moment later
+                await anyio.sleep(0.02)
         async with EmbeddingSender(LAYOUT, good.replace(block_size=256), bind=address):
             with anyio.fail_after(5), pytest.raises(IncompatiblePeer, match="block_size"):
                 await r.wait_connected(timeout=5.0)
