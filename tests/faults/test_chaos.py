@@ -69,7 +69,7 @@ async def kill_sender_round(seed: int, loop: str) -> None:
     rng = random.Random(seed)
     rooms = _rooms("s", 40, rng)
     async with spawn(SideSpec(role="send", config=CONFIG, rooms=rooms, concurrency=len(rooms),
-                              backend=loop)) as sender:
+                              backend=loop, wait_for_receivers=1)) as sender:
         ready = await sender.ready(60)
         receiver_spec = SideSpec(role="receive", config=CONFIG, rooms=rooms, connect=ready["address"],
                                  concurrency=len(rooms), backend=loop)
@@ -113,10 +113,13 @@ async def _kill_receiver_once(seed: int, loop: str) -> bool:
     # slowed by a loaded CI host, is still reading its first few results (30 at 4 at a time once were not
     # enough, nor 60 at 4 at a time once the sides checked rows off their loop); the sender takes every
     # room at once, so those never asked for time out together after one input_timeout.
+    # The sender offers its rooms once both receivers shook hands: a loaded host took 18 s to start them, and
+    # rooms offered at once had all timed out (input_timeout) and the sender closed before their first HELLO.
     doomed = _rooms("d", 60, rng)
     spared = _rooms("k", 12, rng)
     async with spawn(SideSpec(role="send", config=CONFIG, rooms=doomed + spared,
-                              concurrency=len(doomed) + len(spared), backend=loop)) as sender:
+                              concurrency=len(doomed) + len(spared), backend=loop,
+                              wait_for_receivers=2)) as sender:
         ready = await sender.ready(60)
         victim = SideSpec(role="receive", config=CONFIG, rooms=doomed, connect=ready["address"], concurrency=1,
                           backend=loop)

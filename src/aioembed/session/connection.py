@@ -350,6 +350,7 @@ class SenderConnection:
         backoff = 0.05
         while not self._answered.is_set():
             self._nudge = anyio.Event()
+            log.debug("%s: HELLO (session %d)", self.name, self.epoch)
             self.send(hello)
             with anyio.move_on_after(cfg.handshake_timeout):
                 await self._nudge.wait()  # WELCOME, a final refusal, or a refusal worth retrying

@@ -1056,6 +1056,8 @@ class EmbeddingSender:
         says HELLO again after its back-off, as after a failed connect."""
         cfg = self.config
         assert self._transport is not None
+        log.debug("sender: HELLO of receiver %s session %d rank %d (%d handshakes under way)",
+                  hello.receiver_id[:8], hello.epoch, hello.rank, len(self._handshaking))
         problems = handshake_problems(hello, self.layout, cfg, self._transport.name)
         if problems:
             reason = f"incompatible receiver (protocol v{PROTOCOL_VERSION}): " + "; ".join(problems)
@@ -1086,9 +1088,12 @@ class EmbeddingSender:
         it ends), then WELCOME it."""
         cfg = self.config
         assert self._transport is not None
+        began = anyio.current_time()
         try:
             with anyio.fail_after(cfg.handshake_timeout):
                 link = await self._transport.connect(hello.descriptor)
+            log.debug("sender: transport connected to receiver %s session %d in %.3f s", hello.receiver_id[:8],
+                      hello.epoch, anyio.current_time() - began)
         except (TransportError, TimeoutError) as exc:
             reason = f"cannot connect transport {self._transport.name!r} to receiver rank {hello.rank}: {exc}"
             self._warnings.warn("connect", "sender: %s", reason)  # budgeted: a HELLO may come as often as a peer likes

@@ -416,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # A native crash (SIGSEGV in an engine) writes every thread's stack to the kept stderr: a side that died with
     # code -11 before its ready line left an empty stderr, and nothing to go on.
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+    # AIOEMBED_TEST_LOG_LEVEL (e.g. DEBUG): a side's log at that level, for a failure that needs its steps.
+    logging.basicConfig(level=os.environ.get("AIOEMBED_TEST_LOG_LEVEL", "WARNING").upper(), stream=sys.stderr,
                         format=f"%(asctime)s {spec.role}[{spec.rank}] %(name)s %(levelname)s %(message)s")
     try:
         backend, options = run_on(spec.backend)
