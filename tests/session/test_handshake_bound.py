@@ -7,6 +7,9 @@ after its usual back-off, and its rooms wait for the handshake as before."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import anyio
 import msgpack
 import prometheus_client
@@ -15,6 +18,8 @@ import pytest
 from aioembed import EmbeddingReceiver, EmbeddingSender, TransferConfig, TransferStatus
 from aioembed.metrics import PrometheusMetrics
 from aioembed.protocol.messages import PROTOCOL_VERSION, Hello, Init, Ping, Pong, Reject
+from aioembed.session import connection
+from aioembed.session.connection import hello_backoff
 from aioembed.testing import MockTransport
 from aioembed.testing.mock import MockLink
 
@@ -135,3 +140,50 @@ async def test_a_receiver_refused_busy_says_hello_again_and_its_room_waits_for_t
         assert isinstance(init, Init) and init.room == "r"
         assert not handle.done
         handle.cancel()
+
+
+def test_hello_backoff_doubles_within_the_upper_half_of_each_step() -> None:
+    """Each pause lies in [step/2, step] of a step doubling from 50 ms to 1 s, the draw setting where."""
+    steps = [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    for retry, step in enumerate(steps):
+        assert hello_backoff(retry, 0.0) == pytest.approx(step / 2)
+        assert hello_backoff(retry, 0.999999) == pytest.approx(step, rel=1e-5)
+        assert hello_backoff(retry, 0.5) == pytest.approx(0.75 * step)
+    assert hello_backoff(10_000, 0.0) == pytest.approx(0.5)  # no overflow far out
+    for retry, draw in ((-1, 0.5), (0, 1.0), (0, -0.1)):
+        with pytest.raises(ValueError, match="retry"):
+            hello_backoff(retry, draw)
+
+
+async def test_receivers_refused_busy_together_say_hello_again_at_spread_times(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receivers refused busy together (a cluster restarting into a sender at its bound) said HELLO again in
+    lockstep, after the same 50 ms, 100 ms, 200 ms...: refused together again at every step. Their pauses are drawn
+    now: four receivers' pauses differ, and none comes sooner than half its step."""
+    pauses: list[tuple[int, float]] = []
+
+    def recorded(retry: int, draw: float) -> float:
+        pauses.append((retry, hello_backoff(retry, draw)))
+        return pauses[-1][1]
+
+    monkeypatch.setattr(connection, "hello_backoff", recorded)
+    cfg = CFG.replace(handshake_timeout=3.0)
+    busy = msgpack.packb({"type": "REJECT", "v": PROTOCOL_VERSION, "code": "busy", "reason": "busy: say HELLO again"})
+    async with raw_sender() as raw, contextlib.AsyncExitStack() as stack:
+        receivers = [await stack.enter_async_context(EmbeddingReceiver(LAYOUT, cfg, connect=raw.address))
+                     for _ in range(4)]
+        handles = [r.start(f"r{i}", sender=raw.address) for i, r in enumerate(receivers)]
+        heard: dict[str, list[float]] = {}
+        while sum(len(times) for times in heard.values()) < 4 * 3:  # each receiver's first HELLO and two more
+            hello = await raw.expect(Hello, timeout=2.5)
+            assert isinstance(hello, Hello)
+            heard.setdefault(hello.receiver_id, []).append(anyio.current_time())
+            raw.send_raw(busy)
+        assert len(heard) == 4 and all(not h.done for h in handles)
+        for h in handles:
+            h.cancel()
+    firsts = [pause for retry, pause in pauses if retry == 0]
+    assert len(firsts) >= 4 and len(set(firsts)) == len(firsts), pauses  # drawn, not one fixed 50 ms
+    for times in heard.values():
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert all(gap >= 0.025 for gap in gaps), gaps  # at least half of the first step

@@ -28,6 +28,7 @@ import contextlib
 import enum
 import logging
 import math
+import random
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -97,6 +98,24 @@ PROBE_TIMEOUT = 5.0
 PROBE_RETRY_FIRST = 1.0
 PROBE_RETRY_MAX = 60.0
 """Seconds between probes of an address that did not answer (doubling from the first to the most)."""
+HELLO_BACKOFF_FIRST = 0.05
+HELLO_BACKOFF_MAX = 1.0
+"""Seconds before HELLO again after a refusal worth retrying (busy, or a transport connect that failed):
+doubling from the first to the most, each pause drawn from the upper half of its step (see :func:`hello_backoff`)."""
+
+
+def hello_backoff(retry: int, draw: float) -> float:
+    """The pause before the ``retry``-th HELLO again (0: the first) after refusals worth retrying; ``draw`` is a
+    uniform draw from [0, 1). Receivers refused together (a cluster restarting into a sender at its
+    ``max_concurrent_handshakes``) said HELLO again in lockstep, and were refused together again, at every step of
+    the same doubling: each pause now lies anywhere in the upper half of its step, which spreads them out while
+    keeping the step's bounds (never sooner than half of it, never later than it)."""
+    if retry < 0 or not 0.0 <= draw < 1.0:
+        raise ValueError(f"retry={retry} must be >= 0 and draw={draw} in [0, 1)")
+    step = min(HELLO_BACKOFF_FIRST * 2.0 ** min(retry, 64), HELLO_BACKOFF_MAX)
+    return step * (0.5 + 0.5 * draw)
+
+
 FENCE_SETTLE = 0.2
 """Seconds of our running time between a FENCE_RELEASE or DRAINED and the free: bytes the
 sender's transport already handed to our kernel (e.g. while we were frozen) land meanwhile."""
@@ -347,7 +366,7 @@ class SenderConnection:
                                           f"{type(exc).__name__}: {exc}")
             self.refused.__cause__ = exc
             return
-        backoff = 0.05
+        retries = 0
         while not self._answered.is_set():
             self._nudge = anyio.Event()
             log.debug("%s: HELLO (session %d)", self.name, self.epoch)
@@ -359,8 +378,8 @@ class SenderConnection:
             if self._nudge.is_set():
                 # Refused for now (the sender could not connect its transport to us yet, or was busy): try again
                 # soon, so that rooms waiting for this handshake see several attempts within their deadline.
-                await anyio.sleep(backoff)
-                backoff = min(2 * backoff, 1.0)
+                await anyio.sleep(hello_backoff(retries, random.random()))
+                retries += 1
             else:
                 log.info("%s: no answer to HELLO (session %d) yet; saying it again", self.name, self.epoch)
 
