@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -51,6 +52,7 @@ from aioembed.transports.close_once import CloseOnce
 from aioembed.transports.tcp_orphans import orphan_horizon, ucx_tls_may_use_tcp
 
 from aioembed_ucx import _wire as w
+from aioembed_ucx._body_budget import BodyBudget
 from aioembed_ucx._context import context_settings, ensure_context, load_ucxx
 from aioembed_ucx._graveyard import GRAVEYARD as _GRAVEYARD
 from aioembed_ucx._listener import Listener
@@ -73,6 +75,8 @@ __all__ = ["UcxLink", "UcxTransport"]
 log = logging.getLogger("aioembed.transports.ucx")
 
 _DESCRIPTOR_VERSION = 1
+BODY_BUDGET = w.MAX_BODY
+"""Write-header bytes one connection's writes in progress may hold together (see :mod:`aioembed_ucx._body_budget`)."""
 
 
 # -- memory ------------------------------------------------------------------------------
@@ -228,6 +232,9 @@ class UcxTransport(Transport):
         """Writes this endpoint took into its memory as the owning side (refused ones not counted)."""
         self.eager_writes_received = 0
         """Of those, the ones that came without a go-ahead (kind ``EAGER``)."""
+        self.body_bytes_held = 0
+        """Write-header bytes announced to this endpoint, as the owning side, by writes still in progress (each
+        connection's at most :data:`BODY_BUDGET`)."""
 
     @property
     def regions(self) -> RegionSet:
@@ -452,6 +459,7 @@ class UcxTransport(Transport):
     async def _serve(self, ep: Any) -> None:
         writes: set[asyncio.Task[None]] = set()
         progress = _Progress()
+        budget = BodyBudget(BODY_BUDGET, self._count_body_bytes)
         try:
             while True:
                 prefix = bytearray(w.PREFIX.size)
@@ -463,14 +471,22 @@ class UcxTransport(Transport):
                                 "(magic %r, version %d, kind %d, body %d bytes)",
                                 self.id[:8], bytes(magic), version, kind, body_len)
                     return
+                if budget.held + body_len > budget.limit:
+                    log.debug("ucx endpoint %s: %d header bytes of writes in progress on one connection; write %d "
+                              "(%d more) waits for some of them to end", self.id[:8], budget.held, wid, body_len)
+                await budget.take(body_len)
                 t = asyncio.create_task(self._serve_one(ep, progress, kind, wid, body_len))
                 writes.add(t)
                 t.add_done_callback(writes.discard)
+                t.add_done_callback(functools.partial(_give_back, budget, body_len))
         finally:
             for t in writes:
                 t.cancel()
             if writes:
                 await asyncio.gather(*writes, return_exceptions=True)
+
+    def _count_body_bytes(self, delta: int) -> None:
+        self.body_bytes_held += delta
 
     async def _serve_one(self, ep: Any, progress: _Progress, kind: int, wid: int, body_len: int) -> None:
         timeout = self.options.write_timeout
@@ -596,6 +612,10 @@ class UcxTransport(Transport):
 
 
 _KINDS = frozenset({w.KIND_HELLO, w.KIND_WRITE, w.KIND_EAGER})
+
+
+def _give_back(budget: BodyBudget, nbytes: int, _task: asyncio.Task[None]) -> None:
+    budget.give(nbytes)
 
 
 class _Progress:
