@@ -13,6 +13,7 @@ import anyio
 
 from aioembed.config import TransferConfig
 from aioembed.errors import AioembedError, InvalidRequest
+from aioembed.transports.registry import check_transport_options
 
 __all__ = ["main"]
 
@@ -25,6 +26,8 @@ async def _demo(args: argparse.Namespace) -> int:
     from aioembed.session.sender import EmbeddingSender
 
     config = TransferConfig.from_toml(args.config) if args.config else TransferConfig.from_env()
+    # Before the header: a misspelt option was refused only once the sender opened its transport, after it.
+    check_transport_options(config)
     layout = standard_layout(args.hidden)
     for tokens in args.tokens:  # before any request is built: a typo's rows can be more memory than the host has
         if not 0 < tokens <= config.max_request_tokens:

@@ -257,29 +257,48 @@ class TransferConfig:
         """Number of blocks in the receive pool."""
         return self.pool_tokens // self.block_size
 
+    @property
+    def source(self) -> str | None:
+        """Where these settings were read, as an error about them says it: ``in <file>`` (:meth:`from_toml`,
+        :meth:`from_mapping`) or ``from the environment: AIOEMBED_...='...'`` (:meth:`from_env`); None for a
+        config built in code. The transport's errors about ``transport_options`` name it: a plugin checks its
+        options only when the endpoint opens, far from the file or variables they came from."""
+        return self.__dict__.get("_source")
+
     def replace(self, **changes: Any) -> TransferConfig:
-        """A copy with ``changes`` applied (and validated)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied (and validated). It keeps :attr:`source` unless ``transport_options``
+        is among the changes: options given here come from the caller, not from that file or environment."""
+        out = dataclasses.replace(self, **changes)
+        if self.source is not None and "transport_options" not in changes:
+            out._set_source(self.source)
+        return out
+
+    def _set_source(self, source: str) -> None:
+        object.__setattr__(self, "_source", source)  # not a field: equality, repr and asdict() stay the settings'
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> TransferConfig:
         """Build from a mapping of setting names, refusing unknown names. A bad value's error names ``source``
         (unless it is the default, ``"mapping"``)."""
-        return cls._build(values, source, "" if source == "mapping" else f" (in {source})")
+        return cls._build(values, source, None if source == "mapping" else f"in {source}")
 
     @classmethod
-    def _build(cls, values: Mapping[str, Any], source: str, where: str) -> TransferConfig:
+    def _build(cls, values: Mapping[str, Any], source: str, origin: str | None) -> TransferConfig:
+        """``cls(**values)``; a bad value's error, and the config's :attr:`source`, say ``origin``."""
         _check_names(values, f" in {source}")
         try:
-            return cls(**values)
+            config = cls(**values)
         except ConfigError as exc:
-            if not where:
+            if origin is None:
                 raise
             # Unknown names named the file; bad values did not, so a server reading one of several files, or
             # containers setting a few AIOEMBED_* variables, were told of a value with no word of where it was.
-            raise ConfigError(f"{exc}{where}") from exc
+            raise ConfigError(f"{exc} ({origin})") from exc
         except TypeError as exc:  # pragma: no cover - dataclass signature errors
             raise ConfigError(f"bad settings in {source}: {exc}") from exc
+        if origin is not None:
+            config._set_source(origin)
+        return config
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TransferConfig:
@@ -301,8 +320,8 @@ class TransferConfig:
                 values[f.name] = _parse_env(f.name, key, env[key])
                 read.append(f"{key}={env[key]!r}")
         values.update(overrides)
-        where = f" (from the environment: {', '.join(sorted(read))})" if read else ""
-        return cls._build(values, "environment", where)
+        origin = f"from the environment: {', '.join(sorted(read))}" if read else None
+        return cls._build(values, "environment", origin)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> TransferConfig:

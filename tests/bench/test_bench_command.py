@@ -523,3 +523,85 @@ def test_the_receiving_child_keeps_out_buffers_per_worker() -> None:
     assert out.get(0, 4) is a and out.get(1, 8) is b  # reused by the same worker, if large enough
     bigger = out.get(0, 16)
     assert bigger["embeddings"].shape[0] == 16 and out.get(1, 16) is not bigger and len(out) == 2
+
+
+# -- refused before anything runs: transport options, drawn request sizes ---------------------------------------
+
+
+def _bad_options_file(tmp_path: Path) -> Path:
+    path = tmp_path / "bad.toml"
+    path.write_text('[aioembed]\ntransport = "loopback"\n\n[aioembed.transport_options]\nthreds = 2\n')
+    return path
+
+
+def test_the_demo_refuses_a_misspelt_transport_option_before_its_header(tmp_path: Path) -> None:
+    """It was refused once the sender opened its transport, after the header was printed, and the plugin's words
+    named no file."""
+    path = _bad_options_file(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "aioembed", "demo", "--config", str(path), "--tokens", "64",
+                           "--hidden", "64"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert ("aioembed: error: transport 'loopback' refused its transport_options: unknown loopback transport "
+            "option(s) ['threds']") in proc.stderr
+    assert f"(in {path})" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""  # not even the header
+
+
+def test_the_bench_refuses_a_misspelt_transport_option_before_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused while the options are read (``_options``), before the progress bar: it was refused inside the first
+    workload, without the variable's name."""
+    from aioembed.bench.command import _options
+    from aioembed.cli import _parser
+    from aioembed.errors import ConfigError
+
+    monkeypatch.setenv("AIOEMBED_TRANSPORT_OPTIONS", "{threds = 2}")
+    with pytest.raises(ConfigError) as info:
+        _options(_parser().parse_args(["bench", "--quick", "--workloads", "resume"]))
+    assert "transport 'loopback' refused its transport_options" in str(info.value)
+    assert "AIOEMBED_TRANSPORT_OPTIONS='{threds = 2}'" in str(info.value)
+
+
+def test_the_bench_command_names_the_refused_options_file(tmp_path: Path) -> None:
+    pytest.importorskip("rich")
+    path = _bad_options_file(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", RUN, "bench", "--quick", "--workloads", "resume", "--config",
+                           str(path)], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "unknown loopback transport option(s) ['threds']" in proc.stderr and f"(in {path})" in proc.stderr
+    assert "Traceback" not in proc.stderr and "total time" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--workloads", "concurrency"], "--mixes: the 'medium' mix's requests are up to 4096 tokens, past "
+                                     "max_request_tokens=2048"),
+    (["--workloads", "trace"], "--trace-requests: request 10 (video) of the trace of 12 requests (--seed 0) is "
+                               "41261 tokens, past max_request_tokens=2048"),
+])
+def test_the_bench_refuses_drawn_request_sizes_past_max_request_tokens(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], said: str) -> None:
+    """As ``--sizes`` is: the concurrency mixes and the trace draw their sizes, and a room past the limit was
+    refused by the receiver only once that workload ran, its source rows made for the largest first."""
+    from aioembed.bench.command import _options
+    from aioembed.cli import _parser
+    from aioembed.errors import ConfigError
+
+    monkeypatch.setenv("AIOEMBED_MAX_REQUEST_TOKENS", "2048")
+    within = ["--sizes", "16", "--memory-tokens", "1024", "--resume-tokens", "1024", "--stream-tokens", "1024",
+              "--senders-tokens", "1024"]  # every size given by a flag within the limit: only the drawn ones past it
+    with pytest.raises(ConfigError) as info:
+        _options(_parser().parse_args(["bench", "--quick", *within, *argv]))
+    assert said in str(info.value)
+    _options(_parser().parse_args(["bench", "--quick", *within, *argv, "--mixes", "small", "--trace-requests", "0"]))
+
+
+def test_the_bench_checks_the_sizes_of_the_workloads_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A size for a workload left out is never sent: ``--memory-tokens`` (50000 by default) refused every run under
+    ``max_request_tokens=4096``, and the trace (a video of 41261 tokens) would have too."""
+    from aioembed.bench.command import _options
+    from aioembed.cli import _parser
+
+    monkeypatch.setenv("AIOEMBED_MAX_REQUEST_TOKENS", "4096")
+    opts = _options(_parser().parse_args(["bench", "--quick", "--workloads", "sizes,concurrency", "--sizes",
+                                          "16,1024,4096"]))
+    assert opts.workloads == ("sizes", "concurrency") and max(opts.sizes) == 4096
+    assert opts.base_config.max_request_tokens == 4096

@@ -19,8 +19,6 @@ import pytest
 import torch
 
 from aioembed import AioembedError, EmbeddingReceiver, EmbeddingSender, Field, Layout, TransferConfig
-from aioembed.session import receiver as receiver_module
-from aioembed.session import sender as sender_module
 from aioembed.transports import registry
 
 pytestmark = pytest.mark.anyio
@@ -33,14 +31,14 @@ CFG = TransferConfig(pool_tokens=1024, default_tokens=256, staging_tokens=0, inp
 def opened(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every transport endpoint the sides open by name."""
     endpoints: list[Any] = []
+    real = registry.open_transport
 
     async def spy(name: str, options: Mapping[str, Any] | None = None) -> Any:
-        t = await registry.open_transport(name, options)
+        t = await real(name, options)
         endpoints.append(t)
         return t
 
-    monkeypatch.setattr(receiver_module, "open_transport", spy)
-    monkeypatch.setattr(sender_module, "open_transport", spy)
+    monkeypatch.setattr(registry, "open_transport", spy)  # what the sides' open_configured() calls
     return endpoints
 
 

@@ -33,10 +33,12 @@ from aioembed.bench.workloads import (
     QUICK_CONCURRENCY,
     QUICK_SIZES,
     REQUEST_MIXES,
+    generate_trace,
 )
 from aioembed.config import TransferConfig
 from aioembed.errors import ConfigError
 from aioembed.samples import standard_layout
+from aioembed.transports.registry import check_transport_options
 
 __all__ = ["CLI_HINT", "SCHEMA", "add_arguments", "choose_baseline", "run"]
 
@@ -141,6 +143,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     base = TransferConfig.from_toml(args.config) if args.config else TransferConfig.from_env()
     if args.transport:
         base = base.replace(transport=args.transport)
+    # Before anything is measured (and before the progress bar): the transport checked its options only when the
+    # first workload opened it. An unknown transport is refused here too.
+    check_transport_options(base)
     quick = bool(args.quick)
     repeat = args.repeat if args.repeat is not None else (3 if quick else 7)
     if repeat < 1:
@@ -153,7 +158,8 @@ def _options(args: argparse.Namespace) -> BenchOptions:
                           "--senders, --senders-tokens and --stream-tokens must be >= 1")
     if args.trace_requests is not None and args.trace_requests < 0:  # a ValueError's traceback from the trace
         raise ConfigError(f"--trace-requests={args.trace_requests} must be >= 0")
-    _check_request_sizes(args, quick, base.max_request_tokens)
+    workloads = args.workloads or WORKLOADS
+    _check_request_sizes(args, quick, workloads, base.max_request_tokens)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         # Checked before the run, which takes minutes: the write at its end raised a traceback and lost every
         # measurement.
@@ -165,7 +171,6 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     idle_s = args.idle_seconds if args.idle_seconds is not None else (1.5 if quick else 10.0)
     if not (idle_s > 0 and math.isfinite(idle_s)):
         raise ConfigError(f"--idle-seconds={idle_s} must be > 0")
-    workloads = args.workloads or WORKLOADS
     if args.control_floor and "sizes" not in workloads:
         raise ConfigError("--control-floor frames the raw transfers of the sizes workload; add sizes to --workloads")
     return BenchOptions(
@@ -178,7 +183,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         workloads=workloads,
         seed=args.seed,
         hidden=args.hidden,
-        trace_requests=args.trace_requests if args.trace_requests is not None else (12 if quick else 100),
+        trace_requests=_trace_requests(args, quick),
         trace_concurrency=args.trace_concurrency,
         idle_rooms=args.idle_rooms,
         idle_seconds=idle_s,
@@ -199,19 +204,45 @@ def _stream_tokens(args: argparse.Namespace, quick: bool) -> int:
     return int(args.stream_tokens) if args.stream_tokens is not None else (20000 if quick else 100000)
 
 
-def _check_request_sizes(args: argparse.Namespace, quick: bool, limit: int) -> None:
+def _trace_requests(args: argparse.Namespace, quick: bool) -> int:
+    """The mixed trace's length: ``--trace-requests``, else 12 (quick) or 100."""
+    return int(args.trace_requests) if args.trace_requests is not None else (12 if quick else 100)
+
+
+def _check_request_sizes(args: argparse.Namespace, quick: bool, workloads: tuple[str, ...], limit: int) -> None:
     """Refuse a request size past ``max_request_tokens`` before its rows are made: its source tensors came first,
     and a typo's (``--sizes 5000000`` at the default width is 35 GB) ended in an allocation failure's traceback,
-    or in the OOM killer, instead of the room's refusal."""
-    sizes = {"--sizes": max(args.sizes or (QUICK_SIZES if quick else FULL_SIZES)),
-             "--memory-tokens": args.memory_tokens, "--resume-tokens": args.resume_tokens,
-             "--stream-tokens": _stream_tokens(args, quick),
-             "--senders-tokens": args.senders_tokens}
-    for flag, tokens in sizes.items():
-        if tokens > limit:
+    or in the OOM killer, instead of the room's refusal. Only the workloads that run are looked at: a size for
+    one left out of ``--workloads`` is never sent (``--memory-tokens`` at its default of 50000 refused a
+    ``--workloads sizes`` run under ``max_request_tokens=32768``)."""
+    sizes = {"--sizes": ("sizes", max(args.sizes or (QUICK_SIZES if quick else FULL_SIZES))),
+             "--memory-tokens": ("memory", args.memory_tokens), "--resume-tokens": ("resume", args.resume_tokens),
+             "--stream-tokens": ("stream", _stream_tokens(args, quick)),
+             "--senders-tokens": ("senders", args.senders_tokens)}
+    for flag, (workload, tokens) in sizes.items():
+        if workload in workloads and tokens > limit:
             raise ConfigError(f"{flag}: a request of {tokens} tokens is past max_request_tokens={limit}, the largest "
                               "a receiver accepts (raise max_request_tokens to measure larger ones, or lower "
                               f"{flag})")
+    # The concurrency and trace workloads draw their sizes: each was refused only by the receiver, room by room,
+    # once the workload ran (after the progress bar and every workload before it), its source rows made for the
+    # largest. Their largest is known here: a mix's upper bound, and the seeded trace's largest request.
+    if "concurrency" in workloads:
+        for mix in args.mixes or tuple(REQUEST_MIXES):
+            top = REQUEST_MIXES[mix][1]
+            if top > limit:
+                raise ConfigError(f"--mixes: the {mix!r} mix's requests are up to {top} tokens, past "
+                                  f"max_request_tokens={limit}, the largest a receiver accepts (raise "
+                                  f"max_request_tokens, or leave {mix!r} out of --mixes)")
+    if "trace" in workloads:
+        requests = _trace_requests(args, quick)
+        top_request = max(generate_trace(requests, seed=args.seed), key=lambda r: r.tokens, default=None)
+        if top_request is not None and top_request.tokens > limit:
+            raise ConfigError(f"--trace-requests: request {top_request.index} ({top_request.kind}) of the trace of "
+                              f"{requests} requests (--seed {args.seed}) is {top_request.tokens} tokens, past "
+                              f"max_request_tokens={limit}, the largest a receiver accepts (raise "
+                              "max_request_tokens, draw another trace with --seed or fewer --trace-requests, or "
+                              "leave trace out of --workloads)")
 
 
 def _check_writable(flag: str, path: str) -> None:
@@ -363,9 +394,6 @@ def _run(args: argparse.Namespace, stdout: TextIO) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(f"aioembed bench: error: {PLOT_HINT}", file=sys.stderr)
         return 2
-    from aioembed.transports.registry import resolve_transport
-
-    resolve_transport(opts.transport)  # unknown transport: a clear ConfigError before anything runs
     if opts.process_model == "two":
         process_note = (
             "process model 'two': sender here, receiver (EmbeddingReceiver) in a child process "

@@ -56,7 +56,7 @@ from aioembed.session.stream import Chunk, LeasedChunk, RoomStream, StreamItem
 from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import Transport
 from aioembed.transports.boundary import GuardedTransport, guard
-from aioembed.transports.registry import open_transport
+from aioembed.transports.registry import open_configured
 
 __all__ = ["CLOSE_GRACE", "EmbeddingReceiver", "Part"]
 
@@ -135,7 +135,7 @@ class EmbeddingReceiver:
         if self._given_transport is not None:
             self._transport = guard(self._given_transport)
         else:
-            self._transport = await open_transport(cfg.transport, cfg.transport_options)
+            self._transport = await open_configured(cfg)
         try:
             check_backend(self._transport, self.pool.device)
             await self._transport.register(self.pool.regions())

@@ -99,7 +99,7 @@ from aioembed.session.source_buffers import RegisteredSources, SourceBufferIndex
 from aioembed.session.tasks import BackgroundTasks
 from aioembed.transports.base import Link, MemoryRegion, Transport
 from aioembed.transports.boundary import GuardedTransport, guard
-from aioembed.transports.registry import open_transport
+from aioembed.transports.registry import open_configured
 
 __all__ = ["EmbeddingSender"]
 
@@ -234,7 +234,7 @@ class EmbeddingSender:
         if self._given_transport is not None:
             self._transport = guard(self._given_transport)
         else:
-            self._transport = await open_transport(cfg.transport, cfg.transport_options)
+            self._transport = await open_configured(cfg)
         try:
             check_backend(self._transport, torch.device("cpu"))
             self._ctx = zmq.Context()

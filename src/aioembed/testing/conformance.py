@@ -29,7 +29,7 @@ from aioembed.errors import ConfigError, TransportError
 from aioembed.testing.event_loops import anyio_backends
 from aioembed.transports.base import Link, MemoryRegion, Transport, WriteOp
 from aioembed.transports.boundary import GuardedLink, GuardedTransport
-from aioembed.transports.registry import open_transport
+from aioembed.transports.registry import open_transport, resolve_transport
 
 FOREIGN = (RuntimeError, ValueError, OSError)
 """What native engines raise instead of TransportError: the boundary must map each."""
@@ -495,6 +495,15 @@ class TransportConformance:
     async def test_unknown_options_are_config_errors(self) -> None:
         with pytest.raises(ConfigError):
             await open_transport(self.transport_name, {**self.transport_options, "no_such_option_": 1})
+
+    def test_check_options_agrees_with_open(self) -> None:
+        """``check_options`` (run where a config is loaded) accepts the options this suite opens endpoints with,
+        and, where the plugin has a check of its own, refuses an unknown option as ``open()`` does."""
+        cls = resolve_transport(self.transport_name)
+        cls.check_options(self.transport_options)
+        if getattr(cls.check_options, "__func__", None) is not getattr(Transport.check_options, "__func__", None):
+            with pytest.raises(ConfigError):
+                cls.check_options({**self.transport_options, "no_such_option_": 1})
 
     @pytest.mark.anyio
     async def test_capabilities_are_declared_consistently(self, endpoints: tuple[Transport, Transport]) -> None:

@@ -11,6 +11,8 @@ from aioembed.transports.base import (
 from aioembed.transports.registry import (
     ENTRY_POINT_GROUP,
     available_transports,
+    check_transport_options,
+    open_configured,
     open_transport,
     resolve_transport,
 )
@@ -24,6 +26,8 @@ __all__ = [
     "TransportCapabilities",
     "WriteOp",
     "available_transports",
+    "check_transport_options",
+    "open_configured",
     "open_transport",
     "resolve_transport",
 ]

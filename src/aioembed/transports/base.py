@@ -294,6 +294,17 @@ class Transport(ABC):
         Unknown or invalid options raise :class:`~aioembed.errors.ConfigError`.
         """
 
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """Raise :class:`~aioembed.errors.ConfigError` for options :meth:`open` would refuse, without opening
+        anything: no engine, no listener, no peer (reading local facts such as the host's RDMA devices is fine).
+
+        :func:`~aioembed.transports.registry.check_transport_options` runs it where a config is loaded (``aioembed
+        demo`` and ``bench``), so a misspelt option is refused before anything is printed or measured, not once
+        the endpoint opens. A plugin implements it with the parsing its ``open()`` uses, never a second copy of
+        the rules (which would drift). The default accepts anything: ``open()`` still checks."""
+        del options
+
     @abstractmethod
     async def register(self, regions: Sequence[MemoryRegion]) -> None:
         """Make regions usable as write sources and (once in a descriptor) destinations."""

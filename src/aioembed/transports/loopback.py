@@ -45,6 +45,26 @@ _ENDPOINTS: weakref.WeakValueDictionary[str, LoopbackTransport] = weakref.WeakVa
 _OPTIONS = {"inline_bytes", "threads", "unregistered_sources"}
 
 
+def _parse_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The endpoint's keyword arguments from ``transport_options`` (what :meth:`LoopbackTransport.open` and
+    :meth:`~LoopbackTransport.check_options` both check); ``ConfigError`` naming the option otherwise."""
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"loopback transport_options must be a mapping, got {type(options).__name__}")
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise ConfigError(f"unknown loopback transport option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    inline = options.get("inline_bytes", 256 * 1024)
+    threads = options.get("threads", 4)
+    if not isinstance(inline, int) or isinstance(inline, bool) or inline < 0:
+        raise ConfigError(f"transport_options.inline_bytes must be an int >= 0, got {inline!r}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 256:
+        raise ConfigError(f"transport_options.threads must be an int in [1, 256], got {threads!r}")
+    unregistered = options.get("unregistered_sources", False)
+    if not isinstance(unregistered, bool):
+        raise ConfigError(f"transport_options.unregistered_sources must be true or false, got {unregistered!r}")
+    return {"inline_bytes": inline, "threads": threads, "unregistered_sources": unregistered}
+
+
 def _copy_all(ops: Sequence[WriteOp]) -> None:
     move = ctypes.memmove
     for op in ops:
@@ -136,20 +156,13 @@ class LoopbackTransport(Transport):
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> Self:
-        unknown = set(options) - _OPTIONS
-        if unknown:
-            raise ConfigError(f"unknown loopback transport option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
-        inline = options.get("inline_bytes", 256 * 1024)
-        threads = options.get("threads", 4)
-        if not isinstance(inline, int) or isinstance(inline, bool) or inline < 0:
-            raise ConfigError(f"transport_options.inline_bytes must be an int >= 0, got {inline!r}")
-        if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 256:
-            raise ConfigError(f"transport_options.threads must be an int in [1, 256], got {threads!r}")
-        unregistered = options.get("unregistered_sources", False)
-        if not isinstance(unregistered, bool):
-            raise ConfigError(f"transport_options.unregistered_sources must be true or false, got {unregistered!r}")
+        parsed = _parse_options(options)
         await anyio.lowlevel.checkpoint()
-        return cls(inline_bytes=inline, threads=threads, unregistered_sources=unregistered)
+        return cls(**parsed)
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        _parse_options(options)
 
     def reads_unregistered(self, device: str) -> bool:
         return self.unregistered_sources and device == "cpu"

@@ -109,3 +109,32 @@ async def test_protocol_mismatch_and_closed_endpoint() -> None:
             await a.connect(msgpack.packb(desc))
     with pytest.raises(TransportError, match="closed"):
         a.descriptor()
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"protocl": "tcp"}, "unknown mooncake transport option(s) ['protocl']"),
+    ({"protocol": "udp"}, "transport_options.protocol='udp'"),
+    ({"threads": 0}, "transport_options.threads must be an integer in [1, 256], got 0"),
+])
+def test_check_options_refuses_what_open_refuses_without_an_engine(
+        options: dict[str, Any], said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aioembed demo`` / ``bench`` check the options before anything runs; the engine is not loaded for it."""
+    monkeypatch.setattr(engine_mod, "_loaded", [])
+    monkeypatch.setattr(engine_mod, "load_engine_module", lambda: pytest.fail("the check loaded the engine"))
+    with pytest.raises(ConfigError) as info:
+        MooncakeTransport.check_options(options)
+    assert said in str(info.value)
+    MooncakeTransport.check_options({"protocol": "tcp", "threads": 2, "hostname": "127.0.0.1"})
+
+
+def test_a_misspelt_option_in_a_file_is_refused_naming_the_file(tmp_path: Any) -> None:
+    from aioembed.transports.registry import check_transport_options
+
+    p = tmp_path / "aioembed.toml"
+    p.write_text('[aioembed]\ntransport = "mooncake"\n\n[aioembed.transport_options]\nprotocl = "tcp"\n')
+    with pytest.raises(ConfigError) as info:
+        check_transport_options(TransferConfig.from_toml(p))
+    msg = str(info.value)
+    assert msg.startswith("transport 'mooncake' refused its transport_options: unknown mooncake transport option(s) "
+                          "['protocl']")
+    assert msg.endswith(f"(in {p})")

@@ -168,3 +168,33 @@ async def test_the_pool_list_is_prepared_once_and_reused() -> None:
         for i in range(5):
             assert torch.equal(pool[(15 - i) * nbytes:(16 - i) * nbytes], src[i * nbytes:(i + 1) * nbytes])
         await link.aclose()
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"ucx_tsl": "tcp"}, "unknown nixl transport option(s) ['ucx_tsl']"),
+    ({"backend": "POSIX"}, "transport_options.backend must be one of ['UCX', 'LIBFABRIC']"),
+])
+def test_check_options_refuses_what_open_refuses_without_loading_nixl(
+        options: dict[str, Any], said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aioembed demo`` / ``bench`` check the options before anything runs: NIXL is not loaded for it."""
+    import aioembed_nixl.transport as transport_mod
+
+    monkeypatch.setattr(transport_mod, "load_nixl", lambda: pytest.fail("the check loaded NIXL"))
+    with pytest.raises(ConfigError) as info:
+        NixlTransport.check_options(options)
+    assert said in str(info.value)
+    NixlTransport.check_options(NIXL_OPTIONS)
+
+
+def test_a_misspelt_option_in_a_file_is_refused_naming_the_file(tmp_path: Any) -> None:
+    from aioembed.config import TransferConfig
+    from aioembed.transports.registry import check_transport_options
+
+    p = tmp_path / "aioembed.toml"
+    p.write_text('[aioembed]\ntransport = "nixl"\n\n[aioembed.transport_options]\nucx_tsl = "tcp"\n')
+    with pytest.raises(ConfigError) as info:
+        check_transport_options(TransferConfig.from_toml(p))
+    msg = str(info.value)
+    assert msg.startswith("transport 'nixl' refused its transport_options: unknown nixl transport option(s) "
+                          "['ucx_tsl']")
+    assert msg.endswith(f"(in {p})")

@@ -181,3 +181,29 @@ async def test_an_endpoint_that_reads_only_registered_sources_refuses_an_unregis
     finally:
         await a.aclose()
         await b.aclose()
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"tsl": "tcp"}, "unknown ucx transport option(s) ['tsl']"),
+    ({"tls": "tcp,carrier_pigeon"}, "unknown UCX transport(s) ['carrier_pigeon']"),
+    ({"port": 70000}, "transport_options.port must be an integer in [0, 65535]"),
+])
+def test_check_options_refuses_what_open_refuses_outside_any_event_loop(options: dict[str, Any], said: str) -> None:
+    """``aioembed demo`` / ``bench`` check the options before anything runs: no event loop (UCX's open() needs
+    asyncio), no UCX context, the same words as ``UcxOptions.parse``."""
+    with pytest.raises(ConfigError) as info:
+        UcxTransport.check_options(options)
+    assert said in str(info.value)
+    UcxTransport.check_options(UCX_OPTIONS)
+
+
+def test_a_misspelt_option_from_the_environment_is_refused_naming_the_variables() -> None:
+    from aioembed.transports.registry import check_transport_options
+
+    env = {"AIOEMBED_TRANSPORT": "ucx", "AIOEMBED_TRANSPORT_OPTIONS": '{tsl = "tcp"}'}
+    with pytest.raises(ConfigError) as info:
+        check_transport_options(TransferConfig.from_env(env))
+    msg = str(info.value)
+    assert msg.startswith("transport 'ucx' refused its transport_options: unknown ucx transport option(s) ['tsl']")
+    assert msg.endswith("(from the environment: AIOEMBED_TRANSPORT='ucx', "
+                        "AIOEMBED_TRANSPORT_OPTIONS='{tsl = \"tcp\"}')")

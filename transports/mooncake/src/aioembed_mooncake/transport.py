@@ -369,6 +369,12 @@ class MooncakeTransport(Transport):
     # -- lifecycle -----------------------------------------------------------------------
 
     @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """The validation :meth:`open` runs (``_Config``): no engine is started. It reads this host's RDMA devices
+        from sysfs and, without ``hostname``, finds the address to advertise (a UDP socket's route, no packet)."""
+        _Config(options)
+
+    @classmethod
     async def open(cls, options: Mapping[str, Any]) -> Self:
         # Validating the options resolves host names and reads sysfs: blocking, so off the loop.
         config = await anyio.to_thread.run_sync(_Config, options)

@@ -190,6 +190,12 @@ class NixlTransport(Transport):
                  engine.mem_types)
         return cls(opts, nixl, worker, engine)
 
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """:meth:`NixlOptions.parse`, what :meth:`open` parses with: NIXL is not loaded. ``backend_params`` keys
+        are checked against the backend's own list only at open (that list comes from NIXL)."""
+        NixlOptions.parse(options)
+
     def _check_open(self) -> None:
         if self.closed:
             raise TransportError(f"nixl endpoint {self.agent_name} is closed")

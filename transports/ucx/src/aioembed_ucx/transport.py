@@ -302,6 +302,12 @@ class UcxTransport(Transport):
             host = str(infos[0][4][0])
         return cls(opts, ucxx, host)
 
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """:meth:`UcxOptions.parse`, what :meth:`open` parses with: no UCX context, no listener. A host name is
+        resolved only at open."""
+        UcxOptions.parse(options)
+
     def _check_open(self) -> None:
         if self.closed:
             raise TransportError(f"ucx endpoint {self.id[:8]} is closed")
