@@ -33,9 +33,10 @@ from typing import Any, ClassVar, Self
 
 import anyio
 
-from aioembed.errors import ConfigError, TransportError
+from aioembed.errors import TransportError
 from aioembed.transports.base import TransportCapabilities, WriteOp
 from aioembed.transports.loopback import LoopbackLink, LoopbackTransport
+from aioembed.transports.option_names import refuse_unknown_options
 
 __all__ = ["MockTransport", "WriteCall", "WriteFault"]
 
@@ -103,9 +104,7 @@ class MockTransport(LoopbackTransport):
     async def open(cls, options: Mapping[str, Any]) -> Self:
         known = {"cancel_safe_writes", "revocable", "write_lifetime", "orphan_lifetime", "inline_bytes", "threads",
                  "unregistered_sources"}
-        unknown = set(options) - known
-        if unknown:
-            raise ConfigError(f"unknown mock transport option(s) {sorted(unknown)}; known: {sorted(known)}")
+        refuse_unknown_options("mock", options, known)
         await anyio.lowlevel.checkpoint()
         return cls(**dict(options))
 

@@ -37,6 +37,7 @@ from aioembed.transports.base import (
     WriteOp,
 )
 from aioembed.transports.close_once import CloseOnce
+from aioembed.transports.option_names import refuse_unknown_options
 
 __all__ = ["LoopbackLink", "LoopbackTransport"]
 
@@ -50,9 +51,7 @@ def _parse_options(options: Mapping[str, Any]) -> dict[str, Any]:
     :meth:`~LoopbackTransport.check_options` both check); ``ConfigError`` naming the option otherwise."""
     if not isinstance(options, Mapping):
         raise ConfigError(f"loopback transport_options must be a mapping, got {type(options).__name__}")
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise ConfigError(f"unknown loopback transport option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    refuse_unknown_options("loopback", options, _OPTIONS)
     inline = options.get("inline_bytes", 256 * 1024)
     threads = options.get("threads", 4)
     if not isinstance(inline, int) or isinstance(inline, bool) or inline < 0:

@@ -43,6 +43,7 @@ from aioembed.transports.base import (
     WriteOp,
 )
 from aioembed.transports.close_once import CloseOnce
+from aioembed.transports.option_names import refuse_unknown_options
 from aioembed.transports.tcp_orphans import orphan_horizon, tcp_orphan_seconds_option
 
 from aioembed_mooncake._engine import (
@@ -150,9 +151,7 @@ class _Config:
     def __init__(self, options: Mapping[str, Any]) -> None:
         if not isinstance(options, Mapping):
             raise ConfigError(f"mooncake transport_options must be a table/mapping, got {options!r}")
-        unknown = sorted(set(options) - set(_OPTIONS))
-        if unknown:
-            raise ConfigError(f"unknown mooncake transport option(s) {unknown}; known: {sorted(_OPTIONS)}")
+        refuse_unknown_options("mooncake", options, _OPTIONS)
 
         protocol = _opt_str(options, "protocol", "auto")
         if protocol not in _PROTOCOLS:

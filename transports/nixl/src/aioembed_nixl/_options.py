@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioembed.errors import ConfigError
+from aioembed.transports.option_names import refuse_unknown_options
 from aioembed.transports.tcp_orphans import orphan_horizon, tcp_orphan_seconds_option, ucx_tls_may_use_tcp
 
 __all__ = ["NETWORK_BACKENDS", "NixlOptions"]
@@ -75,9 +76,7 @@ class NixlOptions:
     def parse(cls, options: Mapping[str, Any]) -> NixlOptions:
         if not isinstance(options, Mapping):
             raise ConfigError(f"nixl transport_options must be a mapping, got {type(options).__name__}")
-        unknown = sorted(set(options) - set(_KNOWN))
-        if unknown:
-            raise ConfigError(f"unknown nixl transport option(s) {unknown}; known: {sorted(_KNOWN)}")
+        refuse_unknown_options("nixl", options, _KNOWN)
         kw: dict[str, Any] = {}
 
         if "backend" in options:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioembed.errors import ConfigError
+from aioembed.transports.option_names import refuse_unknown_options
 from aioembed.transports.tcp_orphans import tcp_orphan_seconds_option
 
 __all__ = ["EAGER_BYTES", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions", "tls_may_use_rdma"]
@@ -100,9 +101,7 @@ class UcxOptions:
     def parse(cls, options: Mapping[str, Any]) -> UcxOptions:
         if not isinstance(options, Mapping):
             raise ConfigError(f"transport_options must be a mapping, got {type(options).__name__}")
-        unknown = sorted(set(options) - set(_KNOWN))
-        if unknown:
-            raise ConfigError(f"unknown ucx transport option(s) {unknown}; known: {sorted(_KNOWN)}")
+        refuse_unknown_options("ucx", options, _KNOWN)
         kw: dict[str, Any] = {}
 
         if (tls := options.get("tls")) is not None:
