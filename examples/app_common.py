@@ -28,6 +28,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from aioembed import TransferConfig
+from aioembed.transports import check_transport_options
 
 __all__ = ["LOG_LEVELS", "StopSignal", "describe", "load_config", "port_number", "run_main", "serving", "wait_any"]
 
@@ -49,8 +50,12 @@ def port_number(text: str) -> int:
 
 
 def load_config(path: str | Path | None) -> TransferConfig:
-    """``--config FILE`` wins; otherwise the ``AIOEMBED_*`` environment (loopback when unset)."""
-    return TransferConfig.from_toml(path) if path else TransferConfig.from_env()
+    """``--config FILE`` wins; otherwise the ``AIOEMBED_*`` environment (loopback when unset). The transport checks
+    its options here, at start-up (it opens nothing): a misspelt one is refused naming the file or variables before
+    the model is built, not when the sender or receiver opens."""
+    config = TransferConfig.from_toml(path) if path else TransferConfig.from_env()
+    check_transport_options(config)
+    return config
 
 
 def describe(config: TransferConfig) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +34,17 @@ def test_log_level_is_case_insensitive() -> None:
                           capture_output=True, text=True, timeout=60, env=clean_env(), cwd=EXAMPLES.parent,
                           check=False)
     assert proc.returncode == 0 and "--log-level" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("script", ["encoder_server.py", "language_server.py"])
+def test_a_misspelt_transport_option_is_refused_at_start_naming_the_file(script: str, tmp_path: Path) -> None:
+    """Checked where the config is loaded (``check_transport_options``): before the model is built or anything
+    served, with the near name and the file; not when the sender or receiver opens."""
+    config = tmp_path / "bad.toml"
+    config.write_text('[aioembed]\ntransport = "loopback"\n\n[aioembed.transport_options]\nthreds = 2\n')
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--config", str(config), "--port", "0"],
+                          capture_output=True, text=True, timeout=60, env=clean_env(), cwd=EXAMPLES.parent,
+                          check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unknown loopback transport option(s) ['threds'] (did you mean 'threads'?)" in proc.stderr, proc.stderr
+    assert f"(in {config})" in proc.stderr and "serving on" not in proc.stdout, (proc.stdout, proc.stderr)
