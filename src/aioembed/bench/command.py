@@ -25,6 +25,7 @@ from aioembed.bench.baselines import (
     resolve_baseline,
 )
 from aioembed.bench.event_channel import claimed_stdout
+from aioembed.bench.goals import W1_TOKENS, W2_TOKENS, W3_TOKENS
 from aioembed.bench.measure import WORKLOADS, BenchOptions, Measurer, has_zero_copy, plan_steps
 from aioembed.bench.targets import evaluate_targets
 from aioembed.bench.workloads import (
@@ -224,6 +225,11 @@ def _check_request_sizes(args: argparse.Namespace, quick: bool, workloads: tuple
             raise ConfigError(f"{flag}: a request of {tokens} tokens is past max_request_tokens={limit}, the largest "
                               "a receiver accepts (raise max_request_tokens to measure larger ones, or lower "
                               f"{flag})")
+    goals_top = max(W1_TOKENS, W2_TOKENS, W3_TOKENS)  # the goals' sizes are fixed (the targets are set at them)
+    if "goals" in workloads and goals_top > limit:
+        raise ConfigError(f"--workloads goals: its requests are up to {goals_top} tokens, past max_request_tokens="
+                          f"{limit}, the largest a receiver accepts (raise max_request_tokens, or leave goals out of "
+                          "--workloads)")
     # The concurrency and trace workloads draw their sizes: each was refused only by the receiver, room by room,
     # once the workload ran (after the progress bar and every workload before it), its source rows made for the
     # largest. Their largest is known here: a mix's upper bound, and the seeded trace's largest request.
