@@ -4,15 +4,7 @@ A posted ucxx receive does not keep its buffer alive (only our reference does), 
 aborting can lag behind the Python code that stops waiting: a receive already matched to a rendezvous,
 ucxx's progress thread in ``thread`` mode. So whoever abandons posted messages (a failed connect, an
 incoming connection's handshake given up, a failed or cancelled write) buries them here with their
-endpoint, and they are let go only once that endpoint is no longer alive, every buried request that says
-whether it completed (a ucxx request, a :class:`~aioembed_ucx._progress.Posted`) has, and a grace period has passed.
-
-Why the requests too: an endpoint's abort does not prove that UCX let go of what was posted on it. In ucxx's
-``thread`` progress modes, after the peer failed, ucxx's error handler only *schedules* the cancellation of the
-endpoint's requests on the progress thread, and ``abort()`` returns at once (measured: 20 of 50 aborts returned
-with receives still posted, all cancelled within milliseconds); an abort whose cancel or close the progress thread
-did not run in time (3 s per attempt, 10 s for the close) gives up with them posted. Only a request's completion
-says that UCX is done with its buffer.
+endpoint, and they are let go only once that endpoint is no longer alive and a grace period has passed.
 """
 
 from __future__ import annotations
@@ -35,9 +27,7 @@ class Graveyard:
     then corrupts the heap (reproduced with ucxx 0.52: segfault after SIGSTOP/SIGCONT). So we do
     the same steps ourselves and, on failure, keep the buffers and the endpoint. An entry is
     dropped once its endpoint is no longer alive (UCX completed or cancelled what was posted on
-    it), every buried request completed (see :func:`_still_posted`), and a grace period has passed; live ones
-    are kept, and a warning says if they pile up. A dead endpoint is let go at once even while requests are still
-    posted (it holds its ucxx listener, and that one its port); the buffers and requests stay.
+    it) and a grace period has passed; live ones are kept, and a warning says if they pile up.
 
     Pruning runs at each burial and, while anything is kept, on a timer :attr:`GRACE` seconds later on the
     running event loop. (Pruned only at the next burial, what a process's last failure had kept, an owner's
@@ -86,13 +76,11 @@ class Graveyard:
         kept: list[tuple[Any, tuple[object, ...], float | None]] = []
         for endpoint, buffers, dead_since in self._entries:
             try:
-                alive = endpoint is not None and bool(endpoint.alive)
+                alive = bool(endpoint.alive)
             except Exception:
                 alive = False
             if alive:
                 kept.append((endpoint, buffers, None))
-            elif any(_still_posted(b) for b in buffers):
-                kept.append((None, buffers, None))  # UCX may still write into them: no grace period yet
             elif dead_since is None:
                 # Dead: let go of the endpoint now (it holds its ucxx listener, and that one its port); the
                 # buffers stay for the grace period.
@@ -104,17 +92,6 @@ class Graveyard:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-def _still_posted(kept: object) -> bool:
-    """Whether ``kept`` is a request (or holds one) that UCX has neither completed nor cancelled yet: anything
-    with a ``completed`` attribute that is false. A request whose state cannot be read counts as posted (kept
-    for good rather than freed while UCX may write into it); buffers have no ``completed`` and count as done."""
-    try:
-        completed = getattr(kept, "completed", True)
-        return not bool(completed)
-    except Exception:
-        return True
 
 
 GRAVEYARD = Graveyard()

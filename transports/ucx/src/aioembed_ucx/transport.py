@@ -592,8 +592,9 @@ class UcxTransport(Transport):
         except Exception:
             want = None
         if want != self.id:
-            await tag_send(ep, w.encode_reply(w.REFUSED, f"this listener is ucx endpoint {self.id[:8]}, not "
-                                                         f"{str(want)[:8]} (did the peer restart?)"), w.t_reply(wid))
+            await ep.send(w.encode_reply(w.REFUSED, f"this listener is ucx endpoint {self.id[:8]}, not "
+                                                    f"{str(want)[:8]} (did the peer restart?)"),
+                          tag=w.t_reply(wid))
             return
         await tag_send(ep, w.encode_reply(w.OK, self.id), w.t_reply(wid))
 
