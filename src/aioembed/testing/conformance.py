@@ -25,11 +25,12 @@ import anyio
 import pytest
 import torch
 
+from aioembed.config import TransferConfig
 from aioembed.errors import ConfigError, TransportError
 from aioembed.testing.event_loops import anyio_backends
 from aioembed.transports.base import Link, MemoryRegion, Transport, WriteOp
 from aioembed.transports.boundary import GuardedLink, GuardedTransport
-from aioembed.transports.registry import open_transport, resolve_transport
+from aioembed.transports.registry import check_transport_options, open_transport, resolve_transport
 
 FOREIGN = (RuntimeError, ValueError, OSError)
 """What native engines raise instead of TransportError: the boundary must map each."""
@@ -498,12 +499,21 @@ class TransportConformance:
 
     def test_check_options_agrees_with_open(self) -> None:
         """``check_options`` (run where a config is loaded) accepts the options this suite opens endpoints with,
-        and, where the plugin has a check of its own, refuses an unknown option as ``open()`` does."""
-        cls = resolve_transport(self.transport_name)
+        and, where the plugin has a check of its own, refuses an unknown option as ``open()`` does, the refusal
+        naming the transport, the option and where the config came from."""
+        name = self.transport_name
+        cls = resolve_transport(name)
         cls.check_options(self.transport_options)
-        if getattr(cls.check_options, "__func__", None) is not getattr(Transport.check_options, "__func__", None):
-            with pytest.raises(ConfigError):
-                cls.check_options({**self.transport_options, "no_such_option_": 1})
+        if cls.check_options.__func__ is Transport.check_options.__func__:  # type: ignore[attr-defined]
+            return  # no check of its own: open() checks
+        config = TransferConfig.from_mapping(
+            {"transport": name, "transport_options": {**self.transport_options, "no_such_option_": 1}},
+            source="conformance.toml")
+        with pytest.raises(ConfigError) as info:
+            check_transport_options(config)
+        msg = str(info.value)
+        assert msg.startswith(f"transport {name!r} refused its transport_options: "), msg
+        assert "'no_such_option_'" in msg and msg.endswith("(in conformance.toml)"), msg
 
     @pytest.mark.anyio
     async def test_capabilities_are_declared_consistently(self, endpoints: tuple[Transport, Transport]) -> None:

@@ -125,16 +125,3 @@ def test_check_options_refuses_what_open_refuses_without_an_engine(
         MooncakeTransport.check_options(options)
     assert said in str(info.value)
     MooncakeTransport.check_options({"protocol": "tcp", "threads": 2, "hostname": "127.0.0.1"})
-
-
-def test_a_misspelt_option_in_a_file_is_refused_naming_the_file(tmp_path: Any) -> None:
-    from aioembed.transports.registry import check_transport_options
-
-    p = tmp_path / "aioembed.toml"
-    p.write_text('[aioembed]\ntransport = "mooncake"\n\n[aioembed.transport_options]\nprotocl = "tcp"\n')
-    with pytest.raises(ConfigError) as info:
-        check_transport_options(TransferConfig.from_toml(p))
-    msg = str(info.value)
-    assert msg.startswith("transport 'mooncake' refused its transport_options: unknown mooncake transport option(s) "
-                          "['protocl']")
-    assert msg.endswith(f"(in {p})")

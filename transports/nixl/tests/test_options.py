@@ -184,17 +184,3 @@ def test_check_options_refuses_what_open_refuses_without_loading_nixl(
         NixlTransport.check_options(options)
     assert said in str(info.value)
     NixlTransport.check_options(NIXL_OPTIONS)
-
-
-def test_a_misspelt_option_in_a_file_is_refused_naming_the_file(tmp_path: Any) -> None:
-    from aioembed.config import TransferConfig
-    from aioembed.transports.registry import check_transport_options
-
-    p = tmp_path / "aioembed.toml"
-    p.write_text('[aioembed]\ntransport = "nixl"\n\n[aioembed.transport_options]\nucx_tsl = "tcp"\n')
-    with pytest.raises(ConfigError) as info:
-        check_transport_options(TransferConfig.from_toml(p))
-    msg = str(info.value)
-    assert msg.startswith("transport 'nixl' refused its transport_options: unknown nixl transport option(s) "
-                          "['ucx_tsl']")
-    assert msg.endswith(f"(in {p})")

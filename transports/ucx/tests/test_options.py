@@ -195,15 +195,3 @@ def test_check_options_refuses_what_open_refuses_outside_any_event_loop(options:
         UcxTransport.check_options(options)
     assert said in str(info.value)
     UcxTransport.check_options(UCX_OPTIONS)
-
-
-def test_a_misspelt_option_from_the_environment_is_refused_naming_the_variables() -> None:
-    from aioembed.transports.registry import check_transport_options
-
-    env = {"AIOEMBED_TRANSPORT": "ucx", "AIOEMBED_TRANSPORT_OPTIONS": '{tsl = "tcp"}'}
-    with pytest.raises(ConfigError) as info:
-        check_transport_options(TransferConfig.from_env(env))
-    msg = str(info.value)
-    assert msg.startswith("transport 'ucx' refused its transport_options: unknown ucx transport option(s) ['tsl']")
-    assert msg.endswith("(from the environment: AIOEMBED_TRANSPORT='ucx', "
-                        "AIOEMBED_TRANSPORT_OPTIONS='{tsl = \"tcp\"}')")
