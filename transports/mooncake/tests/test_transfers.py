@@ -149,11 +149,13 @@ async def test_a_loop_turn_spent_looking_gives_up_the_core_first(monkeypatch: py
     monkeypatch.setattr(transfers, "_POLL_FRESH", 0.008)
     engine, sleeps = FakeEngine(), SleepLog(monkeypatch)
     poller = TransferPoller(engine.check)
-    t = engine.submit(1, 4096, 0.020)  # nothing learned: a fresh window of turns, then sleeps
+    # Nothing learned: a fresh window of turns, then sleeps. The transfer outlasts the window by far (200 ms, not
+    # 20): a CI host once preempted the loop inside the window until the 20 ms transfer had ended, so it never slept.
+    t = engine.submit(1, 4096, 0.200)
     poller.add([t])
     assert await poller.wait([t]) is True
     assert yields, "the turns right after the submit yielded"
-    # None in the sleeps (20 ms): every yield came before the first sleep. (By order, not by a time bound: on a
+    # None in the sleeps: every yield came before the first sleep. (By order, not by a time bound: on a
     # busy CI host a turn inside the window may reach its yield some milliseconds after the window ended.)
     assert sleeps.calls and max(yields) < min(at for at, _ in sleeps.calls), (yields, sleeps.calls)
     assert sleeps.calls and all(at >= t.submitted + transfers._POLL_FRESH for at, _ in sleeps.calls)
