@@ -125,3 +125,21 @@ def test_check_options_refuses_what_open_refuses_without_an_engine(
         MooncakeTransport.check_options(options)
     assert said in str(info.value)
     MooncakeTransport.check_options({"protocol": "tcp", "threads": 2, "hostname": "127.0.0.1"})
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ({"protocol": "auto"}, ["protocol 'auto' chose", "advertising hostname"]),
+    ({"protocol": "tcp", "device_name": "mlx5_0", "hostname": "127.0.0.1"}, ["is ignored with protocol 'tcp'"]),
+])
+def test_a_check_ahead_of_open_says_its_choices_once(options: dict[str, Any], expected: list[str],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """``aioembed demo``/``bench`` check the options, then open: the choices made for unset options (protocol
+    'auto', the advertised hostname) and an ignored ``device_name`` were logged by both, each line twice."""
+    with caplog.at_level("INFO", logger="aioembed_mooncake"):
+        MooncakeTransport.check_options(options)
+    assert [r.getMessage() for r in caplog.records] == []
+    with caplog.at_level("INFO", logger="aioembed_mooncake"):
+        _Config(options)
+    said = [r.getMessage() for r in caplog.records]
+    for words in expected:
+        assert sum(words in m for m in said) == 1, said

@@ -71,7 +71,7 @@ class MooncakeBaseline:
         self.layout = layout
         self.config = config
         self.options = dict(config.transport_options)
-        self._cfg = _Config(self.options)
+        self._cfg = _Config(self.options, announce=False)  # the aioembed endpoint opened beside it says the choices
         self._engine: Any = None
         self._rpc_port = 0
         self._session = ""
@@ -171,7 +171,7 @@ class MooncakeBaseline:
 
 
 def _peer(spec: dict[str, Any]) -> None:
-    cfg = _Config(spec["options"])
+    cfg = _Config(spec["options"], announce=False)  # the parent's endpoint said the choices
     started = start_engine(cfg.engine_settings())
     engine = started.engine
     capacity = int(spec["capacity"])

@@ -148,7 +148,9 @@ def _opt_str(options: Mapping[str, Any], name: str, default: str) -> str:
 class _Config:
     """Validated options of one endpoint."""
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+    def __init__(self, options: Mapping[str, Any], *, announce: bool = True) -> None:
+        """``announce``: log the choices made for unset options (protocol, hostname) and the options ignored. Off
+        for a check ahead of an open, which says it all again (``aioembed demo``/``bench`` printed each line twice)."""
         if not isinstance(options, Mapping):
             raise ConfigError(f"mooncake transport_options must be a table/mapping, got {options!r}")
         refuse_unknown_options("mooncake", options, _OPTIONS)
@@ -176,15 +178,17 @@ class _Config:
             )
         if protocol == "auto":
             protocol = "rdma" if present else "tcp"
-            log.info("mooncake transport: protocol 'auto' chose %s (%s)", protocol,
-                     f"RDMA devices {present}" if present else "no RDMA device in /sys/class/infiniband")
+            if announce:
+                log.info("mooncake transport: protocol 'auto' chose %s (%s)", protocol,
+                         f"RDMA devices {present}" if present else "no RDMA device in /sys/class/infiniband")
         elif protocol == "rdma" and not present:
             raise ConfigError(
                 "transport_options.protocol='rdma' but this host has no RDMA device "
                 "(/sys/class/infiniband is empty or missing); use protocol='tcp' or 'auto'"
             )
         if protocol == "tcp" and devices:
-            log.warning("mooncake transport: device_name=%r is ignored with protocol 'tcp'", raw_dev)
+            if announce:
+                log.warning("mooncake transport: device_name=%r is ignored with protocol 'tcp'", raw_dev)
             devices = []
         self.protocol = protocol
         self.device_name = ",".join(devices)
@@ -192,8 +196,9 @@ class _Config:
         hostname = options.get("hostname")
         if hostname is None:
             hostname = default_hostname()
-            log.info("mooncake transport: advertising hostname %s (set transport_options.hostname to choose)",
-                     hostname)
+            if announce:
+                log.info("mooncake transport: advertising hostname %s (set transport_options.hostname to choose)",
+                         hostname)
         if not isinstance(hostname, str) or not _HOST_RE.match(hostname):
             raise ConfigError(
                 "transport_options.hostname must be a host name or IPv4 address that peers can reach, "
@@ -371,7 +376,7 @@ class MooncakeTransport(Transport):
     def check_options(cls, options: Mapping[str, Any]) -> None:
         """The validation :meth:`open` runs (``_Config``): no engine is started. It reads this host's RDMA devices
         from sysfs and, without ``hostname``, finds the address to advertise (a UDP socket's route, no packet)."""
-        _Config(options)
+        _Config(options, announce=False)
 
     @classmethod
     async def open(cls, options: Mapping[str, Any]) -> Self:
