@@ -50,6 +50,13 @@ def test_entry_point_resolves_to_the_plugin() -> None:
         ({"eager_bytes": -1}, "eager_bytes"),
         ({"eager_bytes": (64 << 20) + 1}, "eager_bytes"),
         ({"eager_bytes": 1.5}, "eager_bytes"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"max_connections": -1}, "max_connections"),
+        ({"max_connections": (1 << 16) + 1}, "max_connections"),
+        ({"max_connections": 8.0}, "max_connections"),
+        ({"max_connections": "8"}, "max_connections"),
+        ({"max_connections": True}, "max_connections"),
+        ({"max_connection": 8}, "did you mean 'max_connections'"),
         ({"ucx_options": {"UCX_TLS": "tcp"}}, "ucx_options"),
         ({"ucx_options": {"TLS": "tcp"}}, "tls"),
         ({"ucx_options": {"rndv_scheme": "put_zcopy"}}, "ucx_options"),
@@ -68,6 +75,8 @@ def test_good_options_parse() -> None:
     assert o.ucx_options == {"RNDV_SCHEME": "put_zcopy", "TCP_KEEPIDLE": "5"}
     assert UcxOptions.parse({}).tls is None  # leave UCX_TLS to UCX by default
     assert UcxOptions.parse({}).eager_bytes == 1 << 20 and UcxOptions.parse({"eager_bytes": 0}).eager_bytes == 0
+    assert UcxOptions.parse({}).max_connections == 1024
+    assert UcxOptions.parse({"max_connections": 1}).max_connections == 1
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

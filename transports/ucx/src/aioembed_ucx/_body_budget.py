@@ -7,6 +7,9 @@ without end. Each connection's bodies in progress now share one budget; the conn
 body from it before it starts the write's task and waits (reading nothing more from that peer) while the budget
 is spent. A write gives its body back when its task ends, done, refused or failed: a peer whose bodies never come
 is aborted by the stall timeout of its writes (``write_timeout``), which gives them all back.
+
+The transport takes each body from a second budget too, shared by all its connections
+(``TRANSPORT_BODY_BUDGET``), so the total does not grow with the number of peers.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ close request (:func:`~aioembed_ucx._progress.close_posted`: ``close_blocking`` 
 with it ucxx's listener and its port, alive for good); :meth:`Listener.aclose` waits for those closes, so
 the port is closed when it returns. Each connection has its own task, so a stuck handshake never holds up
 another peer's.
+
+It takes at most ``max_connections`` connections at a time (handshaking or served): past it, a new one is
+closed at once, before its handshake, counted in :attr:`Listener.connections_refused`, and logged at most once
+per :data:`REFUSAL_LOG_SECONDS` (a storm of connections must not become a storm of log lines).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ meeting freed data)."""
 
 log = logging.getLogger("aioembed.transports.ucx")
 
+REFUSAL_LOG_SECONDS = 10.0
+"""The least time between two warnings about refused connections (those between are counted, not logged)."""
+
 _PEER_INFO = struct.Struct("QQ")
 """ucxx's peer-info message: the tag its sender receives on, and ``hash64bits`` of it."""
 
@@ -72,7 +79,9 @@ class Listener:
     event loop that serves it; :meth:`aclose` stops it and cancels its tasks."""
 
     def __init__(self, ucxx: Any, port: int, on_endpoint: Callable[[Any], Awaitable[None]],
-                 handshake_timeout: float) -> None:
+                 handshake_timeout: float, max_connections: int) -> None:
+        if max_connections <= 0:
+            raise ValueError(f"max_connections={max_connections} must be > 0")
         u = _ucxx()
         self._loop = asyncio.get_running_loop()
         self._ctx = ucxx.core._get_ctx()
@@ -88,6 +97,11 @@ class Listener:
         """Connections whose peer-info exchange is under way."""
         self.handshakes_given_up = 0
         """Connections closed because their exchange did not complete within ``handshake_timeout``."""
+        self.max_connections = max_connections
+        self.connections_refused = 0
+        """Connections closed at once because ``max_connections`` were open."""
+        self._unlogged_refusals = 0
+        self._refusal_logged_at: float | None = None
         # The callback holds the listener weakly: UCX keeps the callback's arguments for the listener's life.
         self._raw: Any = u.UCXListener.create(worker=self._ctx.worker, port=port, cb_func=_on_connection,
                                               cb_args=(weakref.ref(self),), deliver_endpoint=True)
@@ -102,9 +116,32 @@ class Listener:
         if self._closed:
             close_at_once(endpoint)
             return
+        if len(self._tasks) >= self.max_connections:
+            close_at_once(endpoint)  # before the handshake: nothing is posted on it yet
+            self._refused()
+            return
         task = self._loop.create_task(self._handshake(endpoint))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    @property
+    def connections(self) -> int:
+        """Connections open now: in their handshake or handed over (each has its task until it ends)."""
+        return len(self._tasks)
+
+    def _refused(self) -> None:
+        self.connections_refused += 1
+        self._unlogged_refusals += 1
+        now = time.monotonic()
+        if self._refusal_logged_at is not None and now - self._refusal_logged_at < REFUSAL_LOG_SECONDS:
+            return
+        log.warning("ucx: refused %d incoming connection(s) on port %s%s: max_connections=%d connections are open "
+                    "(transport_options.max_connections); %d refused in all, the next warning comes %s s later at "
+                    "the earliest", self._unlogged_refusals, self.port,
+                    "" if self._refusal_logged_at is None else f" in the last {now - self._refusal_logged_at:.0f} s",
+                    self.max_connections, self.connections_refused, REFUSAL_LOG_SECONDS)
+        self._refusal_logged_at = now
+        self._unlogged_refusals = 0
 
     async def _handshake(self, endpoint: Any) -> None:
         u = _ucxx()

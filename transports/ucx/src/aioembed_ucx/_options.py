@@ -13,7 +13,7 @@ from aioembed.errors import ConfigError
 from aioembed.transports.option_names import refuse_unknown_options
 from aioembed.transports.tcp_orphans import tcp_orphan_seconds_option
 
-__all__ = ["EAGER_BYTES", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions", "tls_may_use_rdma"]
+__all__ = ["EAGER_BYTES", "MAX_CONNECTIONS", "MAX_EAGER_BYTES", "PROGRESS_MODES", "UcxOptions", "tls_may_use_rdma"]
 
 PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
 
@@ -49,13 +49,19 @@ def tls_may_use_rdma(tls: str | None, rdma_devices: bool) -> bool:
 _UCX_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 _KNOWN = ("tls", "host", "port", "progress_mode", "write_timeout", "connect_timeout", "inline_bytes",
-          "eager_bytes", "ucx_options", "tcp_orphan_seconds")
+          "eager_bytes", "ucx_options", "tcp_orphan_seconds", "max_connections")
 
 
 EAGER_BYTES = 1 << 20
 """Default ``eager_bytes``: a 64-token request (460 KB) goes eagerly, a large chunk waits for the go-ahead
 (whose round trip is small against its transfer)."""
 MAX_EAGER_BYTES = 64 << 20
+
+MAX_CONNECTIONS = 1024
+"""Default ``max_connections``: a writer endpoint holds one connection per owner it writes to (briefly two while
+it reconnects), so this is room for hundreds of encoder processes per receiver; past it a flood of connections
+(a broken or hostile peer) is refused before it costs the owner sockets, UCX endpoints and tasks."""
+_MAX_CONNECTIONS_LIMIT = 1 << 16
 
 
 def _seconds(name: str, value: object) -> float:
@@ -92,6 +98,9 @@ class UcxOptions:
     descriptor; the writer uses the smaller of both). 0: every write waits for the go-ahead."""
     ucx_options: Mapping[str, str] = field(default_factory=dict)
     """Extra UCX settings without the ``UCX_`` prefix, e.g. ``{"RNDV_SCHEME": "put_zcopy"}``."""
+    max_connections: int = MAX_CONNECTIONS
+    """As the owning side, the most incoming connections open at once (handshaking or served); a further one is
+    closed at once, with a rate-limited warning, and counted (``connections_refused``)."""
     tcp_orphan_seconds: float | None = None
     """Where UCX may use TCP (:func:`~aioembed.transports.tcp_orphans.ucx_tls_may_use_tcp`), how long a closed
     socket's bytes may still reach the owner; None: what this host's kernel retransmits
@@ -160,6 +169,13 @@ class UcxOptions:
                 raise ConfigError(f"transport_options.eager_bytes must be an integer in [0, {MAX_EAGER_BYTES}], "
                                   f"got {eb!r}")
             kw["eager_bytes"] = eb
+
+        if "max_connections" in options:
+            mc = options["max_connections"]
+            if not isinstance(mc, int) or isinstance(mc, bool) or not 1 <= mc <= _MAX_CONNECTIONS_LIMIT:
+                raise ConfigError(f"transport_options.max_connections must be an integer in "
+                                  f"[1, {_MAX_CONNECTIONS_LIMIT}] (incoming connections open at once), got {mc!r}")
+            kw["max_connections"] = mc
 
         if (orphan := tcp_orphan_seconds_option(options)) is not None:
             kw["tcp_orphan_seconds"] = orphan

@@ -56,6 +56,7 @@ __all__ = [
     "t_data",
     "t_reply",
     "T_PREFIX",
+    "TooManyOps",
 ]
 
 MAGIC = b"AEUX"
@@ -98,14 +99,22 @@ def encode_ops(direct: Sequence[tuple[int, int]], inline: Sequence[tuple[int, in
     return BODY_HEAD.pack(len(direct), len(inline)) + struct.pack(f"<{len(flat)}Q", *flat)
 
 
-def decode_ops(body: bytes | bytearray) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """``(direct, inline)`` lists of ``(dst, length)``; ``ValueError`` on a malformed body."""
+class TooManyOps(ValueError):
+    """A write body announcing more ops than the owner lets a write have."""
+
+
+def decode_ops(body: bytes | bytearray, max_ops: int | None = None,
+               ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(direct, inline)`` lists of ``(dst, length)``; ``ValueError`` on a malformed body, or one announcing more
+    than ``max_ops`` ops, checked before any is unpacked: a 64 MiB body decodes into 4 Mi tuples (~370 MiB)."""
     if len(body) < BODY_HEAD.size:
         raise ValueError(f"write body of {len(body)} bytes is shorter than its head")
     n_direct, n_inline = BODY_HEAD.unpack_from(body)
     n = n_direct + n_inline
     if len(body) != BODY_HEAD.size + 16 * n:
         raise ValueError(f"write body of {len(body)} bytes does not hold {n} ops")
+    if max_ops is not None and n > max_ops:
+        raise TooManyOps(f"write body announces {n} ops, more than {max_ops}")
     flat = struct.unpack_from(f"<{2 * n}Q", body, BODY_HEAD.size)
     spans = list(zip(flat[0::2], flat[1::2], strict=True))
     return spans[:n_direct], spans[n_direct:]

@@ -77,6 +77,10 @@ log = logging.getLogger("aioembed.transports.ucx")
 _DESCRIPTOR_VERSION = 1
 BODY_BUDGET = w.MAX_BODY
 """Write-header bytes one connection's writes in progress may hold together (see :mod:`aioembed_ucx._body_budget`)."""
+TRANSPORT_BODY_BUDGET = 4 * BODY_BUDGET
+"""Write-header bytes the writes in progress of all connections to one endpoint may hold together: room for four
+peers' largest headers at once (a usual header is tens of bytes), and a bound that does not grow with the number
+of peers. A connection past it waits as past its own budget (reading nothing more from that peer)."""
 
 
 # -- memory ------------------------------------------------------------------------------
@@ -104,16 +108,20 @@ class _Memory:
     def __init__(self, regions: Iterable[MemoryRegion] = ()) -> None:
         self.all = RegionSet()
         self.by_device: dict[str, RegionSet] = {}
+        self.nbytes = 0
+        """The registered regions' lengths summed (repeats and overlaps too): at least the bytes they cover."""
         self.add(list(regions))
 
     def add(self, regions: Sequence[MemoryRegion]) -> None:
         self.all.add(regions)
         for r in regions:
             self.by_device.setdefault(r.device, RegionSet()).add([r])
+            self.nbytes += r.length
 
     def remove(self, regions: Sequence[MemoryRegion]) -> None:
         self.all.remove(regions)  # raises, removing nothing, if one is not registered
         for r in regions:
+            self.nbytes -= r.length
             rs = self.by_device[r.device]
             rs.remove([r])
             if not len(rs):
@@ -234,7 +242,10 @@ class UcxTransport(Transport):
         """Of those, the ones that came without a go-ahead (kind ``EAGER``)."""
         self.body_bytes_held = 0
         """Write-header bytes announced to this endpoint, as the owning side, by writes still in progress (each
-        connection's at most :data:`BODY_BUDGET`)."""
+        connection's at most :data:`BODY_BUDGET`, all together at most :data:`TRANSPORT_BODY_BUDGET`)."""
+        self._body_budget = BodyBudget(TRANSPORT_BODY_BUDGET, self._count_body_bytes)
+        self._connections_refused_before = 0
+        """Refused by a listener closed since (``connections_refused`` outlives it)."""
 
     @property
     def regions(self) -> RegionSet:
@@ -269,6 +280,17 @@ class UcxTransport(Transport):
         if self._orphan_horizon is not None:
             return max(self.capabilities.orphan_lifetime, self._orphan_horizon + 2.0)
         return self.capabilities.orphan_lifetime
+
+    @property
+    def connections(self) -> int:
+        """Incoming connections open now, as the owning side (at most ``max_connections``)."""
+        return 0 if self._listener is None else self._listener.connections
+
+    @property
+    def connections_refused(self) -> int:
+        """Incoming connections closed at once because ``max_connections`` were open."""
+        listener = self._listener
+        return self._connections_refused_before + (0 if listener is None else listener.connections_refused)
 
     @property
     def port(self) -> int | None:
@@ -369,7 +391,8 @@ class UcxTransport(Transport):
             # Not ucxx's create_listener: its handshake polls on every loop turn while a peer keeps it waiting,
             # and its timeout path frees buffers UCX still writes into (see _listener).
             self._listener = Listener(self._ucxx, self.options.port, self._accept,
-                                      handshake_timeout=self.options.connect_timeout)
+                                      handshake_timeout=self.options.connect_timeout,
+                                      max_connections=self.options.max_connections)
         except Exception as exc:
             raise TransportError(f"ucx endpoint {self.id[:8]} cannot listen on port {self.options.port}: "
                                  f"{exc!r}") from exc
@@ -407,8 +430,11 @@ class UcxTransport(Transport):
                                  f"connect_timeout={timeout} s", may_land=False) from None
         except self._errors as exc:
             _abort(ep)
-            raise TransportError(f"cannot connect to {peer.name}: {exc!r} (is the peer running and "
-                                 f"reachable on that address?)", may_land=False) from exc
+            # A receiver at its max_connections closes a new connection before the UCX handshake: the writer
+            # sees what it sees of a port nobody listens on (a zero-length peer-info message), so both are named.
+            raise TransportError(f"cannot connect to {peer.name}: {exc!r} (is the peer running and reachable on "
+                                 "that address, and below its transport_options.max_connections? A receiver "
+                                 "closes connections past that at once)", may_land=False) from exc
         except BaseException:
             _abort(ep)
             raise
@@ -437,6 +463,7 @@ class UcxTransport(Transport):
         if self._listener is not None:
             listener, self._listener = self._listener, None
             await listener.aclose()  # and the handshakes still under way
+            self._connections_refused_before += listener.connections_refused
         self._memory = _Memory()
 
     # -- the owning side -----------------------------------------------------------------
@@ -465,7 +492,8 @@ class UcxTransport(Transport):
     async def _serve(self, ep: Any) -> None:
         writes: set[asyncio.Task[None]] = set()
         progress = _Progress()
-        budget = BodyBudget(BODY_BUDGET, self._count_body_bytes)
+        budget = BodyBudget(BODY_BUDGET)
+        timeout = self.options.write_timeout
         try:
             while True:
                 prefix = bytearray(w.PREFIX.size)
@@ -480,16 +508,37 @@ class UcxTransport(Transport):
                 if budget.held + body_len > budget.limit:
                     log.debug("ucx endpoint %s: %d header bytes of writes in progress on one connection; write %d "
                               "(%d more) waits for some of them to end", self.id[:8], budget.held, wid, body_len)
-                await budget.take(body_len)
+                # Waiting for budget is no progress: a peer whose writes (or, for the endpoint's budget, everyone's)
+                # do not end within write_timeout is dropped, whether or not it has a write of its own in progress.
+                with _StallTimeout(progress, timeout) as stall:
+                    await self._take_body(budget, wid, body_len)
+                if stall.expired:
+                    log.warning("ucx endpoint %s: write %d waited write_timeout=%s s for room for its %d header bytes "
+                                "(%d held on its connection, %d on this endpoint); dropping the connection",
+                                self.id[:8], wid, timeout, body_len, budget.held, self._body_budget.held)
+                    return
                 t = asyncio.create_task(self._serve_one(ep, progress, kind, wid, body_len))
                 writes.add(t)
                 t.add_done_callback(writes.discard)
-                t.add_done_callback(functools.partial(_give_back, budget, body_len))
+                t.add_done_callback(functools.partial(_give_back, (budget, self._body_budget), body_len))
         finally:
             for t in writes:
                 t.cancel()
             if writes:
                 await asyncio.gather(*writes, return_exceptions=True)
+
+    async def _take_body(self, budget: BodyBudget, wid: int, body_len: int) -> None:
+        """Take a write's body from its connection's budget, then from the endpoint's (both or neither)."""
+        await budget.take(body_len)
+        try:
+            endpoint_budget = self._body_budget
+            if endpoint_budget.held + body_len > endpoint_budget.limit:
+                log.debug("ucx endpoint %s: %d header bytes of writes in progress on all connections; write %d "
+                          "(%d more) waits for some of them to end", self.id[:8], endpoint_budget.held, wid, body_len)
+            await endpoint_budget.take(body_len)
+        except BaseException:
+            budget.give(body_len)
+            raise
 
     def _count_body_bytes(self, delta: int) -> None:
         self.body_bytes_held += delta
@@ -529,16 +578,25 @@ class UcxTransport(Transport):
                 await self._answer_hello(ep, wid, body)
                 return
             eager = kind == w.KIND_EAGER
+            # Each op writes at least one byte of memory registered here (an eager write's ops at most
+            # eager_bytes in all), and ops of one write that overlap leave undefined bytes: a body announcing more
+            # ops than that is refused before millions of them are unpacked and checked on the loop.
+            max_ops = self.options.eager_bytes if eager else self._memory.nbytes
             try:
-                direct_spans, inline = w.decode_ops(body)
+                direct_spans, inline = w.decode_ops(body, max_ops)
             except ValueError as exc:
                 if eager:  # its data messages cannot be told apart from the next write's: end the connection
                     log.warning("ucx endpoint %s: malformed eager write %d (%s); dropping the connection",
                                 self.id[:8], wid, exc)
                     _abort(ep)
                     return
-                log.warning("ucx endpoint %s: refused write %d: malformed write header: %s", self.id[:8], wid, exc)
-                await tag_send(ep, w.encode_reply(w.REFUSED, f"malformed write header: {exc}"), w.t_reply(wid))
+                if isinstance(exc, w.TooManyOps):
+                    reason = (f"{exc}: more ops than the bytes registered at ucx endpoint {self.id[:8]}, so some "
+                              "would overlap or fall outside the memory registered")
+                else:
+                    reason = f"malformed write header: {exc}"
+                log.warning("ucx endpoint %s: refused write %d: %s", self.id[:8], wid, reason)
+                await tag_send(ep, w.encode_reply(w.REFUSED, reason), w.t_reply(wid))
                 return
             size = sum(n for _, n in (*direct_spans, *inline))
             if eager and size > self.options.eager_bytes:
@@ -620,8 +678,9 @@ class UcxTransport(Transport):
 _KINDS = frozenset({w.KIND_HELLO, w.KIND_WRITE, w.KIND_EAGER})
 
 
-def _give_back(budget: BodyBudget, nbytes: int, _task: asyncio.Task[None]) -> None:
-    budget.give(nbytes)
+def _give_back(budgets: tuple[BodyBudget, ...], nbytes: int, _task: asyncio.Task[None]) -> None:
+    for budget in budgets:
+        budget.give(nbytes)
 
 
 class _Progress:
