@@ -22,7 +22,6 @@ from aioembed.transports.registry import open_transport
 from aioembed_ucx import _wire as w
 from aioembed_ucx._graveyard import GRAVEYARD
 from aioembed_ucx._options import MAX_EAGER_BYTES
-from aioembed_ucx._progress import Posted
 from aioembed_ucx.transport import UcxLink, UcxTransport, _parse_descriptor, _Refused
 
 from .conftest import UCX_OPTIONS, ucx_link, ucx_transport
@@ -48,17 +47,29 @@ def _ucx_link(link: Link) -> UcxLink:
 
 
 def _kept_addresses() -> list[int]:
-    """Where the buffers of posted messages kept in the graveyard start."""
-    out = []
-    for _, kept, _ in GRAVEYARD._entries:
-        for p in kept:
-            if not isinstance(p, Posted):
-                continue
-            if hasattr(p.buffer, "ptr"):  # a ucxx Array (ArmedProgress posts them itself)
-                out.append(int(p.buffer.ptr))
-            elif isinstance(p.buffer, ctypes.Array):  # ucxx's own calls got the buffer as it is
-                out.append(ctypes.addressof(p.buffer))
-    return out
+    """Where the buffers of posted messages kept in the graveyard start (with their requests: ucxx Arrays)."""
+    return [int(b.ptr) for _, held, _ in GRAVEYARD._entries for b, r in held if r is not None and hasattr(b, "ptr")]
+
+
+def _record_burials(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, Any]]:
+    """Where each buffer buried with its request starts, its size, and that request (clear the list before the
+    owner closes: a request kept past it keeps the owner's listener)."""
+    buried: list[tuple[int, int, Any]] = []
+    bury = GRAVEYARD.bury_posted
+
+    def recording(endpoint: Any, posted: Any) -> None:
+        posted = list(posted)
+        buried.extend((int(b.ptr), int(b.nbytes), r) for b, r in posted)
+        bury(endpoint, posted)
+
+    monkeypatch.setattr(GRAVEYARD, "bury_posted", recording)
+    return buried
+
+
+def _kept_until_done(buried: list[tuple[int, int, Any]]) -> bool:
+    """Whether every buried buffer is still kept, or its request completed (UCX let go of it)."""
+    kept = _kept_addresses()
+    return all(r.completed or ptr in kept for ptr, _, r in buried)
 
 
 async def _pair(owner_options: dict[str, Any], writer_options: dict[str, Any]) -> tuple[
@@ -179,7 +190,7 @@ async def test_a_refused_eager_write_is_drained_and_the_same_connection_goes_on(
         await owner.aclose()
 
 
-async def test_a_writer_that_aborts_mid_write_leaves_the_owner_clean() -> None:
+async def test_a_writer_that_aborts_mid_write_leaves_the_owner_clean(monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer aborts its endpoint mid-write (as at a stall; a cancelled write runs to its end instead); the
     owner's write task fails with the connection and is accounted for (no "exception was never retrieved"),
     and the owner serves the next connection."""
@@ -188,6 +199,7 @@ async def test_a_writer_that_aborts_mid_write_leaves_the_owner_clean() -> None:
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _, context: unhandled.append(context))
     owner, writer, src, dst = await _pair({}, {})
+    buried = _record_burials(monkeypatch)
     try:
         link = await writer.connect(owner.descriptor())
         ucx = _ucx_link(link)
@@ -199,9 +211,12 @@ async def test_a_writer_that_aborts_mid_write_leaves_the_owner_clean() -> None:
             ucx._drop(ucx._ep)
             with contextlib.suppress(TransportError):
                 await t
+            assert _kept_until_done(buried)
             await asyncio.sleep(0.3)
             gc.collect()
-        assert src.data_ptr() in _kept_addresses()  # what a failed write had posted is kept until UCX lets go of it
+            assert _kept_until_done(buried)
+        assert src.data_ptr() in {ptr for ptr, _, _ in buried}  # what a failed write had posted went to the graveyard
+        buried.clear()
         dst.zero_()
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 500_000)])
         assert torch.equal(dst[:500_000], src[:500_000])
@@ -222,6 +237,7 @@ async def test_what_a_failed_write_left_in_the_graveyard_goes_without_another_fa
     referenced for good."""
     monkeypatch.setattr(GRAVEYARD, "GRACE", 0.2)
     owner, writer, src, dst = await _pair({}, {})
+    buried = _record_burials(monkeypatch)
     try:
         link = await writer.connect(owner.descriptor())
         ucx = _ucx_link(link)
@@ -230,7 +246,8 @@ async def test_what_a_failed_write_left_in_the_graveyard_goes_without_another_fa
         ucx._drop(ucx._ep)  # ... and its endpoint aborted, as after a stall
         with contextlib.suppress(TransportError):
             await t
-        assert src.data_ptr() in _kept_addresses()  # kept while UCX may still reach it
+        assert src.data_ptr() in {ptr for ptr, _, _ in buried} and _kept_until_done(buried)
+        buried.clear()
         with anyio.fail_after(5):  # two grace periods at most: one to see the endpoint dead, one to wait out
             while src.data_ptr() in _kept_addresses():
                 await asyncio.sleep(0.05)
@@ -244,8 +261,9 @@ async def test_a_receive_that_fails_on_the_owner_ends_the_connection(eager_bytes
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A receive failing in the owner (here: a buffer too small, as a truncated message would) leaves the
     wire state unknown: the owner aborts the connection, and the writer fails at once instead of waiting
-    for an acknowledgement until its write_timeout; the buffers it had posted are kept meanwhile."""
+    for an acknowledgement until its write_timeout; the buffers it had posted are kept until UCX let go of them."""
     owner, writer, src, dst = await _pair({}, {"eager_bytes": eager_bytes})
+    buried = _record_burials(monkeypatch)
     try:
         link = await writer.connect(owner.descriptor())
         plugin = _plugin(owner)
@@ -257,7 +275,9 @@ async def test_a_receive_that_fails_on_the_owner_ends_the_connection(eager_bytes
         monkeypatch.setattr(plugin, "_check_destinations", short_buffers)
         with pytest.raises(TransportError), anyio.fail_after(2):  # write_timeout is 5 s
             await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])
-        assert dst.data_ptr() in _kept_addresses()  # the owner kept what it had posted, for UCX to let go of
+        # the owner kept what it had posted, for UCX to let go of
+        assert dst.data_ptr() in {ptr for ptr, _, _ in buried} and _kept_until_done(buried)
+        buried.clear()
         monkeypatch.undo()
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 65536)])  # a new connection
         assert torch.equal(dst[:65536], src[:65536])
@@ -266,22 +286,21 @@ async def test_a_receive_that_fails_on_the_owner_ends_the_connection(eager_bytes
         await owner.aclose()
 
 
-async def test_a_receive_abandoned_when_the_owner_closes_keeps_its_buffer() -> None:
-    """The owner's wait for the next write header ends with the connection; the header's buffer stays
-    with the graveyard until UCX lets go of it."""
+async def test_a_receive_abandoned_when_the_owner_closes_keeps_its_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's wait for the next write header ends with the connection; the header's buffer stays with the
+    graveyard until UCX cancelled its receive, which the owner's close waits for: once closed, no request is
+    kept (a kept one would keep the connection's endpoint, and that one the owner's listener)."""
     owner, writer, src, dst = await _pair({}, {})
     try:
         link = await writer.connect(owner.descriptor())
         await link.write([WriteOp(src.data_ptr(), dst.data_ptr(), 4096)])
-
-        def headers() -> int:
-            return sum(1 for _, kept, _ in GRAVEYARD._entries for b in kept  # a ucxx Array, or the bytearray
-                       if getattr(b, "nbytes", None) == w.PREFIX.size or (isinstance(b, bytearray)
-                                                                          and len(b) == w.PREFIX.size))
-
-        before = headers()
+        buried = _record_burials(monkeypatch)
+        for_good = len(GRAVEYARD.kept_for_good)
         await owner.aclose()
-        assert headers() == before + 1
+        headers = [r for _, n, r in buried if n == w.PREFIX.size]
+        assert len(headers) == 1 and headers[0].completed  # buried with its request, cancelled by UCX
+        assert not GRAVEYARD.posted_requests() and len(GRAVEYARD.kept_for_good) == for_good
+        buried.clear()
     finally:
         await writer.aclose()
         await owner.aclose()

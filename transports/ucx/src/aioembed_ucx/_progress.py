@@ -32,8 +32,9 @@ from typing import Any
 
 from aioembed_ucx._graveyard import GRAVEYARD
 
-__all__ = ["ArmedProgress", "Posted", "cancel_posted", "close_at_once", "close_posted", "install_armed_progress",
-           "kick", "post", "tag_recv", "tag_send", "wait_posted", "wait_request"]
+__all__ = ["ArmedProgress", "Posted", "bury_posted", "cancel_posted", "close_at_once", "close_posted",
+           "install_armed_progress", "kick", "post", "settle_graveyard", "tag_recv", "tag_send", "wait_posted",
+           "wait_request"]
 
 log = logging.getLogger("aioembed.transports.ucx")
 
@@ -291,36 +292,43 @@ async def tag_recv(ep: Any, buffer: Any, tag: Hashable) -> None:
     await _tagged(ep, buffer, tag, send=False)
 
 
-def _post_raw(driver: ArmedProgress, ep: Any, buffer: Any, tag: Hashable, send: bool) -> tuple[Any, Any]:
-    """Post through the raw endpoint (the request and the ucxx buffer it uses); progress follows on the
-    loop's next turn (:meth:`ArmedProgress.kick`)."""
+def _post_raw(driver: ArmedProgress | None, ep: Any, buffer: Any, tag: Hashable, send: bool) -> tuple[Any, Any]:
+    """Post through the raw endpoint (the request and the ucxx buffer it uses); with an :class:`ArmedProgress`,
+    progress follows on the loop's next turn (:meth:`ArmedProgress.kick`).
+
+    In every progress mode, not only with an :class:`ArmedProgress`: ucxx's own ``ep.send``/``ep.recv`` keep
+    the request inside their coroutine, so a caller that stopped waiting could not tell whether UCX was done
+    with the buffer, and the graveyard could only wait out a grace period after the endpoint's abort (which in
+    ``thread`` mode may return with receives still posted: see :mod:`aioembed_ucx._graveyard`)."""
     raw, buf, t = _posting(ep, buffer, tag, "msg_send" if send else "msg_recv")
     request = raw.tag_send(buf, t) if send else raw.tag_recv(buf, t, _ucxx().TagMaskFull)
-    driver.kick()
+    if driver is not None:
+        driver.kick()
     return request, buf
+
+
+async def _wait_raw(request: Any) -> None:
+    """Until a request posted by :func:`_post_raw` completed, without an :class:`ArmedProgress` (ucxx's
+    ``wait``: its Python future in ``thread`` mode, a poll per loop turn in ``polling``); raises its error."""
+    await request.wait()
+    request.check_error()
 
 
 async def _tagged(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> None:
     driver = _driver()
-    if driver is None:  # another progress mode: ucxx's own calls (whether one ended posted is not known)
-        try:
-            await (ep.send if send else ep.recv)(buffer, tag=tag)
-        except BaseException:
-            GRAVEYARD.bury(ep, buffer)
-            raise
-        return
     request, buf = _post_raw(driver, ep, buffer, tag, send)
     try:
-        await driver.wait(request)
+        await (_wait_raw(request) if driver is None else driver.wait(request))
     except BaseException:
         if not request.completed:  # abandoned while posted: keep its buffer until UCX lets go of it
-            GRAVEYARD.bury(ep, buf)
+            GRAVEYARD.bury_posted(ep, [(buf, request)])
         raise
 
 
 class Posted:
-    """One tag message posted on an endpoint: the ucxx request and the buffer it reads or fills (kept
-    alive with it), or, in progress modes without an :class:`ArmedProgress`, ucxx's own call as a task."""
+    """One tag message posted on an endpoint: the ucxx request and the buffer it reads or fills (a ucxx
+    ``Array``, whose ``obj`` is the object that owns the memory: it keeps that alive), and, in progress modes
+    without an :class:`ArmedProgress`, the task that waits for the request."""
 
     __slots__ = ("buffer", "future", "request")
 
@@ -331,12 +339,12 @@ class Posted:
 
 
 def post(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> Posted:
-    """Post a tag send or receive now, in this order relative to other posts, without a task: several
-    messages of one write are then awaited together by :func:`wait_posted` in the caller's task."""
+    """Post a tag send or receive now, in this order relative to other posts, without a task (but, in progress
+    modes without an :class:`ArmedProgress`, the one that waits for it): several messages of one write are then
+    awaited together by :func:`wait_posted` in the caller's task."""
     driver = _driver()
-    if driver is None:
-        return Posted(None, buffer, asyncio.ensure_future((ep.send if send else ep.recv)(buffer, tag=tag)))
-    return Posted(*_post_raw(driver, ep, buffer, tag, send), None)
+    request, buf = _post_raw(driver, ep, buffer, tag, send)
+    return Posted(request, buf, None if driver is not None else asyncio.ensure_future(_wait_raw(request)))
 
 
 async def wait_posted(posted: Sequence[Posted], on_done: Callable[[], None] | None = None) -> None:
@@ -363,7 +371,29 @@ async def wait_posted(posted: Sequence[Posted], on_done: Callable[[], None] | No
 
 def cancel_posted(posted: Sequence[Posted]) -> None:
     """Stop waiting for messages still pending (their UCX requests stay posted until the endpoint is
-    aborted, as after a cancelled :func:`tag_recv`)."""
+    aborted, as after a cancelled :func:`tag_recv`; whoever gives them up buries them: :func:`bury_posted`)."""
     for p in posted:
         if p.future is not None:
             p.future.cancel()
+
+
+def bury_posted(ep: Any, posted: Sequence[Posted]) -> None:
+    """Keep the buffers of messages given up while posted until UCX completed or cancelled their requests."""
+    GRAVEYARD.bury_posted(ep, [(p.buffer, p.request) for p in posted])
+
+
+async def settle_graveyard(timeout: float) -> None:
+    """An owner closes (its endpoints aborted): wait, at most ``timeout`` seconds, until UCX completed or
+    cancelled every buried request, then keep what it did not for good (see :mod:`aioembed_ucx._graveyard`),
+    so that no request kept past the close keeps an endpoint, or the owner's listener, alive. Usually the
+    requests end within milliseconds of the aborts (``thread`` mode: on ucxx's progress thread)."""
+    try:
+        async with asyncio.timeout(timeout):
+            for request in GRAVEYARD.posted_requests():
+                try:
+                    await wait_request(request)
+                except Exception as exc:  # cancelled, or failed with its endpoint: either way UCX is done
+                    log.debug("ucx: a buried request ended with %r", exc)
+    except TimeoutError:
+        pass  # what is still posted is kept for good just below, and said at WARNING
+    GRAVEYARD.keep_posted_for_good(timeout)

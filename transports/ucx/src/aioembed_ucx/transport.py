@@ -59,11 +59,13 @@ from aioembed_ucx._listener import Listener
 from aioembed_ucx._options import MAX_EAGER_BYTES, UcxOptions, tls_may_use_rdma
 from aioembed_ucx._progress import (
     Posted,
+    bury_posted,
     cancel_posted,
     close_at_once,
     close_posted,
     kick,
     post,
+    settle_graveyard,
     tag_recv,
     tag_send,
     wait_posted,
@@ -460,6 +462,8 @@ class UcxTransport(Transport):
         for ep in list(self._server_eps):
             _abort(ep)
         self._server_eps.clear()
+        # Before the listener goes: a buried request still kept would keep its endpoint, and that one the listener.
+        await settle_graveyard(self.options.connect_timeout)
         if self._listener is not None:
             listener, self._listener = self._listener, None
             await listener.aclose()  # and the handshakes still under way
@@ -639,7 +643,7 @@ class UcxTransport(Transport):
             await tag_send(ep, w.encode_reply(w.OK), w.t_ack(wid))
         except BaseException:
             # The connection is aborted next; until UCX has cancelled what is still posted, keep its buffers.
-            _GRAVEYARD.bury(ep, *pending)
+            bury_posted(ep, pending)
             raise
         finally:
             cancel_posted(pending)
@@ -650,9 +654,8 @@ class UcxTransport(Transport):
         except Exception:
             want = None
         if want != self.id:
-            await ep.send(w.encode_reply(w.REFUSED, f"this listener is ucx endpoint {self.id[:8]}, not "
-                                                    f"{str(want)[:8]} (did the peer restart?)"),
-                          tag=w.t_reply(wid))
+            await tag_send(ep, w.encode_reply(w.REFUSED, f"this listener is ucx endpoint {self.id[:8]}, not "
+                                                         f"{str(want)[:8]} (did the peer restart?)"), w.t_reply(wid))
             return
         await tag_send(ep, w.encode_reply(w.OK, self.id), w.t_reply(wid))
 
@@ -975,7 +978,7 @@ class UcxLink(Link):
             raise  # before any data was posted, with everything it posted completed
         except BaseException:
             # The endpoint is aborted next; until UCX has cancelled what is still posted, keep its buffers.
-            _GRAVEYARD.bury(ep, *posted, *ack_recv)
+            bury_posted(ep, [*posted, *ack_recv])
             raise
         finally:
             cancel_posted(ack_recv)  # only the wait for the answer (as before: sends end with the endpoint)
