@@ -64,6 +64,12 @@ it reconnects), so this is room for hundreds of encoder processes per receiver; 
 _MAX_CONNECTIONS_LIMIT = 1 << 16
 
 
+def _integer(name: str, value: object, low: int, high: int, meaning: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"transport_options.{name} must be an integer in [{low}, {high}]{meaning}, got {value!r}")
+    return value
+
+
 def _seconds(name: str, value: object) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
         raise ConfigError(f"transport_options.{name} must be a number of seconds, got {value!r}")
@@ -157,25 +163,11 @@ class UcxOptions:
             if name in options:
                 kw[name] = _seconds(name, options[name])
 
-        if "inline_bytes" in options:
-            ib = options["inline_bytes"]
-            if not isinstance(ib, int) or isinstance(ib, bool) or not 0 <= ib <= 1 << 20:
-                raise ConfigError(f"transport_options.inline_bytes must be an integer in [0, 1048576], got {ib!r}")
-            kw["inline_bytes"] = ib
-
-        if "eager_bytes" in options:
-            eb = options["eager_bytes"]
-            if not isinstance(eb, int) or isinstance(eb, bool) or not 0 <= eb <= MAX_EAGER_BYTES:
-                raise ConfigError(f"transport_options.eager_bytes must be an integer in [0, {MAX_EAGER_BYTES}], "
-                                  f"got {eb!r}")
-            kw["eager_bytes"] = eb
-
-        if "max_connections" in options:
-            mc = options["max_connections"]
-            if not isinstance(mc, int) or isinstance(mc, bool) or not 1 <= mc <= _MAX_CONNECTIONS_LIMIT:
-                raise ConfigError(f"transport_options.max_connections must be an integer in "
-                                  f"[1, {_MAX_CONNECTIONS_LIMIT}] (incoming connections open at once), got {mc!r}")
-            kw["max_connections"] = mc
+        for name, low, high, meaning in (("inline_bytes", 0, 1 << 20, ""), ("eager_bytes", 0, MAX_EAGER_BYTES, ""),
+                                         ("max_connections", 1, _MAX_CONNECTIONS_LIMIT,
+                                          " (incoming connections open at once)")):
+            if name in options:
+                kw[name] = _integer(name, options[name], low, high, meaning)
 
         if (orphan := tcp_orphan_seconds_option(options)) is not None:
             kw["tcp_orphan_seconds"] = orphan
