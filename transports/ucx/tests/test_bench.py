@@ -12,20 +12,26 @@ from aioembed.testing.bench import check_rows_after_the_clock, run_quick_bench
 
 from aioembed_ucx.bench import UcxBaseline
 
+from .conftest import UCX_OPTIONS
+
+OPTIONS = {"tls": "tcp", "progress_mode": UCX_OPTIONS["progress_mode"]}
+"""UCX is set up once per process: in the suite's progress mode (AIOEMBED_UCX_TEST_PROGRESS), or every later test
+of this process would be refused its own."""
+
 
 def test_baseline_entry_point() -> None:
     assert resolve_baseline("ucx") is UcxBaseline
 
 
 def test_bench_quick_runs_aioembed_and_raw_baseline(tmp_path: Path) -> None:
-    result = run_quick_bench(tmp_path, "ucx", {"tls": "tcp"})
+    result = run_quick_bench(tmp_path, "ucx", OPTIONS)
     raw = result["raw_baseline"]
     assert raw["methods"] == ["send_recv"]
     assert "ep.send" in raw["description"]
 
 
 def test_the_two_process_bench_checks_rows_after_its_clock_stopped() -> None:
-    check_rows_after_the_clock("ucx", {"tls": "tcp"})
+    check_rows_after_the_clock("ucx", OPTIONS)
 
 
 def test_ucx_printing_to_stdout_breaks_neither_the_peer_nor_the_json_report(tmp_path: Path) -> None:
