@@ -11,6 +11,8 @@ import asyncio
 import logging
 import time
 import tracemalloc
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -50,21 +52,34 @@ async def _until(condition: Any, seconds: float) -> None:
             await asyncio.sleep(0.02)
 
 
+@asynccontextmanager
+async def _owner_and_writers(owner_options: dict[str, Any], writers: int, size: int
+                             ) -> AsyncIterator[tuple[Transport, list[Transport], torch.Tensor, torch.Tensor]]:
+    """An owner with ``dst`` registered and ``writers`` endpoints with ``src`` registered (``size`` bytes each),
+    all closed on leaving."""
+    owner = await open_transport("ucx", dict(UCX_OPTIONS, **owner_options))
+    ends = [await open_transport("ucx", dict(UCX_OPTIONS)) for _ in range(writers)]
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    try:
+        await owner.register([region_of(dst)])
+        for t in ends:
+            await t.register([region_of(src)])
+        yield owner, ends, src, dst
+    finally:
+        for t in ends:
+            await t.aclose()
+        await owner.aclose()
+
+
 async def test_connections_past_max_connections_are_refused_at_once_and_counted(
         caplog: pytest.LogCaptureFixture) -> None:
     """Two connections open, three more are refused: each writer's connect fails at once (not after its
     connect_timeout) with a TransportError naming the option; one warning line for the three; a slot that frees
     up takes the next writer, whose write lands."""
     caplog.set_level(logging.WARNING, logger="aioembed.transports.ucx")
-    owner = await open_transport("ucx", dict(UCX_OPTIONS, max_connections=2))
-    writers = [await open_transport("ucx", dict(UCX_OPTIONS)) for _ in range(5)]
-    src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8)
-    dst = torch.zeros(SIZE, dtype=torch.uint8)
-    try:
+    async with _owner_and_writers({"max_connections": 2}, 5, SIZE) as (owner, writers, src, dst):
         plugin = ucx_transport(owner)
-        await owner.register([region_of(dst)])
-        for t in writers:
-            await t.register([region_of(src)])
         descriptor = owner.descriptor()
         links = [await t.connect(descriptor) for t in writers[:2]]
         for k, link in enumerate(links):
@@ -87,10 +102,6 @@ async def test_connections_past_max_connections_are_refused_at_once_and_counted(
         link = await writers[2].connect(descriptor)
         await _write_checked(writers[2], link, src, dst, 3 * 4096)
         assert plugin.connections == 2 and plugin.connections_refused == 3
-    finally:
-        for t in writers:
-            await t.aclose()
-        await owner.aclose()
     assert plugin.connections == 0 and plugin.connections_refused == 3  # the count outlives the listener
 
 
@@ -103,16 +114,10 @@ async def test_headers_of_all_connections_share_the_endpoints_budget(monkeypatch
     caplog.set_level(logging.WARNING, logger="aioembed.transports.ucx")
     monkeypatch.setattr(ucx_module, "BODY_BUDGET", 2 * MiB)
     monkeypatch.setattr(ucx_module, "TRANSPORT_BODY_BUDGET", 3 * MiB)
-    owner = await open_transport("ucx", dict(UCX_OPTIONS, write_timeout=1.0))
-    writers = [await open_transport("ucx", dict(UCX_OPTIONS)) for _ in range(3)]
-    src = torch.randint(0, 256, (MiB,), dtype=torch.uint8)
-    dst = torch.zeros(MiB, dtype=torch.uint8)
-    try:
+    async with _owner_and_writers({"write_timeout": 1.0}, 3, MiB) as (owner, writers, src, dst):
         plugin = ucx_transport(owner)
-        await owner.register([region_of(dst)])
         links: list[Link] = []
         for k, t in enumerate(writers):
-            await t.register([region_of(src)])
             links.append(await t.connect(owner.descriptor()))
             await _write_checked(t, links[-1], src, dst, k * 4096)  # the connection is up and serving
         assert plugin.connections == 3 and plugin.body_bytes_held == 0
@@ -139,10 +144,6 @@ async def test_headers_of_all_connections_share_the_endpoints_budget(monkeypatch
                     except TransportError:  # the dropped connection; the next write makes a new one
                         await asyncio.sleep(0.05)
         assert plugin.body_bytes_held == 0 and plugin.connections == 3
-    finally:
-        for t in writers:
-            await t.aclose()
-        await owner.aclose()
 
 
 def test_a_body_announcing_more_ops_than_allowed_is_refused_before_it_is_unpacked() -> None:
