@@ -58,7 +58,7 @@ async def _owner_and_writers(owner_options: dict[str, Any], writers: int, size: 
     """An owner with ``dst`` registered and ``writers`` endpoints with ``src`` registered (``size`` bytes each),
     all closed on leaving."""
     owner = await open_transport("ucx", dict(UCX_OPTIONS, **owner_options))
-    ends = [await open_transport("ucx", dict(UCX_OPTIONS)) for _ in range(writers)]
+    ends: list[Transport] = [await open_transport("ucx", dict(UCX_OPTIONS)) for _ in range(writers)]
     src = torch.randint(0, 256, (size,), dtype=torch.uint8)
     dst = torch.zeros(size, dtype=torch.uint8)
     try:
