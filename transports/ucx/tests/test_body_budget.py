@@ -40,6 +40,7 @@ async def test_a_budget_holds_up_to_its_limit_and_waiters_go_on_as_it_is_given_b
     await budget.take(6)
     await budget.take(4)
     assert budget.held == 10
+    assert not budget.try_take(1) and budget.held == 10  # no room now: nothing held for it
     late = asyncio.ensure_future(budget.take(3))
     await asyncio.sleep(0.01)
     assert not late.done() and budget.held == 10  # spent: the next body waits

@@ -33,12 +33,18 @@ class BodyBudget:
 
     async def take(self, nbytes: int) -> None:
         """Hold ``nbytes`` once they fit (at once when nothing is held: a body is never larger than the limit)."""
-        if nbytes < 0 or nbytes > self.limit:
-            raise ValueError(f"nbytes={nbytes} must be in [0, {self.limit}]")
-        while self.held and self.held + nbytes > self.limit:
+        while not self.try_take(nbytes):
             self._freed.clear()
             await self._freed.wait()
+
+    def try_take(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` if they fit now, as :meth:`take` would without waiting."""
+        if nbytes < 0 or nbytes > self.limit:
+            raise ValueError(f"nbytes={nbytes} must be in [0, {self.limit}]")
+        if self.held and self.held + nbytes > self.limit:
+            return False
         self._add(nbytes)
+        return True
 
     def give(self, nbytes: int) -> None:
         """Give back what :meth:`take` held for one write."""

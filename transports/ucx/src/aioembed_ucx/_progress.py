@@ -320,8 +320,7 @@ async def _tagged(ep: Any, buffer: Any, tag: Hashable, *, send: bool) -> None:
     try:
         await (_wait_raw(request) if driver is None else driver.wait(request))
     except BaseException:
-        if not request.completed:  # abandoned while posted: keep its buffer until UCX lets go of it
-            GRAVEYARD.bury_posted(ep, [(buf, request)])
+        GRAVEYARD.bury_posted(ep, [(buf, request)])  # abandoned while posted (unless completed): kept until UCX is done
         raise
 
 

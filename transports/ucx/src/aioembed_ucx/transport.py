@@ -509,18 +509,21 @@ class UcxTransport(Transport):
                                 "(magic %r, version %d, kind %d, body %d bytes)",
                                 self.id[:8], bytes(magic), version, kind, body_len)
                     return
-                if budget.held + body_len > budget.limit:
-                    log.debug("ucx endpoint %s: %d header bytes of writes in progress on one connection; write %d "
-                              "(%d more) waits for some of them to end", self.id[:8], budget.held, wid, body_len)
-                # Waiting for budget is no progress: a peer whose writes (or, for the endpoint's budget, everyone's)
-                # do not end within write_timeout is dropped, whether or not it has a write of its own in progress.
-                with _StallTimeout(progress, timeout) as stall:
-                    await self._take_body(budget, wid, body_len)
-                if stall.expired:
-                    log.warning("ucx endpoint %s: write %d waited write_timeout=%s s for room for its %d header bytes "
-                                "(%d held on its connection, %d on this endpoint); dropping the connection",
-                                self.id[:8], wid, timeout, body_len, budget.held, self._body_budget.held)
-                    return
+                if not self._take_body_now(budget, body_len):
+                    log.debug("ucx endpoint %s: write %d (%d header bytes) waits for writes in progress to end (%d "
+                              "bytes held on its connection, %d on this endpoint)", self.id[:8], wid, body_len,
+                              budget.held, self._body_budget.held)
+                    # Waiting for budget is no progress: a peer whose writes (or, for the endpoint's budget,
+                    # everyone's) do not end within write_timeout is dropped, with or without a write in progress.
+                    # (The usual write takes its budget at once, above: no scope or timer for it.)
+                    with _StallTimeout(progress, timeout) as stall:
+                        await self._take_body(budget, body_len)
+                    if stall.expired:
+                        log.warning("ucx endpoint %s: write %d waited write_timeout=%s s for room for its %d header "
+                                    "bytes (%d held on its connection, %d on this endpoint); dropping the "
+                                    "connection", self.id[:8], wid, timeout, body_len, budget.held,
+                                    self._body_budget.held)
+                        return
                 t = asyncio.create_task(self._serve_one(ep, progress, kind, wid, body_len))
                 writes.add(t)
                 t.add_done_callback(writes.discard)
@@ -531,15 +534,20 @@ class UcxTransport(Transport):
             if writes:
                 await asyncio.gather(*writes, return_exceptions=True)
 
-    async def _take_body(self, budget: BodyBudget, wid: int, body_len: int) -> None:
+    def _take_body_now(self, budget: BodyBudget, body_len: int) -> bool:
+        """Take a write's body from its connection's budget and the endpoint's if both have room now (or neither)."""
+        if not budget.try_take(body_len):
+            return False
+        if self._body_budget.try_take(body_len):
+            return True
+        budget.give(body_len)
+        return False
+
+    async def _take_body(self, budget: BodyBudget, body_len: int) -> None:
         """Take a write's body from its connection's budget, then from the endpoint's (both or neither)."""
         await budget.take(body_len)
         try:
-            endpoint_budget = self._body_budget
-            if endpoint_budget.held + body_len > endpoint_budget.limit:
-                log.debug("ucx endpoint %s: %d header bytes of writes in progress on all connections; write %d "
-                          "(%d more) waits for some of them to end", self.id[:8], endpoint_budget.held, wid, body_len)
-            await endpoint_budget.take(body_len)
+            await self._body_budget.take(body_len)
         except BaseException:
             budget.give(body_len)
             raise
